@@ -1,0 +1,35 @@
+# Set-up and everyday commands. `make demo` and `make test` do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch's own CPU threads; 2 matches the CI machine.
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: install test demo lint bench clean
+
+install: $(VENV)/.installed
+
+# Without CUDA, pin the CPU build of torch first (2.13.0 is on disk here) so that resolving
+# `torch>=2.4` does not download a multi-GB CUDA build; with CUDA, pip takes the normal build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA found: installing the default torch build"; \
+	else \
+		echo "no CUDA: installing the CPU build torch==2.13.0"; \
+		$(BIN)/pip install --quiet "torch==2.13.0"; \
+	fi
+	$(BIN)/pip install --quiet -e ".[dev]"
+	@touch $@
+
+test: install
+	$(BIN)/pytest
+
+demo: install
+	$(BIN)/python scripts/demo.py
+
+lint: install
+	$(BIN)/ruff check brats_swap tests scripts
+
+clean:
+	rm -rf $(VENV) runs data/phantoms* data/cache

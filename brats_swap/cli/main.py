@@ -1,0 +1,49 @@
+"""The `brats-swap` command line: a thin Typer shell over importable functions.
+
+Each command parses its options, resolves one config, calls a plain function from the package and maps
+the project's errors to exit codes (see brats_swap/errors.py and the README).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from brats_swap import __version__
+from brats_swap.cli import config_cmd
+from brats_swap.cli.common import DEBUG
+
+app = typer.Typer(
+    name="brats-swap",
+    help="Train and evaluate 3D U-Nets for BraTS on whole volumes, swapping activations to host memory.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"brats-swap {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    DEBUG["enabled"] = debug
+
+
+app.add_typer(config_cmd.app, name="config")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""YAML loading, dotted `--set a.b=c` overrides and strict type checking against the schema.
+
+Written by hand rather than with OmegaConf/Hydra to keep the dependency list to the mission's packages;
+the whole job is ~150 lines: walk the dataclasses, coerce each value to the annotated type, and name the
+dotted key in every error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+from brats_swap.config.schema import Config
+from brats_swap.errors import ConfigError
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve a config: schema defaults <- YAML file <- `section.key=value` overrides, then validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_yaml_mapping(path)
+        raw.setdefault("name", Path(path).stem)
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    config = from_dict(Config, raw)
+    validate_config(config)
+    return config
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{file}: config file not found")
+    try:
+        loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{file}: not valid YAML{where}") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{file}: a config must be a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`train.lr=1e-3` -> ("train.lr", 0.001); the value is parsed as YAML (lists: `[96,96,96]`)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected section.key=value")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: cannot parse value {text!r}") from exc
+    return key, value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[: depth + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a mapping, coercing and checking every field; unknown keys are errors."""
+    where = prefix or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {_describe(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        name = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"unknown config key {name!r} (known: {', '.join(sorted(fields))})")
+    values = {name: _coerce(raw[name], hints[name], f"{prefix}.{name}" if prefix else name) for name in raw}
+    return cls(**values)
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    origin = get_origin(annotation)
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value if value is not None else {}, key)
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        choices = get_args(annotation)
+        # YAML reads 2021 as an int; editions are declared as strings.
+        candidate = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+        if candidate not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return candidate
+    if origin is list:
+        (item_type,) = get_args(annotation)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {_describe(value)}")
+        return [_coerce(item, item_type, f"{key}[{i}]") for i, item in enumerate(value)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {_describe(value)}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {_describe(value)}")
+    if annotation is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads "5e-4" (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {_describe(value)}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {_describe(value)}")
+    raise ConfigError(f"{key}: unsupported type {annotation!r}")  # a schema bug, not a user error
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    return f"{type(value).__name__} {value!r}"
+
+
+def validate_config(config: Config) -> None:
+    """Impossible values, each named by its dotted key."""
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {message}")
+
+    data, train, model, memory = config.data, config.train, config.model, config.memory
+    require(len(data.cube) == 3 and all(s > 0 for s in data.cube), "data.cube", f"expected 3 positive sizes, got {data.cube}")
+    factor = 2 ** (model.depth - 1)
+    require(all(s % factor == 0 for s in data.cube), "data.cube",
+            f"each size must be divisible by {factor} (2^(model.depth-1)), got {data.cube}")
+    require(len(data.modalities) == model.in_channels, "data.modalities",
+            f"{len(data.modalities)} modalities but model.in_channels is {model.in_channels}")
+    require(len(data.clip_percentiles) == 2 and 0 <= data.clip_percentiles[0] < data.clip_percentiles[1] <= 100,
+            "data.clip_percentiles", f"expected [low, high] within 0..100, got {data.clip_percentiles}")
+    require(data.prepare_workers >= 1, "data.prepare_workers", "must be at least 1")
+    require(data.loader_workers >= 0, "data.loader_workers", "must be 0 or more")
+    require(data.synth.cases >= 1, "data.synth.cases", "must be at least 1")
+    require(len(data.synth.shape) == 3 and all(s >= 16 for s in data.synth.shape), "data.synth.shape",
+            f"expected 3 sizes of at least 16, got {data.synth.shape}")
+    require(len(train.patch) == 3 and all(p > 0 for p in train.patch), "train.patch", f"expected 3 positive sizes, got {train.patch}")
+    if train.mode == "patch":
+        require(all(p <= c for p, c in zip(train.patch, data.cube)), "train.patch",
+                f"patch {train.patch} is larger than the cube {data.cube}")
+        require(all(p % factor == 0 for p in train.patch), "train.patch",
+                f"each size must be divisible by {factor} (2^(model.depth-1)), got {train.patch}")
+    require(train.lr > 0, "train.lr", f"must be positive, got {train.lr}")
+    require(train.max_epochs >= 1, "train.max_epochs", "must be at least 1")
+    require(train.batch_size >= 1, "train.batch_size", "must be at least 1")
+    require(train.val_batch_size >= 1, "train.val_batch_size", "must be at least 1")
+    require(train.patches_per_case >= 1, "train.patches_per_case", "must be at least 1")
+    require(train.steps_per_epoch is None or train.steps_per_epoch >= 1, "train.steps_per_epoch", "must be at least 1")
+    require(0 < train.val_fraction < 1, "train.val_fraction", f"must be between 0 and 1, got {train.val_fraction}")
+    require(0 < train.plateau_factor < 1, "train.plateau_factor", "must be between 0 and 1")
+    require(train.weight_decay >= 0, "train.weight_decay", "must be 0 or more")
+    require(train.val_every >= 1, "train.val_every", "must be at least 1")
+    require(model.depth >= 2, "model.depth", "must be at least 2")
+    require(model.base_filters >= 1, "model.base_filters", "must be at least 1")
+    require(0 <= model.dropout < 1, "model.dropout", "must be in [0, 1)")
+    require(1 <= model.segmentation_levels <= model.depth - 1, "model.segmentation_levels",
+            f"must be between 1 and model.depth-1 ({model.depth - 1})")
+    require(memory.budget_gib is None or memory.budget_gib > 0, "memory.budget_gib", "must be positive")
+    require(memory.mode != "auto" or memory.budget_gib is not None, "memory.budget_gib",
+            "memory.mode=auto needs a budget (e.g. --set memory.budget_gib=16)")
+    require(memory.bandwidth_gbs is None or memory.bandwidth_gbs > 0, "memory.bandwidth_gbs", "must be positive")
+    require(memory.swap.tensors == -1 or memory.swap.tensors >= 0, "memory.swap.tensors", "must be -1 (all) or >= 0")
+    require(memory.swap.lookahead >= 0, "memory.swap.lookahead", "must be 0 or more")
+    require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")
+    require(0 <= config.evaluate.sw_overlap < 1, "evaluate.sw_overlap", "must be in [0, 1)")
+    require(0 < config.evaluate.threshold < 1, "evaluate.threshold", "must be between 0 and 1")
+    require(config.cv.folds >= 2, "cv.folds", "must be at least 2")
+    require(config.cv.max_hours is None or config.cv.max_hours > 0, "cv.max_hours", "must be positive")
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def config_from_saved(raw: dict[str, Any]) -> Config:
+    """Rebuild a config saved in a run folder or checkpoint (same strict checks)."""
+    config = from_dict(Config, raw)
+    validate_config(config)
+    return config
+
+
+def diff_configs(old: Config, new: Config, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ (used to warn when --resume changes the config)."""
+    changed: list[str] = []
+    for f in dataclasses.fields(old):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(a):
+            changed += diff_configs(a, b, key + ".")
+        elif a != b:
+            changed.append(key)
+    return changed

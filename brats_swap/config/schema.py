@@ -1,0 +1,135 @@
+"""The typed configuration schema: one dataclass per YAML section.
+
+Every field has a default, so an empty YAML file is a valid config; the defaults are the paper's
+recipe (Isensee 2017 U-Net as Ellis/IBM trained it, 192³ whole volumes). `Literal` fields list the
+accepted values; `load_config` rejects anything else with the key's dotted name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Edition = Literal["auto", "2017", "2018", "2019", "2020", "2021", "2023"]
+
+
+@dataclass
+class SynthConfig:
+    """Phantom generation used by `make demo` and the tests (`brats-swap data synth`)."""
+
+    cases: int = 12
+    seed: int = 0
+    edition: Literal["2017", "2018", "2019", "2020", "2021", "2023"] = "2021"
+    shape: list[int] = field(default_factory=lambda: [240, 240, 155])
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/phantoms"  # dataset folder (BraTS download or phantoms)
+    cache: str = "data/cache/phantoms-192"  # prepared-cache folder (`brats-swap data prepare`)
+    edition: Edition = "auto"  # label convention and file names; `auto` detects from file names
+    modalities: list[str] = field(default_factory=lambda: ["t1", "t1ce", "t2", "flair"])
+    cube: list[int] = field(default_factory=lambda: [192, 192, 192])  # network input size (D, H, W)
+    fit: Literal["resample", "pad_crop"] = "resample"  # resample = Ellis/IBM; pad_crop keeps 1 mm
+    cache_dtype: Literal["float16", "float32"] = "float16"
+    clip_percentiles: list[float] = field(default_factory=lambda: [0.5, 99.5])  # per modality, in the brain
+    prepare_workers: int = 2
+    loader_workers: int = 2  # DataLoader workers during training
+    synth: SynthConfig = field(default_factory=SynthConfig)
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["isensee2017"] = "isensee2017"
+    in_channels: int = 4
+    base_filters: int = 16
+    depth: int = 5
+    dropout: float = 0.3  # channel dropout inside context modules
+    segmentation_levels: int = 3  # deep-supervision levels summed into the output
+    leaky_slope: float = 0.3  # Keras default used by Ellis/IBM; Isensee's own code used 0.01
+    seg_layer: Literal["norm_act", "conv"] = "norm_act"  # IBM fork (8,269,579 params) or plain 1³ conv (8,269,561)
+    outputs: Literal["labels", "regions"] = "labels"  # sigmoid channels: BraTS labels (paper) or WT/TC/ET
+    norm_eps: float = 1e-3  # keras_contrib InstanceNormalization adds eps to the std
+
+
+@dataclass
+class SwapConfig:
+    """Names follow IBM's TFLMS so the paper's four swap configurations are expressible."""
+
+    tensors: int = -1  # n_tensors: -1 = every eligible tensor, N = the first N in forward order
+    lookahead: int = 1  # lb: reload a tensor this many blocks before its backward use
+    include: list[str] = field(default_factory=list)  # module-name globs; empty = every module
+    exclude: list[str] = field(default_factory=list)  # module-name globs, e.g. "decoder.*" (synthesis path)
+    min_bytes: int = 1 << 20  # smaller saved tensors are never swapped
+    compress: Literal["none", "bf16"] = "none"  # bf16 is lossy; off by default
+    sync: bool = False  # debug: synchronize after every copy
+    max_inflight_bytes: int = 4 << 30  # cap on device bytes held by unfinished device-to-host copies
+
+
+@dataclass
+class RecomputeConfig:
+    modules: list[str] = field(default_factory=list)  # module-name globs wrapped in non-reentrant checkpointing
+    norm_act: bool = False  # keep conv outputs, recompute instance norm + LeakyReLU in backward
+
+
+@dataclass
+class MemoryConfig:
+    mode: Literal["none", "swap", "recompute", "hybrid", "auto"] = "none"
+    budget_gib: float | None = None  # device-memory budget for `auto` (and the planner's `fits`)
+    bandwidth_gbs: float | None = None  # host<->device GB/s for the planner; None = measure
+    swap: SwapConfig = field(default_factory=SwapConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+
+
+@dataclass
+class TrainConfig:
+    mode: Literal["full", "patch"] = "full"
+    patch: list[int] = field(default_factory=lambda: [128, 128, 128])
+    patches_per_case: int = 1  # random patches drawn per case per epoch in patch mode
+    max_epochs: int = 500
+    steps_per_epoch: int | None = None  # None = one pass over the training cases
+    batch_size: int = 1
+    val_batch_size: int = 1
+    lr: float = 5e-4
+    adam_eps: float = 1e-7  # Keras' Adam epsilon
+    weight_decay: float = 0.0
+    plateau_factor: float = 0.5
+    plateau_patience: int = 10
+    early_stop_patience: int = 50
+    val_fraction: float = 0.2  # held-out fraction when not running cross-validation
+    val_every: int = 1  # epochs between validations
+    augment: Literal["none", "cube48"] = "cube48"  # the 48 rotations/reflections of the cube
+    monai_augment: bool = False  # extra MONAI intensity/spatial augmentations
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # torch CPU threads; None = torch's default
+    deterministic: bool = True
+
+
+@dataclass
+class EvaluateConfig:
+    grid: Literal["original", "cube"] = "original"  # where metrics are computed
+    sw_overlap: float = 0.5  # sliding-window overlap for patch models
+    sw_blend: Literal["gaussian", "constant"] = "gaussian"
+    sw_batch_size: int = 1
+    threshold: float = 0.5
+    hd95: bool = True
+    save_predictions: bool = True
+
+
+@dataclass
+class CVConfig:
+    folds: int = 5
+    max_hours: float | None = None
+
+
+@dataclass
+class Config:
+    name: str = "default"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    cv: CVConfig = field(default_factory=CVConfig)

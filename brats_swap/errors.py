@@ -1,0 +1,63 @@
+"""The project's own error types and the exit codes they map to.
+
+Every failure we can foresee is raised as a `BratsSwapError` subclass with a one-line message that names
+the file, case or setting and the problem; the CLI prints that line and exits with `exit_code`, and only
+`--debug` shows a traceback. Exit codes are documented in the README.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 1
+EXIT_USAGE = 2
+EXIT_OUT_OF_MEMORY = 3
+EXIT_LOCKED = 75
+EXIT_INTERRUPTED = 130
+
+
+class BratsSwapError(Exception):
+    """Base class: a foreseeable failure with a one-line, user-facing message."""
+
+    exit_code: int = EXIT_BAD_INPUT
+
+
+class DataError(BratsSwapError):
+    """Bad input data: a case, file or folder that cannot be used (exit 1)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ConfigError(BratsSwapError):
+    """Unknown key, wrong type, impossible value or missing config file (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+class CheckpointError(BratsSwapError):
+    """A checkpoint that is missing, corrupted or does not match the model (exit 1)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class DeviceOutOfMemoryError(BratsSwapError):
+    """The device ran out of memory; the message carries the planner's advice (exit 3)."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+
+
+class RunLockedError(BratsSwapError):
+    """Another process holds the run folder's lock (exit 75, EX_TEMPFAIL: try again later)."""
+
+    exit_code = EXIT_LOCKED
+
+
+class TrainingInterrupted(BratsSwapError):
+    """Ctrl-C / SIGTERM / --max-hours: state was saved, the run can be resumed (exit 130)."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
+class NumericalError(BratsSwapError):
+    """A NaN/Inf loss stopped training; the last good checkpoint is kept (exit 1)."""
+
+    exit_code = EXIT_BAD_INPUT

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from brats_swap.cli.main import app
+from brats_swap.config import load_config
+from brats_swap.errors import ConfigError
+
+
+def test_defaults_are_the_paper_recipe():
+    config = load_config()
+    assert config.data.cube == [192, 192, 192]
+    assert config.train.lr == 5e-4 and config.train.batch_size == 1
+    assert config.model.base_filters == 16 and config.model.leaky_slope == 0.3
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n  mode: patch\ndata:\n  cube: [64, 64, 64]\n  edition: 2021\n")
+    config = load_config(path, ["train.patch=[32,32,32]", "memory.swap.exclude=['decoder.*']", "train.lr=2e-3"])
+    assert config.name == "exp"
+    assert config.train.lr == 2e-3
+    assert config.train.patch == [32, 32, 32]
+    assert config.data.edition == "2021"
+    assert config.memory.swap.exclude == ["decoder.*"]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("train.nope=1", "train.nope"),
+        ("nope.x=1", "nope"),
+        ("train.lr=fast", "train.lr"),
+        ("train.max_epochs=1.5", "train.max_epochs"),
+        ("train.mode=sideways", "train.mode"),
+        ("data.cube=7", "data.cube"),
+        ("train.lr=-1", "train.lr"),
+        ("memory.mode=auto", "memory.budget_gib"),
+        ("train.deterministic=maybe", "train.deterministic"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_patch_larger_than_cube_is_rejected():
+    with pytest.raises(ConfigError, match="train.patch"):
+        load_config(None, ["train.mode=patch", "data.cube=[64,64,64]", "train.patch=[128,128,128]"])
+
+
+def test_cli_config_show_and_errors(tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(app, ["config", "show", "--set", "train.lr=0.01"])
+    assert ok.exit_code == 0, ok.output
+    assert "lr: 0.01" in ok.output
+    bad = runner.invoke(app, ["config", "show", "--set", "train.bogus=1"])
+    assert bad.exit_code == 2
+    assert "train.bogus" in bad.output and "Traceback" not in bad.output
+    missing = runner.invoke(app, ["config", "show", "--config", str(tmp_path / "absent.yaml")])
+    assert missing.exit_code == 2
+    assert "absent.yaml" in missing.output
