@@ -1,0 +1,85 @@
+"""Cross-validation folds as data: `splits.json` in the run folder.
+
+Made once per run folder (seeded shuffle of the case ids, grouped by subject so that follow-up scans of
+one patient never straddle train and validation), then read back on every later command. A user may
+edit the file by hand; it is respected as long as it names only known cases.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from brats_swap.atomic import atomic_write_json
+from brats_swap.errors import ConfigError, DataError
+
+SPLITS_FILE = "splits.json"
+
+# BraTS 2023+ ids are BraTS-GLI-<subject>-<timepoint>; older editions have one scan per subject.
+_TIMEPOINT = re.compile(r"^(?P<subject>.+)-\d{3}$")
+
+
+def subject_of(case_id: str) -> str:
+    match = _TIMEPOINT.match(case_id)
+    return match.group("subject") if match and case_id.startswith("BraTS-") else case_id
+
+
+def make_splits(case_ids: list[str], folds: int, seed: int) -> dict:
+    """k folds by subject: each subject's cases go to exactly one validation fold."""
+    subjects = sorted({subject_of(c) for c in case_ids})
+    if folds < 2:
+        raise ConfigError(f"cv.folds: must be at least 2, got {folds}")
+    if folds > len(subjects):
+        raise ConfigError(f"cv.folds: {folds} folds but only {len(subjects)} subjects in the dataset")
+    random.Random(seed).shuffle(subjects)
+    fold_of = {subject: i % folds for i, subject in enumerate(subjects)}
+    entries = []
+    for k in range(folds):
+        val = sorted(c for c in case_ids if fold_of[subject_of(c)] == k)
+        train = sorted(c for c in case_ids if fold_of[subject_of(c)] != k)
+        entries.append({"train": train, "val": val})
+    return {"seed": seed, "folds": entries}
+
+
+def load_or_create_splits(run_dir: Path, case_ids: list[str], folds: int, seed: int) -> dict:
+    """Read `run_dir/splits.json` if present (checking it), else create and write it atomically."""
+    path = Path(run_dir) / SPLITS_FILE
+    if path.exists():
+        splits = read_splits(path)
+        known = set(case_ids)
+        for k, entry in enumerate(splits["folds"]):
+            unknown = sorted((set(entry["train"]) | set(entry["val"])) - known)
+            if unknown:
+                raise DataError(f"{path}: fold {k} names case {unknown[0]!r} that is not in the prepared data")
+        return splits
+    splits = make_splits(sorted(case_ids), folds, seed)
+    atomic_write_json(path, splits)
+    return splits
+
+
+def read_splits(path: Path) -> dict:
+    try:
+        splits = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path}: cannot read splits ({exc.__class__.__name__})") from exc
+    folds = splits.get("folds") if isinstance(splits, dict) else None
+    if not isinstance(folds, list) or not folds:
+        raise DataError(f"{path}: expected {{\"folds\": [{{\"train\": [...], \"val\": [...]}}, ...]}}")
+    for k, entry in enumerate(folds):
+        if not (isinstance(entry, dict) and isinstance(entry.get("train"), list) and isinstance(entry.get("val"), list)):
+            raise DataError(f"{path}: fold {k} must have 'train' and 'val' lists")
+        if not entry["train"] or not entry["val"]:
+            raise DataError(f"{path}: fold {k} has an empty train or val list")
+        overlap = set(entry["train"]) & set(entry["val"])
+        if overlap:
+            raise DataError(f"{path}: fold {k} has case {sorted(overlap)[0]!r} in both train and val")
+    return splits
+
+
+def fold_cases(splits: dict, fold: int) -> tuple[list[str], list[str]]:
+    folds = splits["folds"]
+    if not 0 <= fold < len(folds):
+        raise ConfigError(f"--fold {fold}: the run has folds 0..{len(folds) - 1}")
+    return list(folds[fold]["train"]), list(folds[fold]["val"])
