@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+SHELL  := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# pip on some machines warns once per package about configured-but-absent local indexes; hide that noise.
+QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 # torch's own CPU threads; 2 matches the CI machine.
 export OMP_NUM_THREADS ?= 2
 
@@ -17,9 +21,9 @@ $(VENV)/.installed: pyproject.toml
 		echo "CUDA found: installing the default torch build"; \
 	else \
 		echo "no CUDA: installing the CPU build torch==2.13.0"; \
-		$(BIN)/pip install --quiet "torch==2.13.0"; \
+		$(BIN)/pip install --quiet "torch==2.13.0" $(QUIET_PIP); \
 	fi
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev]" $(QUIET_PIP)
 	@touch $@
 
 test: install

@@ -28,6 +28,7 @@ class EditionSpec:
     modality_suffixes: dict[str, str]  # canonical modality -> file-name suffix
     seg_suffix: str = "seg"
     alt_suffixes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # other spellings seen in releases
+    seg_alt_suffixes: tuple[str, ...] = ()  # other names of the segmentation file seen in releases
 
     @property
     def label_values(self) -> tuple[int, ...]:
@@ -47,10 +48,12 @@ _LEGACY_LABELS = {1: "NCR/NET", 2: "ED", 4: "ET"}
 _LEGACY_SUFFIXES = {"t1": "t1", "t1ce": "t1ce", "t2": "t2", "flair": "flair"}
 # The TCIA 2017 release used by Ellis/IBM names the contrast-enhanced T1 "t1Gd".
 _LEGACY_ALT = {"t1ce": ("t1Gd", "t1gd")}
+# ... and its truth file "*_GlistrBoost_ManuallyCorrected" (fallback "*_GlistrBoost"), as Ellis's reader did.
+_LEGACY_SEG_ALT = ("GlistrBoost_ManuallyCorrected", "GlistrBoost")
 
 EDITIONS: dict[str, EditionSpec] = {
     year: EditionSpec(year, _LEGACY_LABELS, edema=2, enhancing=4, modality_suffixes=_LEGACY_SUFFIXES,
-                      alt_suffixes=_LEGACY_ALT)
+                      alt_suffixes=_LEGACY_ALT, seg_alt_suffixes=_LEGACY_SEG_ALT)
     for year in ("2017", "2018", "2019", "2020", "2021")
 }
 # BraTS 2023+ (BraTS-GLI and later challenges): NETC, SNFH, ET.

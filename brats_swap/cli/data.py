@@ -1,0 +1,128 @@
+"""`brats-swap data check|prepare|synth`: inspect a BraTS folder, build the prepared cache, make phantoms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from brats_swap.cli.common import ConfigOption, SetOption, console, handle_errors, resolve_config
+from brats_swap.errors import DataError
+
+app = typer.Typer(help="Check, prepare and synthesize BraTS data.", no_args_is_help=True)
+
+RootArgument = Annotated[
+    Path | None,
+    typer.Argument(help="Dataset folder (BraTS download or phantoms; default: the config's data.root).",
+                   show_default=False),
+]
+EditionOption = Annotated[
+    str | None,
+    typer.Option("--edition", help="Force the BraTS edition: 2017, 2018, 2019, 2020, 2021, 2023 (default: "
+                                   "data.edition, auto-detected from file names).", show_default=False),
+]
+StrictOption = Annotated[bool, typer.Option("--strict", help="Any bad case is an error (exit 1) instead of "
+                                                             "being listed and skipped.")]
+
+
+@app.command("check")
+@handle_errors
+def check(root: RootArgument = None, edition: EditionOption = None, strict: StrictOption = False,
+          config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Find and validate every case: edition, shape, spacing, label counts and problems."""
+    from brats_swap.data.check import check_dataset
+
+    cfg = resolve_config(config, [*(set_ or []), *([f"data.edition={edition}"] if edition else [])])
+    folder = root if root is not None else Path(cfg.data.root)
+    results = check_dataset(folder, cfg.data.edition, cfg.data.modalities)
+
+    table = Table(title=f"{folder}: {len(results)} cases")
+    for column in ("case", "edition", "shape", "spacing (mm)"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("labels (voxels)")
+    table.add_column("problems", overflow="fold")
+    for r in results:
+        shape = "x".join(map(str, r.shape)) if r.shape else "-"
+        spacing = "x".join(f"{s:g}" for s in r.spacing) if r.spacing else "-"
+        labels = ", ".join(f"{k} {v}" for k, v in r.label_counts.items()) if r.label_counts else "no seg"
+        notes = [f"[red]{r.problem}[/]"] if r.problem else []
+        notes += [f"[yellow]{n}[/]" for n in r.notes]
+        table.add_row(r.case_id, r.edition, shape, spacing, labels if r.ok else "-", "; ".join(notes) or "ok")
+    console.print(table)
+    bad = [r for r in results if not r.ok]
+    console.print(f"{len(results) - len(bad)} usable, {len(bad)} skipped")
+    if bad and strict:
+        raise DataError(f"{bad[0].problem} ({len(bad)} bad cases, --strict)")
+    if len(bad) == len(results):
+        raise DataError(f"{folder}: no usable case ({bad[0].problem})")
+
+
+@app.command("prepare")
+@handle_errors
+def prepare(
+    root: RootArgument = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Cache folder (default: the config's data.cache).",
+                                             show_default=False)] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    workers: Annotated[int | None, typer.Option("--workers", "-j", help="Parallel processes (default: "
+                                                "data.prepare_workers).", show_default=False)] = None,
+    edition: EditionOption = None,
+    strict: StrictOption = False,
+) -> None:
+    """Crop, normalize and fit every case to data.cube into an on-disk cache (incremental, atomic)."""
+    from brats_swap.data.cache import prepare_dataset
+
+    cfg = resolve_config(config, [*(set_ or []), *([f"data.edition={edition}"] if edition else [])])
+    folder = root if root is not None else Path(cfg.data.root)
+    cache = out if out is not None else Path(cfg.data.cache)
+    report = prepare_dataset(folder, cache, cfg.data, workers=workers, strict=strict)
+    for case_id, problem in report.failed.items():
+        console.print(f"[yellow]skipped {case_id}:[/] {problem}", highlight=False)
+    console.print(f"{cache}: {len(report.prepared)} prepared, {len(report.up_to_date)} up to date, "
+                  f"{len(report.failed)} skipped in {report.seconds:.1f} s "
+                  f"(cube {'x'.join(map(str, cfg.data.cube))}, fit {cfg.data.fit}, {cfg.data.cache_dtype})",
+                  highlight=False)
+    if not report.cases:
+        raise DataError(f"{folder}: no usable case to prepare")
+
+
+@app.command("synth")
+@handle_errors
+def synth(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default: the config's data.root).",
+                                             show_default=False)] = None,
+    cases: Annotated[int | None, typer.Option("--cases", "-n", help="Number of cases (default: data.synth.cases).",
+                                              show_default=False)] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Random seed (default: data.synth.seed).",
+                                             show_default=False)] = None,
+    edition: Annotated[str | None, typer.Option("--edition", help="Naming and labels: 2017 ... 2021, 2023 "
+                                                "(default: data.synth.edition).", show_default=False)] = None,
+    shape: Annotated[tuple[int, int, int] | None, typer.Option("--shape", help="Volume size X Y Z "
+                                                               "(default: data.synth.shape, 240 240 155).",
+                                                               show_default=False)] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+) -> None:
+    """Write BraTS-format phantom cases (4 modalities + seg, NIfTI gz, 1 mm), deterministic per seed."""
+    from brats_swap.data.phantom import synthesize_dataset
+
+    overrides = list(set_ or [])
+    for key, value in (("cases", cases), ("seed", seed), ("edition", edition)):
+        if value is not None:
+            overrides.append(f"data.synth.{key}={value}")
+    if shape is not None:
+        overrides.append(f"data.synth.shape=[{','.join(map(str, shape))}]")
+    cfg = resolve_config(config, overrides)
+    synth_cfg = cfg.data.synth
+    if synth_cfg.cases < 1 or len(synth_cfg.shape) != 3 or min(synth_cfg.shape) < 8:
+        raise DataError(f"synth: need at least 1 case and a shape of three sizes >= 8, got {synth_cfg.cases} "
+                        f"cases of {synth_cfg.shape}")
+    folder = out if out is not None else Path(cfg.data.root)
+    ids = synthesize_dataset(folder, synth_cfg.cases, synth_cfg.seed, synth_cfg.edition, tuple(synth_cfg.shape),
+                             progress=True)
+    console.print(f"{folder}: wrote {len(ids)} {synth_cfg.edition} phantom cases "
+                  f"({'x'.join(map(str, synth_cfg.shape))}, seed {synth_cfg.seed}): {ids[0]} ... {ids[-1]}",
+                  highlight=False)

@@ -1,0 +1,203 @@
+"""Find BraTS cases on disk, whatever the edition's naming scheme.
+
+A BraTS file is `<case id><sep><suffix>.nii[.gz]`: `sep` is "_" up to 2021 and "-" from 2023, and the
+suffix names the modality or the segmentation (`t1`, `t1ce`, `t2`, `flair`, `seg`; 2023+: `t1n`, `t1c`,
+`t2w`, `t2f`, `seg`; the TCIA 2017 release: `t1Gd`, `GlistrBoost_ManuallyCorrected`). Cases may sit one
+folder per case (HGG/ and LGG/ sub-folders included) or all in one flat folder; we walk the whole tree and
+group files by case id, so both layouts work the same way.
+
+The edition (label convention) comes from the case-id prefix:
+
+    Brats17_*          -> 2017        BraTS2021_*   -> 2021
+    BraTS18_/19_/20_*  -> 2018/19/20  BraTS-GLI-*   -> 2023 (also -MEN-, -MET-, -PED-, -SSA-)
+
+A prefix we do not know (e.g. the TCIA release's `TCGA-02-0006`) falls back on the suffix family: 2023-style
+suffixes mean "2023", the older ones "2017" (all of 2017-2021 share one label table). `edition=` forces one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from brats_swap.data.editions import CANONICAL_MODALITIES, EDITIONS, get_edition
+from brats_swap.errors import DataError
+
+NIFTI_EXTENSIONS = (".nii.gz", ".nii")
+SEG = "seg"  # role name of the segmentation file
+
+
+@dataclass
+class Case:
+    """One case: its id, edition and the files of each canonical modality (and the segmentation)."""
+
+    case_id: str
+    edition: str
+    images: dict[str, Path]  # canonical modality -> file; a missing modality is simply absent
+    seg: Path | None  # None for validation/test cases that ship without labels
+    ignored: list[Path] = field(default_factory=list)  # files of this case that no role claims
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """Every file of the case by role (modalities, then "seg")."""
+        roles = dict(self.images)
+        if self.seg is not None:
+            roles[SEG] = self.seg
+        return roles
+
+    def expected_name(self, role: str) -> str:
+        """The file name this case's edition uses for `role` (a canonical modality or "seg")."""
+        spec = get_edition(self.edition)
+        suffix = spec.seg_suffix if role == SEG else spec.modality_suffixes[role]
+        return f"{self.case_id}{_separator(self.edition)}{suffix}.nii.gz"
+
+
+def discover_cases(
+    root: str | os.PathLike,
+    edition: str = "auto",
+    modalities: tuple[str, ...] | list[str] = CANONICAL_MODALITIES,
+) -> list[Case]:
+    """All cases under `root`, sorted by case id.
+
+    Raises DataError when the folder is missing, unreadable or holds no BraTS-named NIfTI file, and when a
+    case has two files for one role (e.g. in HGG/ and LGG/, or as both .nii and .nii.gz), naming both.
+    Missing modalities are not an error here: `load_case` reports them with the expected file name.
+    """
+    folder = Path(root)
+    if not folder.exists():
+        raise DataError(f"{folder}: dataset folder not found")
+    if not folder.is_dir():
+        raise DataError(f"{folder}: not a folder")
+    if edition != "auto" and edition not in EDITIONS:
+        raise DataError(f"{folder}: unknown edition {edition!r} (known: auto, {', '.join(EDITIONS)})")
+    unknown = [m for m in modalities if m not in CANONICAL_MODALITIES]
+    if unknown:
+        raise DataError(f"unknown modality {unknown[0]!r} (known: {', '.join(CANONICAL_MODALITIES)})")
+
+    nifti_files = _walk_nifti(folder)
+    if not nifti_files:
+        raise DataError(f"{folder}: empty folder (no .nii or .nii.gz files)")
+
+    # case id -> suffix token (lower case) -> files carrying it
+    grouped: dict[str, dict[str, list[Path]]] = {}
+    unrecognised: list[Path] = []
+    for path in nifti_files:
+        parsed = parse_file_name(path.name)
+        if parsed is None:
+            unrecognised.append(path)
+            continue
+        case_id, token = parsed
+        grouped.setdefault(case_id, {}).setdefault(token, []).append(path)
+    if not grouped:
+        raise DataError(
+            f"{folder}: no BraTS-named NIfTI files ({len(unrecognised)} NIfTI files with other names, "
+            f"e.g. {unrecognised[0].name}; expected e.g. BraTS2021_00000_t1.nii.gz)"
+        )
+
+    cases = []
+    for case_id in sorted(grouped):
+        case_edition = edition if edition != "auto" else detect_edition(case_id, grouped[case_id])
+        cases.append(_assemble_case(case_id, case_edition, grouped[case_id], tuple(modalities)))
+    return cases
+
+
+def detect_edition(case_id: str, tokens: dict[str, list[Path]] | None = None) -> str:
+    """The edition key of a case from its id prefix (see the module docstring), else its suffixes."""
+    lowered = case_id.lower()
+    match = re.match(r"brats(\d{2})_", lowered)
+    if match and f"20{match.group(1)}" in EDITIONS:
+        return f"20{match.group(1)}"
+    match = re.match(r"brats(20\d{2})_", lowered)
+    if match and match.group(1) in EDITIONS:
+        return match.group(1)
+    if lowered.startswith("brats-"):
+        return "2023"
+    modern = {s.lower() for s in get_edition("2023").modality_suffixes.values()}
+    if tokens and modern & set(tokens):
+        return "2023"
+    return "2017"
+
+
+def parse_file_name(name: str) -> tuple[str, str] | None:
+    """`Brats17_TCIA_105_1_t1ce.nii.gz` -> ("Brats17_TCIA_105_1", "t1ce"); None if not BraTS-named."""
+    for extension in NIFTI_EXTENSIONS:
+        if name.endswith(extension):
+            stem = name[: -len(extension)]
+            break
+    else:
+        return None
+    lowered = stem.lower()
+    for token in _ALL_TOKENS:  # longest first, so "t1ce" is never read as "t1" + junk
+        for sep in ("_", "-"):
+            if lowered.endswith(sep + token) and len(stem) > len(token) + 1:
+                return stem[: -len(token) - 1], token
+    return None
+
+
+def _assemble_case(case_id: str, edition: str, tokens: dict[str, list[Path]], modalities: tuple[str, ...]) -> Case:
+    spec = get_edition(edition)
+    images: dict[str, Path] = {}
+    for modality in modalities:
+        spellings = (spec.modality_suffixes[modality], *spec.alt_suffixes.get(modality, ()))
+        images_found = _pick(case_id, modality, tokens, spellings, prefer_first=False)
+        if images_found is not None:
+            images[modality] = images_found
+    # Segmentation names are ordered by preference (ManuallyCorrected before the raw GlistrBoost output),
+    # so finding several spellings is not a duplicate; the same spelling twice is.
+    seg = _pick(case_id, SEG, tokens, (spec.seg_suffix, *spec.seg_alt_suffixes), prefer_first=True)
+    claimed = {p for p in [*images.values(), seg] if p is not None}
+    ignored = sorted(p for paths in tokens.values() for p in paths if p not in claimed)
+    return Case(case_id=case_id, edition=edition, images=images, seg=seg, ignored=ignored)
+
+
+def _pick(case_id: str, role: str, tokens: dict[str, list[Path]], spellings: tuple[str, ...],
+          prefer_first: bool) -> Path | None:
+    found: list[Path] = []
+    for spelling in dict.fromkeys(s.lower() for s in spellings):
+        paths = tokens.get(spelling, [])
+        if len(paths) > 1:
+            _duplicate(case_id, role, paths)
+        found.extend(paths)
+        if prefer_first and found:
+            break
+    if len(found) > 1:
+        _duplicate(case_id, role, found)
+    return found[0] if found else None
+
+
+def _duplicate(case_id: str, role: str, paths: list[Path]) -> None:
+    raise DataError(f"case {case_id}: duplicate {role} files {paths[0]} and {paths[1]}")
+
+
+def _walk_nifti(folder: Path) -> list[Path]:
+    def unreadable(error: OSError) -> None:
+        raise DataError(f"{error.filename}: cannot list folder ({error.strerror or error})")
+
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable, followlinks=True):
+        # Hidden folders hold our own temp files (and editors' / OS litter), never cases.
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith(".") and name.endswith(NIFTI_EXTENSIONS):
+                found.append(Path(dirpath) / name)
+    return found
+
+
+def _separator(edition: str) -> str:
+    return "-" if edition == "2023" else "_"
+
+
+def _all_tokens() -> tuple[str, ...]:
+    tokens = set()
+    for spec in EDITIONS.values():
+        tokens.update(spec.modality_suffixes.values())
+        for spellings in spec.alt_suffixes.values():
+            tokens.update(spellings)
+        tokens.add(spec.seg_suffix)
+        tokens.update(spec.seg_alt_suffixes)
+    return tuple(sorted({t.lower() for t in tokens}, key=lambda t: (-len(t), t)))
+
+
+_ALL_TOKENS = _all_tokens()

@@ -1,0 +1,247 @@
+"""BraTS metrics per case and region (WT, TC, ET), with the CaPTk rules for empty masks, and the reports.
+
+Per region, on the binary masks P (prediction) and T (truth) of one case, over the whole grid given:
+
+    Dice         2|P∩T| / (|P|+|T|)          1 if both are empty (so 0 if exactly one is empty)
+    sensitivity  |P∩T| / |T|                 1 if both are empty, 0 if T is empty and P is not
+    specificity  TN / (TN+FP)                over every voxel of the grid (not a brain mask);
+                                             1 if T covers the whole grid (no negatives to get wrong)
+    HD95 (mm)    95th-percentile Hausdorff   0 if both are empty; the grid's diagonal in mm if exactly
+                                             one is empty (373.13 for 240x240x155 at 1 mm)
+
+These are the BraTS 2017-2021 CaPTk conventions (`shared/reference/model.md` §3.1, §3.6). MONAI's
+DiceMetric/ConfusionMatrixMetric would return NaN for empty truth and drop those cases from the mean, so
+the counts are done here directly; HD95 uses MONAI's `compute_hausdorff_distance` (the maximum of the
+two directed 95th percentiles of the surface distances, as the challenge tools compute it).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
+from brats_swap.data.editions import REGIONS, EditionSpec, get_edition, region_masks
+
+METRICS: tuple[str, ...] = ("dice", "sensitivity", "specificity", "hd95")
+METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
+
+
+def metric_keys(hd95: bool = True) -> list[str]:
+    """CSV/summary column order: dice_wt, dice_tc, dice_et, sensitivity_wt, ..., hd95_et."""
+    names = METRICS if hd95 else METRICS[:-1]
+    return [f"{metric}_{region.lower()}" for metric in names for region in REGIONS]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Binary-mask metrics
+# --------------------------------------------------------------------------------------------------------
+
+
+def dice_sensitivity_specificity(pred: np.ndarray, truth: np.ndarray) -> tuple[float, float, float]:
+    """Dice, sensitivity and specificity of two boolean masks of the same shape, with the CaPTk empty rules."""
+    pred = np.asarray(pred, dtype=bool)
+    truth = np.asarray(truth, dtype=bool)
+    if pred.shape != truth.shape:
+        raise ValueError(f"prediction {pred.shape} and truth {truth.shape} masks differ in shape")
+    true_pos = int(np.count_nonzero(pred & truth))
+    pred_pos = int(np.count_nonzero(pred))
+    truth_pos = int(np.count_nonzero(truth))
+    false_pos = pred_pos - true_pos
+    true_neg = truth.size - truth_pos - false_pos
+
+    if pred_pos + truth_pos == 0:
+        return 1.0, 1.0, 1.0
+    dice = 2.0 * true_pos / (pred_pos + truth_pos)
+    sensitivity = true_pos / truth_pos if truth_pos else 0.0  # empty truth, non-empty prediction
+    negatives = true_neg + false_pos
+    specificity = true_neg / negatives if negatives else 1.0
+    return dice, sensitivity, specificity
+
+
+def grid_diagonal_mm(shape: Sequence[int], spacing: Sequence[float]) -> float:
+    """Length of the grid's diagonal in mm: the HD95 penalty when exactly one mask is empty."""
+    return float(math.sqrt(sum((n * s) ** 2 for n, s in zip(shape, spacing, strict=True))))
+
+
+def hausdorff95(pred: np.ndarray, truth: np.ndarray, spacing: Sequence[float] = (1.0, 1.0, 1.0)) -> float:
+    """95th-percentile symmetric Hausdorff distance in mm between two boolean masks, with the empty rules."""
+    import torch
+    from monai.metrics import compute_hausdorff_distance
+
+    pred = np.asarray(pred, dtype=bool)
+    truth = np.asarray(truth, dtype=bool)
+    if pred.shape != truth.shape:
+        raise ValueError(f"prediction {pred.shape} and truth {truth.shape} masks differ in shape")
+    pred_any, truth_any = bool(pred.any()), bool(truth.any())
+    if not pred_any and not truth_any:
+        return 0.0
+    if pred_any != truth_any:
+        return grid_diagonal_mm(pred.shape, spacing)
+    with warnings.catch_warnings():
+        # MONAI 1.5+ warns about an argument it passes to itself internally; nothing we can change.
+        warnings.simplefilter("ignore", FutureWarning)
+        distance = compute_hausdorff_distance(
+            torch.from_numpy(pred)[None, None], torch.from_numpy(truth)[None, None],
+            include_background=True, percentile=95, spacing=[float(s) for s in spacing],
+        )
+    return float(distance.item())
+
+
+def _as_numpy(label) -> np.ndarray:
+    if isinstance(label, np.ndarray):
+        return label
+    if hasattr(label, "detach"):  # a torch tensor
+        return label.detach().cpu().numpy()
+    return np.asarray(label)
+
+
+def case_metrics(pred_label, true_label, edition: EditionSpec | str, spacing: Sequence[float] = (1.0, 1.0, 1.0),
+                 hd95: bool = True) -> dict[str, float]:
+    """All metrics of one case from two label maps (raw edition label values, same grid, numpy or torch).
+
+    Keys in `metric_keys(hd95)` order: dice_wt, dice_tc, dice_et, sensitivity_wt, ..., hd95_et.
+    `spacing` is the voxel size in mm along each axis of the grid (used by HD95 only).
+    """
+    spec = get_edition(edition) if isinstance(edition, str) else edition
+    pred_label = _as_numpy(pred_label)
+    true_label = _as_numpy(true_label)
+    if pred_label.shape != true_label.shape:
+        raise ValueError(f"prediction {pred_label.shape} and truth {true_label.shape} label maps differ in shape")
+    if len(spacing) != true_label.ndim:
+        raise ValueError(f"spacing {tuple(spacing)} does not match a {true_label.ndim}-D label map")
+    pred_regions = region_masks(pred_label, spec)
+    true_regions = region_masks(true_label, spec)
+
+    values: dict[str, float] = {}
+    for region in REGIONS:
+        key = region.lower()
+        dice, sens, spec_ = dice_sensitivity_specificity(pred_regions[region], true_regions[region])
+        values[f"dice_{key}"] = dice
+        values[f"sensitivity_{key}"] = sens
+        values[f"specificity_{key}"] = spec_
+        if hd95:
+            values[f"hd95_{key}"] = hausdorff95(pred_regions[region], true_regions[region], spacing)
+    return {key: values[key] for key in metric_keys(hd95)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Summaries and reports
+# --------------------------------------------------------------------------------------------------------
+
+
+def _present_keys(rows: Sequence[dict]) -> list[str]:
+    present = set().union(*(row.keys() for row in rows)) if rows else set()
+    return [key for key in metric_keys(hd95=True) if key in present]
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Per metric key: {"mean", "std" (population, ddof=0), "median", "n"} over the cases.
+
+    `rows` are dicts with "case" plus metric keys (as `case_metrics` returns). Non-finite values (a
+    metric that could not be computed) are left out of the statistics and of `n`.
+    """
+    summary: dict[str, dict[str, float]] = {}
+    for key in _present_keys(rows):
+        values = np.array([float(row[key]) for row in rows if key in row], dtype=np.float64)
+        values = values[np.isfinite(values)]
+        if values.size:
+            summary[key] = {"mean": float(values.mean()), "std": float(values.std()),
+                            "median": float(np.median(values)), "n": int(values.size)}
+        else:
+            summary[key] = {"mean": float("nan"), "std": float("nan"), "median": float("nan"), "n": 0}
+    return summary
+
+
+def _format(metric: str, stats: dict[str, float]) -> str:
+    digits = 2 if metric == "hd95" else 3
+    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def _table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    metrics = [m for m in METRICS if any(f"{m}_{r.lower()}" in summary for r in REGIONS)]
+    header = ["Region"] + [METRIC_TITLES[m] for m in metrics]
+    body = []
+    for region in REGIONS:
+        cells = [region]
+        for metric in metrics:
+            stats = summary.get(f"{metric}_{region.lower()}")
+            cells.append(_format(metric, stats) if stats else "")
+        body.append(cells)
+    return header, body
+
+
+def markdown_table(summary: dict) -> str:
+    """A Markdown table, one row per region (WT, TC, ET), one column per metric: mean ± std."""
+    header, body = _table_rows(summary)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines) + "\n"
+
+
+def print_summary(summary: dict, console, title: str = "") -> None:
+    """The same table as `markdown_table`, printed with rich."""
+    from rich.table import Table
+
+    header, body = _table_rows(summary)
+    n_cases = max((stats["n"] for stats in summary.values()), default=0)
+    table = Table(title=title or None, caption=f"mean ± std over {n_cases} cases")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for cells in body:
+        table.add_row(*cells)
+    console.print(table)
+
+
+def _metrics_csv(rows: Sequence[dict]) -> str:
+    columns = ["case"] + _present_keys(rows)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: row.get(key, "") for key in columns})
+    return buffer.getvalue()
+
+
+def _save_dice_boxplot(rows: Sequence[dict], path: Path, title: str) -> None:
+    # The object-oriented API with an explicit Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    data = [[float(row[f"dice_{r.lower()}"]) for row in rows if f"dice_{r.lower()}" in row] for r in REGIONS]
+    figure = Figure(figsize=(5, 4), dpi=120)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    axes.boxplot(data, showmeans=True)
+    axes.set_xticks(range(1, len(REGIONS) + 1), list(REGIONS))
+    axes.set_ylabel("Dice per case")
+    axes.set_ylim(-0.02, 1.02)
+    axes.set_title(title or f"Dice per region ({len(rows)} cases)")
+    axes.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png")
+
+
+def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str = "") -> dict:
+    """Write metrics.csv, summary.json, summary.md and dice_boxplot.png into `out_dir` (each atomically).
+
+    Returns the summary (`summarize(rows)`), which is also the content of summary.json.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(rows)
+    atomic_write_text(out_dir / "metrics.csv", _metrics_csv(rows))
+    atomic_write_json(out_dir / "summary.json", summary)
+    heading = f"# {title}\n\n" if title else ""
+    n_cases = len(rows)
+    atomic_write_text(out_dir / "summary.md", f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases\n")
+    if rows:
+        _save_dice_boxplot(rows, out_dir / "dice_boxplot.png", title)
+    return summary

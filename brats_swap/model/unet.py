@@ -1,0 +1,346 @@
+"""The Isensee 2017 3D U-Net exactly as Ellis's Keras `isensee2017_model` (the IBM data-swapping paper's model).
+
+Sources and every detail are in `shared/reference/model.md` §1. In short, for depth 5 and 16 base filters:
+
+    encoder level l (filters F_l = 16 * 2**l):
+        h = in_conv(x)                          3³ ConvNormAct, stride 1 at level 0, stride 2 below
+        out_l = h + context(h)                  context = block1 -> Dropout3d -> block2 (3³ each)
+    decoder level l = depth-2 ... 0:
+        up = upsample(current)                  nearest x2 then a 3³ ConvNormAct down to F_l
+        current = localization(cat[out_l, up])  3³ ConvNormAct then 1³ ConvNormAct, both F_l
+        seg_l = segmentation(current)           only for l < segmentation_levels
+    deep supervision: s = seg_2; s = up(s) + seg_1; s = up(s) + seg_0; return sigmoid(s)
+
+ConvNormAct = Conv3d (bias) -> instance norm (affine, keras_contrib semantics) -> LeakyReLU. Parameters:
+8,269,579 with norm+activation in the segmentation layers (IBM fork, `seg_layer: norm_act`) and 8,269,561
+with a plain 1³ conv (Ellis master after PR #130, `seg_layer: conv`), for 4 inputs and 3 outputs.
+
+Module names are a contract: memory policies select saved tensors by globs over them
+(`encoder.level0.context.block1.norm`, `decoder.*`), so they are spelled out here and never generated
+from a list index. The model knows nothing about the memory engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from brats_swap.config.schema import ModelConfig
+from brats_swap.errors import ConfigError
+
+
+class ModelInputError(ConfigError, ValueError):
+    """An input the network cannot take (wrong rank, channels, or a size not divisible by 2**(depth-1)).
+
+    A ValueError for library callers; a ConfigError (exit 2) for the CLI, because the cause is almost
+    always `data.cube` or `train.patch` in the config.
+    """
+
+
+# --------------------------------------------------------------------------------------------------------
+# Instance normalization with keras_contrib semantics.
+#
+# We write our own instead of nn.InstanceNorm3d because keras_contrib's InstanceNormalization (what Ellis
+# and IBM trained with) computes (x - mean) / (std + eps) * gamma + beta with eps=1e-3 ADDED TO THE STD,
+# while PyTorch computes (x - mean) / sqrt(var + eps). The backward is hand-written so that, like
+# F.instance_norm, the only full-size tensor saved for backward is the input (the conv output); composing
+# the formula from torch ops would save two or three full-size intermediates per block, which is exactly
+# the memory this project is about. Statistics and gradients are computed in fp32 under AMP as well.
+# --------------------------------------------------------------------------------------------------------
+
+
+class _KerasInstanceNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        dims = tuple(range(2, x.dim()))
+        compute_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16, fp64 stays fp64
+        x32 = x.to(compute_dtype)
+        mean = x32.mean(dim=dims, keepdim=True)
+        std = (x32 - mean).square().mean(dim=dims, keepdim=True).sqrt()
+        shape = (1, -1) + (1,) * len(dims)
+        scale = weight.to(compute_dtype).view(shape) / (std + eps)
+        out = (x32 - mean) * scale + bias.to(compute_dtype).view(shape)
+        ctx.eps = eps
+        ctx.save_for_backward(x, weight, mean, std)
+        return out.to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        # With xc = x - mean, sigma = sqrt(mean(xc²)), s = sigma + eps, xhat = xc / s and g = grad_out * gamma:
+        #   d bias  = sum(grad_out)            d gamma = sum(grad_out * xhat)       (over batch and space)
+        #   d x     = (g - mean(g) - xc / sigma * mean(g * xhat)) / s               (means over space)
+        # A constant channel has sigma = 0 and xc = 0; its last term is 0 in the limit, hence the clamp.
+        x, weight, mean, std = ctx.saved_tensors
+        dims = tuple(range(2, x.dim()))
+        shape = (1, -1) + (1,) * len(dims)
+        grad32 = grad_out.to(mean.dtype)
+        centered = x.to(mean.dtype) - mean
+        denom = std + ctx.eps
+        xhat = centered / denom
+
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad32.sum(dim=(0,) + dims).to(weight.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad32 * xhat).sum(dim=(0,) + dims).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            g = grad32 * weight.to(mean.dtype).view(shape)
+            g_mean = g.mean(dim=dims, keepdim=True)
+            g_xhat_mean = (g * xhat).mean(dim=dims, keepdim=True)
+            sigma = std.clamp_min(torch.finfo(std.dtype).tiny)
+            grad_x = ((g - g_mean - centered / sigma * g_xhat_mean) / denom).to(x.dtype)
+        return grad_x, grad_weight, grad_bias, None
+
+
+class KerasInstanceNorm(nn.Module):
+    """Per-sample, per-channel normalization over the spatial axes: (x - mean) / (std + eps) * weight + bias.
+
+    No running statistics (train and eval behave the same, as in keras_contrib). `weight` starts at 1
+    and `bias` at 0, like Keras' `gamma`/`beta`.
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-3):
+        super().__init__()
+        self.channels = channels
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _KerasInstanceNormFunction.apply(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.channels}, eps={self.eps}"
+
+
+def keras_instance_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                                  eps: float) -> torch.Tensor:
+    """The same formula from plain torch ops (autograd does the backward). Used by the tests as the oracle."""
+    dims = tuple(range(2, x.dim()))
+    shape = (1, -1) + (1,) * len(dims)
+    mean = x.mean(dim=dims, keepdim=True)
+    std = x.std(dim=dims, keepdim=True, unbiased=False)
+    return (x - mean) / (std + eps) * weight.view(shape) + bias.view(shape)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------------
+
+
+class ConvNormAct(nn.Module):
+    """Ellis's `create_convolution_block`: Conv3d (with bias, 'same' padding) -> instance norm -> LeakyReLU.
+
+    Stride-2 convolutions pad 1 voxel on both sides where TensorFlow's 'same' pads 0 before and 1 after:
+    the output shape is the same and the sampling grid is shifted by one voxel, which does not matter when
+    training from scratch, and it avoids a padded copy of every skip tensor being saved for backward.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1,
+                 leaky_slope: float = 0.3, norm_eps: float = 1e-3):
+        super().__init__()
+        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2,
+                              bias=True)
+        self.norm = KerasInstanceNorm(out_channels, eps=norm_eps)
+        # Out of place so every saved tensor is a distinct, well-defined activation for the memory engine.
+        self.act = nn.LeakyReLU(leaky_slope, inplace=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.conv(x)))
+
+
+class ContextModule(nn.Module):
+    """Two 3³ conv blocks with channel dropout between them (Keras SpatialDropout3D = nn.Dropout3d)."""
+
+    def __init__(self, channels: int, dropout: float, leaky_slope: float, norm_eps: float):
+        super().__init__()
+        self.block1 = ConvNormAct(channels, channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps)
+        self.dropout = nn.Dropout3d(dropout) if dropout > 0 else nn.Identity()
+        self.block2 = ConvNormAct(channels, channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block2(self.dropout(self.block1(x)))
+
+
+class EncoderLevel(nn.Module):
+    """in_conv (stride 2 below level 0), then a residual context module: out = h + context(h)."""
+
+    def __init__(self, in_channels: int, channels: int, stride: int, dropout: float, leaky_slope: float,
+                 norm_eps: float):
+        super().__init__()
+        self.in_conv = ConvNormAct(in_channels, channels, 3, stride=stride, leaky_slope=leaky_slope,
+                                   norm_eps=norm_eps)
+        self.context = ContextModule(channels, dropout, leaky_slope, norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.in_conv(x)
+        return h + self.context(h)
+
+
+class UpsampleModule(nn.Module):
+    """Nearest-neighbour x2 (Keras UpSampling3D), then a 3³ conv block that halves the channels."""
+
+    def __init__(self, in_channels: int, out_channels: int, leaky_slope: float, norm_eps: float):
+        super().__init__()
+        self.resize = nn.Upsample(scale_factor=2, mode="nearest")
+        self.block = ConvNormAct(in_channels, out_channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.resize(x))
+
+
+class LocalizationModule(nn.Module):
+    """A 3³ conv block from the concatenation (2F) to F, then a 1³ conv block keeping F (Ellis, not Isensee)."""
+
+    def __init__(self, in_channels: int, channels: int, leaky_slope: float, norm_eps: float):
+        super().__init__()
+        self.block1 = ConvNormAct(in_channels, channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps)
+        self.block2 = ConvNormAct(channels, channels, 1, leaky_slope=leaky_slope, norm_eps=norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block2(self.block1(x))
+
+
+class DecoderLevel(nn.Module):
+    """Upsample the coarser features, concatenate with the skip (skip first), localize, maybe segment."""
+
+    def __init__(self, in_channels: int, channels: int, out_channels: int, with_segmentation: bool,
+                 seg_layer: str, leaky_slope: float, norm_eps: float):
+        super().__init__()
+        self.upsample = UpsampleModule(in_channels, channels, leaky_slope, norm_eps)
+        self.localization = LocalizationModule(2 * channels, channels, leaky_slope, norm_eps)
+        if with_segmentation:
+            if seg_layer == "norm_act":  # 3ececcb / IBM fork
+                self.segmentation = ConvNormAct(channels, out_channels, 1, leaky_slope=leaky_slope,
+                                                norm_eps=norm_eps)
+            else:  # Ellis master after PR #130: a linear 1³ conv
+                self.segmentation = nn.Conv3d(channels, out_channels, 1, bias=True)
+        else:
+            self.segmentation = None
+
+    def forward(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        up = self.upsample(coarse)
+        return self.localization(torch.cat([skip, up], dim=1))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The network
+# --------------------------------------------------------------------------------------------------------
+
+
+class Isensee2017UNet(nn.Module):
+    """Forward: (B, in_channels, D, H, W) -> (B, out_channels, D, H, W) sigmoid probabilities.
+
+    D, H and W must be divisible by `size_divisor` = 2**(depth-1).
+    """
+
+    def __init__(self, cfg: ModelConfig, out_channels: int = 3):
+        super().__init__()
+        _validate_config(cfg, out_channels)
+        self.in_channels = cfg.in_channels
+        self.out_channels = out_channels
+        self.depth = cfg.depth
+        self.segmentation_levels = cfg.segmentation_levels
+        self.size_divisor = 2 ** (cfg.depth - 1)
+        filters = [cfg.base_filters * 2**level for level in range(cfg.depth)]
+        slope, eps = cfg.leaky_slope, cfg.norm_eps
+
+        self.encoder = nn.ModuleDict()
+        for level in range(cfg.depth):
+            in_ch = cfg.in_channels if level == 0 else filters[level - 1]
+            stride = 1 if level == 0 else 2
+            self.encoder[f"level{level}"] = EncoderLevel(in_ch, filters[level], stride, cfg.dropout, slope, eps)
+
+        # Registered deepest first, so iterating the dict follows the forward order.
+        self.decoder = nn.ModuleDict()
+        for level in reversed(range(cfg.depth - 1)):
+            self.decoder[f"level{level}"] = DecoderLevel(
+                filters[level + 1], filters[level], out_channels,
+                with_segmentation=level < cfg.segmentation_levels, seg_layer=cfg.seg_layer,
+                leaky_slope=slope, norm_eps=eps,
+            )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Keras defaults: glorot (xavier) uniform conv kernels, zero biases; norm weight 1, bias 0."""
+        for module in self.modules():
+            if isinstance(module, nn.Conv3d):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, KerasInstanceNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def check_input(self, x: torch.Tensor) -> None:
+        if x.dim() != 5:
+            raise ModelInputError(f"model input must be (B, C, D, H, W), got shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_channels:
+            raise ModelInputError(
+                f"model input has {x.shape[1]} channels but model.in_channels is {self.in_channels}")
+        spatial = tuple(x.shape[2:])
+        if any(size % self.size_divisor for size in spatial):
+            raise ModelInputError(
+                f"model input spatial size {spatial} must be divisible by {self.size_divisor} "
+                f"(2**(model.depth-1) with depth {self.depth}); change data.cube or train.patch")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+
+        # Contracting path; each level's residual sum is kept as its skip connection.
+        skips: list[torch.Tensor] = []
+        for level in range(self.depth):
+            x = self.encoder[f"level{level}"](x)
+            skips.append(x)
+
+        # Expanding path with deep supervision: the segmentation maps of the lowest `segmentation_levels`
+        # levels are summed coarse to fine, upsampling the running sum before each addition (Ellis's order).
+        summed_seg = None
+        for level in reversed(range(self.depth - 1)):
+            decoder_level = self.decoder[f"level{level}"]
+            x = decoder_level(x, skips[level])
+            if decoder_level.segmentation is not None:
+                seg = decoder_level.segmentation(x)
+                if summed_seg is None:
+                    summed_seg = seg
+                else:
+                    summed_seg = F.interpolate(summed_seg, scale_factor=2, mode="nearest") + seg
+        return torch.sigmoid(summed_seg)
+
+
+def _validate_config(cfg: ModelConfig, out_channels: int) -> None:
+    if cfg.depth < 2:
+        raise ConfigError(f"model.depth must be at least 2, got {cfg.depth}")
+    if not 1 <= cfg.segmentation_levels <= cfg.depth - 1:
+        raise ConfigError(
+            f"model.segmentation_levels must be between 1 and model.depth-1 = {cfg.depth - 1}, "
+            f"got {cfg.segmentation_levels}")
+    if cfg.base_filters < 1 or cfg.in_channels < 1 or out_channels < 1:
+        raise ConfigError(
+            f"model.base_filters, model.in_channels and the output channels must be positive, got "
+            f"{cfg.base_filters}, {cfg.in_channels}, {out_channels}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.seg_layer not in ("norm_act", "conv"):
+        raise ConfigError(f"model.seg_layer must be 'norm_act' or 'conv', got {cfg.seg_layer!r}")
+    if cfg.norm_eps <= 0:
+        raise ConfigError(f"model.norm_eps must be positive, got {cfg.norm_eps}")
+
+
+def build_model(model_cfg: ModelConfig, out_channels: int = 3) -> Isensee2017UNet:
+    """The network described by the `model` config section, freshly initialized (Keras initializers)."""
+    if model_cfg.name != "isensee2017":
+        raise ConfigError(f"model.name {model_cfg.name!r} is unknown (known: isensee2017)")
+    return Isensee2017UNet(model_cfg, out_channels)
+
+
+def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's levels in forward order: ("encoder.level0", ...), ..., ("decoder.level0", ...).
+
+    The memory engine uses these as block markers (reload a swapped tensor N blocks before it is needed).
+    Names are the modules' qualified names in `model.named_modules()`.
+    """
+    blocks = [(f"encoder.{name}", module) for name, module in model.encoder.items()]
+    blocks += [(f"decoder.{name}", module) for name, module in model.decoder.items()]
+    return blocks

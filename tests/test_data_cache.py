@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import json
+import os
+from collections import namedtuple
+
+import numpy as np
+import pytest
+from data_helpers import write_case
+from typer.testing import CliRunner
+
+import brats_swap.data.cache as cache_module
+from brats_swap.cli.data import app as data_app
+from brats_swap.config import DataConfig
+from brats_swap.data.cache import list_prepared, load_prepared, prepare_dataset
+from brats_swap.data.discovery import discover_cases
+from brats_swap.data.nifti import load_case
+from brats_swap.data.preprocess import to_original_grid
+from brats_swap.errors import DataError
+
+IDS = ["BraTS2021_00000", "BraTS2021_00001", "BraTS2021_00002"]
+
+
+def _config(**changes):
+    values = {"cube": [16, 16, 16], "prepare_workers": 1} | changes
+    return DataConfig(**values)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    root = tmp_path / "raw"
+    paths = {case_id: write_case(root, case_id, "2021", seed=i) for i, case_id in enumerate(IDS)}
+    return root, tmp_path / "cache", paths
+
+
+def _mtimes(cache):
+    return {case_id: (cache / case_id / "meta.json").stat().st_mtime_ns for case_id in list_prepared(cache)}
+
+
+def test_prepare_list_load_and_map_back(dataset):
+    root, cache, _ = dataset
+    report = prepare_dataset(root, cache, _config(fit="pad_crop", cube=[20, 20, 20]), progress=False)
+    assert report.prepared == IDS and not report.failed
+    assert list_prepared(cache) == IDS
+    prepared = load_prepared(cache, IDS[1])
+    assert isinstance(prepared.image, np.memmap) and prepared.image.dtype == np.float16
+    assert prepared.image.shape == (4, 20, 20, 20) and prepared.label.shape == (20, 20, 20)
+    meta = prepared.meta
+    assert meta["edition"] == "2021" and meta["original_shape"] == [20, 18, 14] and len(meta["affine"]) == 4
+    assert set(meta["sources"]) == {"t1", "t1ce", "t2", "flair", "seg"}
+    original = load_case(discover_cases(root)[1]).seg
+    assert np.array_equal(to_original_grid(np.asarray(prepared.label), meta), original)
+    index = json.loads((cache / "index.json").read_text())
+    assert list(index["cases"]) == IDS and index["settings"]["fit"] == "pad_crop"
+    with pytest.raises(DataError, match="BraTS2021_00009 is not prepared"):
+        load_prepared(cache, "BraTS2021_00009")
+
+
+def test_incremental_second_run_does_nothing_and_touch_redoes_one(dataset):
+    root, cache, paths = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    before = _mtimes(cache)
+    again = prepare_dataset(root, cache, _config(), progress=False)
+    assert again.prepared == [] and again.up_to_date == IDS
+    assert _mtimes(cache) == before
+    stat = paths[IDS[2]]["flair"].stat()
+    os.utime(paths[IDS[2]]["flair"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    third = prepare_dataset(root, cache, _config(), progress=False)
+    assert third.prepared == [IDS[2]] and third.up_to_date == IDS[:2]
+    after = _mtimes(cache)
+    assert after[IDS[0]] == before[IDS[0]] and after[IDS[2]] != before[IDS[2]]
+
+
+def test_changed_settings_redo_everything(dataset):
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    report = prepare_dataset(root, cache, _config(cache_dtype="float32"), progress=False)
+    assert report.prepared == IDS
+    assert load_prepared(cache, IDS[0]).image.dtype == np.float32
+
+
+def test_crash_mid_write_leaves_no_half_case(dataset, monkeypatch):
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    old_image = np.array(load_prepared(cache, IDS[0]).image)
+    real_save = cache_module.atomic_save_npy
+    calls = []
+
+    def crashing_save(path, array):
+        calls.append(path)
+        if len(calls) == 2:  # image.npy written, label.npy not: the worst moment
+            raise RuntimeError("simulated crash")
+        real_save(path, array)
+
+    monkeypatch.setattr(cache_module, "atomic_save_npy", crashing_save)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        prepare_dataset(root, cache, _config(cache_dtype="float32"), progress=False)
+    # the old complete entry is untouched, no temp folder remains, nothing new is half there
+    assert sorted(p.name for p in cache.iterdir()) == [*IDS, "index.json"]
+    assert np.array_equal(np.array(load_prepared(cache, IDS[0]).image), old_image)
+    assert load_prepared(cache, IDS[0]).meta["settings"]["cache_dtype"] == "float16"
+    # the interrupted run's index only lists entries matching the new settings: none yet
+    assert list_prepared(cache) == []
+    monkeypatch.setattr(cache_module, "atomic_save_npy", real_save)
+    assert prepare_dataset(root, cache, _config(cache_dtype="float32"), progress=False).prepared == IDS
+
+
+def test_new_case_after_crash_and_stale_temp_folders_are_cleaned(dataset, monkeypatch):
+    root, cache, _ = dataset
+    monkeypatch.setattr(cache_module, "write_entry", _fail_on(IDS[1], cache_module.write_entry))
+    with pytest.raises(RuntimeError):
+        prepare_dataset(root, cache, _config(), progress=False)
+    assert not (cache / IDS[1]).exists()
+    assert list_prepared(cache) == [IDS[0]]
+    # a SIGKILLed writer leaves its temp folder; pid 2**22 + 1 is above Linux's pid_max, so it is gone
+    stale = cache / f".tmp-{IDS[2]}-{2**22 + 1}-deadbeef"
+    stale.mkdir()
+    (stale / "image.npy").write_bytes(b"half")
+    monkeypatch.undo()
+    report = prepare_dataset(root, cache, _config(), progress=False)
+    assert report.removed_temp == 1 and not stale.exists()
+    assert report.prepared == IDS[1:] and report.up_to_date == [IDS[0]]
+
+
+def _fail_on(case_id, write_entry):
+    def wrapped(cache_dir, this_case, *args, **kwargs):
+        if this_case == case_id:
+            raise RuntimeError("killed")
+        return write_entry(cache_dir, this_case, *args, **kwargs)
+
+    return wrapped
+
+
+def test_bad_cases_are_skipped_or_strict_errors(dataset):
+    root, cache, paths = dataset
+    paths[IDS[1]]["t2"].write_bytes(b"broken")
+    report = prepare_dataset(root, cache, _config(), progress=False)
+    assert report.prepared == [IDS[0], IDS[2]]
+    assert "case BraTS2021_00001: file BraTS2021_00001_t2.nii.gz: not a NIfTI file" in report.failed[IDS[1]]
+    assert list_prepared(cache) == [IDS[0], IDS[2]]
+    assert json.loads((cache / "index.json").read_text())["failed"].keys() == {IDS[1]}
+    with pytest.raises(DataError, match="BraTS2021_00001_t2.nii.gz: not a NIfTI file"):
+        prepare_dataset(root, tmp_cache := cache.with_name("strict"), _config(), strict=True, progress=False)
+    assert IDS[1] not in list_prepared(tmp_cache)
+
+
+def test_refuses_when_the_disk_is_too_small(dataset, monkeypatch):
+    root, cache, _ = dataset
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(DataError, match=r"preparing 3 cases needs about .* GiB but only 0.00 GiB is free"):
+        prepare_dataset(root, cache, _config(), progress=False)
+    assert not any(p.is_dir() for p in cache.iterdir())
+
+
+@pytest.mark.slow  # spawns two worker processes (~5-9 s of interpreter + torch start-up)
+def test_parallel_workers_give_the_same_arrays(dataset):
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), workers=1, progress=False)
+    parallel = cache.with_name("parallel")
+    report = prepare_dataset(root, parallel, _config(), workers=2, progress=False)
+    assert report.prepared == IDS
+    for case_id in IDS:
+        a, b = load_prepared(cache, case_id), load_prepared(parallel, case_id)
+        assert np.array_equal(a.image, b.image) and np.array_equal(a.label, b.label)
+
+
+def test_prepare_command(dataset):
+    root, cache, _ = dataset
+    result = CliRunner().invoke(data_app, ["prepare", str(root), "--out", str(cache), "--set", "data.cube=[16,16,32]",
+                                           "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert "3 prepared, 0 up to date, 0 skipped" in " ".join(result.output.split())
+    assert load_prepared(cache, IDS[0]).image.shape == (4, 16, 16, 32)

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from data_helpers import SCHEMES, write_case, write_volume
+
+from brats_swap.data.discovery import detect_edition, discover_cases, parse_file_name
+from brats_swap.data.editions import CANONICAL_MODALITIES, EDITIONS, get_edition, region_masks
+from brats_swap.errors import DataError
+
+
+@pytest.mark.parametrize("edition", sorted(SCHEMES))
+def test_each_naming_scheme_is_found_with_its_edition(tmp_path, edition):
+    case_id = SCHEMES[edition]
+    paths = write_case(tmp_path, case_id, edition)
+    (case,) = discover_cases(tmp_path)
+    assert case.case_id == case_id
+    assert case.edition == edition
+    assert case.images == {m: paths[m] for m in CANONICAL_MODALITIES}
+    assert case.seg == paths["seg"]
+    assert case.expected_name("t1ce") == paths["t1ce"].name
+
+
+def test_2023_suffixes_map_to_canonical_modalities(tmp_path):
+    write_case(tmp_path, "BraTS-GLI-00001-000", "2023")
+    (case,) = discover_cases(tmp_path)
+    assert {m: p.name for m, p in case.images.items()} == {
+        "t1": "BraTS-GLI-00001-000-t1n.nii.gz", "t1ce": "BraTS-GLI-00001-000-t1c.nii.gz",
+        "t2": "BraTS-GLI-00001-000-t2w.nii.gz", "flair": "BraTS-GLI-00001-000-t2f.nii.gz"}
+
+
+def test_flat_layout_mixed_extensions_and_hgg_lgg_folders(tmp_path):
+    write_case(tmp_path / "HGG", "Brats17_TCIA_105_1", "2017")
+    write_case(tmp_path / "LGG", "Brats17_2013_0_1", "2017", ext=".nii")
+    write_case(tmp_path / "flat", "BraTS2021_00007", "2021", per_case_folder=False)
+    write_case(tmp_path / "flat", "BraTS2021_00008", "2021", per_case_folder=False, ext=".nii")
+    cases = discover_cases(tmp_path)
+    assert [c.case_id for c in cases] == ["BraTS2021_00007", "BraTS2021_00008", "Brats17_2013_0_1",
+                                          "Brats17_TCIA_105_1"]
+    by_id = {c.case_id: c for c in cases}
+    assert by_id["Brats17_2013_0_1"].images["flair"].name == "Brats17_2013_0_1_flair.nii"
+    assert by_id["BraTS2021_00008"].seg.name == "BraTS2021_00008_seg.nii"
+    assert all(len(c.images) == 4 and c.seg is not None for c in cases)
+
+
+@pytest.mark.parametrize(("case_id", "edition"), [
+    ("BraTS18_Training_001", "2018"), ("Brats18_CBICA_AAB_1", "2018"), ("BraTS19_2013_0_1", "2019"),
+    ("BraTS20_Validation_001", "2020"), ("BraTS2021_01146", "2021"), ("BraTS-MET-00132-000", "2023"),
+    ("Brats17_CBICA_AAB_1", "2017"), ("TCGA-02-0006", "2017"),
+])
+def test_edition_from_id_prefix(case_id, edition):
+    assert detect_edition(case_id) == edition
+
+
+def test_validation_case_without_seg_and_forced_edition(tmp_path):
+    write_case(tmp_path, "BraTS20_Validation_001", "2020", seg=False)
+    (case,) = discover_cases(tmp_path)
+    assert case.seg is None and case.edition == "2020" and len(case.images) == 4
+    (forced,) = discover_cases(tmp_path, edition="2018")
+    assert forced.edition == "2018"
+
+
+def test_tcia_release_spellings(tmp_path):
+    images = np.ones((4, 4, 4), dtype=np.float32)
+    for suffix in ("t1", "t1Gd", "t2", "flair", "GlistrBoost", "GlistrBoost_ManuallyCorrected"):
+        write_volume(tmp_path / "TCGA-02-0006" / f"TCGA-02-0006_{suffix}.nii.gz", images)
+    (case,) = discover_cases(tmp_path)
+    assert case.edition == "2017"
+    assert case.images["t1ce"].name == "TCGA-02-0006_t1Gd.nii.gz"
+    # ManuallyCorrected is preferred over the raw GlistrBoost output, as in Ellis's reader.
+    assert case.seg.name == "TCGA-02-0006_GlistrBoost_ManuallyCorrected.nii.gz"
+    assert [p.name for p in case.ignored] == ["TCGA-02-0006_GlistrBoost.nii.gz"]
+
+
+def test_parse_file_name_prefers_the_longest_suffix():
+    assert parse_file_name("Brats17_TCIA_105_1_t1ce.nii.gz") == ("Brats17_TCIA_105_1", "t1ce")
+    assert parse_file_name("Brats17_TCIA_105_1_t1.nii") == ("Brats17_TCIA_105_1", "t1")
+    assert parse_file_name("BraTS-GLI-00000-000-t2f.nii.gz") == ("BraTS-GLI-00000-000", "t2f")
+    assert parse_file_name("notes.txt") is None
+    assert parse_file_name("template.nii.gz") is None
+
+
+def test_duplicate_case_across_folders_names_both_files(tmp_path):
+    write_case(tmp_path / "HGG", "Brats17_TCIA_105_1", "2017")
+    write_case(tmp_path / "LGG", "Brats17_TCIA_105_1", "2017")
+    with pytest.raises(DataError, match=r"case Brats17_TCIA_105_1: duplicate t1 files .*HGG.* and .*LGG"):
+        discover_cases(tmp_path)
+
+
+def test_duplicate_nii_and_nii_gz(tmp_path):
+    paths = write_case(tmp_path, "BraTS2021_00000", "2021")
+    write_volume(paths["t2"].with_name("BraTS2021_00000_t2.nii"), np.ones((3, 3, 3), dtype=np.float32))
+    with pytest.raises(DataError, match=r"duplicate t2 files .*BraTS2021_00000_t2\.nii.* and .*_t2\.nii\.gz"):
+        discover_cases(tmp_path)
+
+
+def test_missing_empty_and_unrecognised_folders(tmp_path):
+    with pytest.raises(DataError, match="dataset folder not found"):
+        discover_cases(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty folder"):
+        discover_cases(tmp_path / "empty")
+    write_volume(tmp_path / "other" / "brain.nii.gz", np.ones((3, 3, 3), dtype=np.float32))
+    with pytest.raises(DataError, match="no BraTS-named NIfTI files.*brain.nii.gz"):
+        discover_cases(tmp_path / "other")
+    with pytest.raises(DataError, match="unknown edition"):
+        discover_cases(tmp_path / "other", edition="2016")
+
+
+def test_label_table_per_edition():
+    for year in ("2017", "2018", "2019", "2020", "2021"):
+        spec = get_edition(year)
+        assert spec.label_values == (1, 2, 4)
+        assert spec.region_labels == {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}
+    spec = get_edition("2023")
+    assert spec.label_values == (1, 2, 3)
+    assert spec.region_labels == {"WT": (1, 2, 3), "TC": (1, 3), "ET": (3,)}
+    assert set(EDITIONS) == {"2017", "2018", "2019", "2020", "2021", "2023"}
+    label = np.array([0, 1, 2, 3, 4])
+    masks = region_masks(label, "2023")
+    assert masks["ET"].tolist() == [False, False, False, True, False]
+    assert region_masks(label, "2021")["TC"].tolist() == [False, True, False, False, True]
