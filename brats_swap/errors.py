@@ -61,3 +61,23 @@ class NumericalError(BratsSwapError):
     """A NaN/Inf loss stopped training; the last good checkpoint is kept (exit 1)."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class DiskError(BratsSwapError, OSError):
+    """A file could not be written: disk full, quota, permissions or a read-only file system (exit 1).
+
+    Raised by `brats_swap.atomic` instead of the bare OSError, after the temporary file was removed, so the
+    previous version of the file is still in place. Also an OSError, so callers that already handle
+    OSError (e.g. to add the case id) keep working.
+    """
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, errno: int | None = None, filename: str | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.filename = filename
+        self.strerror = message
+
+    def __str__(self) -> str:
+        return self.args[0]

@@ -11,9 +11,11 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
+from brats_swap.atomic import DISK_PROBLEMS
 from brats_swap.config import Config, load_config
-from brats_swap.errors import EXIT_INTERRUPTED, BratsSwapError
+from brats_swap.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, BratsSwapError
 
 console = Console(stderr=False)
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -45,7 +47,8 @@ def default_run_dir(config: Config, run: Path | None) -> Path:
 
 
 def fail(message: str, exit_code: int) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    # The message is plain text: escape it, or rich would swallow e.g. "[low, high]" as a markup tag.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
     return typer.Exit(exit_code)
 
 
@@ -59,11 +62,62 @@ def handle_errors(func: F) -> F:
         except BratsSwapError as exc:
             if DEBUG["enabled"]:
                 traceback.print_exc(file=sys.stderr)
-            raise fail(_one_line(str(exc)), exc.exit_code) from None
+            raise fail(_one_line(_user_message(exc)), exc.exit_code) from None
         except KeyboardInterrupt:
+            if DEBUG["enabled"]:
+                traceback.print_exc(file=sys.stderr)
             raise fail("interrupted", EXIT_INTERRUPTED) from None
+        except MemoryError as exc:
+            # The safety net for out-of-memory errors no command turned into DeviceOutOfMemoryError itself
+            # (training does, with the planner's advice): still one line and exit 3, not a traceback.
+            if DEBUG["enabled"]:
+                traceback.print_exc(file=sys.stderr)
+            raise fail(f"{func.__name__}: the host ran out of memory ({_first_line(exc) or 'MemoryError'}); "
+                       "try a smaller data.cube, fewer data.loader_workers or memory.mode=none",
+                       EXIT_OUT_OF_MEMORY) from None
+        except OSError as exc:
+            # Writes that do not go through brats_swap.atomic (logs, TensorBoard events) on a full disk.
+            problem = DISK_PROBLEMS.get(exc.errno)
+            if problem is None:
+                raise
+            if DEBUG["enabled"]:
+                traceback.print_exc(file=sys.stderr)
+            where = exc.filename if exc.filename is not None else func.__name__
+            raise fail(f"{where}: {problem}", EXIT_BAD_INPUT) from None
+        except Exception as exc:
+            if not _is_device_oom(exc):
+                raise
+            if DEBUG["enabled"]:
+                traceback.print_exc(file=sys.stderr)
+            raise fail(f"{func.__name__}: the device ran out of memory ({_first_line(exc)}); try --set "
+                       "memory.mode=auto --set memory.budget_gib=<GiB> (the planner picks what to swap or "
+                       "recompute), or a smaller data.cube / train.patch / evaluate.sw_batch_size",
+                       EXIT_OUT_OF_MEMORY) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _user_message(exc: BaseException) -> str:
+    """The error's own message. A DataLoader worker re-raises the worker's error with the worker's whole
+    traceback as the message ("Caught DataError in DataLoader worker process 0. Original Traceback ...");
+    its last line is the original one-line message."""
+    text = str(exc)
+    if "DataLoader worker process" not in text or "Traceback" not in text:
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    prefix = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+    return last[len(prefix):] if last.startswith(prefix) else last
+
+
+def _is_device_oom(exc: BaseException) -> bool:
+    # torch is imported lazily by the commands; if it is not loaded, this cannot be its error.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else ""
 
 
 def _one_line(text: str) -> str:

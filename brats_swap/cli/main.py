@@ -12,6 +12,10 @@ import typer
 
 from brats_swap import __version__
 from brats_swap.cli import config_cmd
+from brats_swap.cli import cv as cv_cmd
+from brats_swap.cli import data as data_cmd
+from brats_swap.cli import plan as plan_cmd
+from brats_swap.cli import train as train_cmd
 from brats_swap.cli.common import DEBUG
 
 app = typer.Typer(
@@ -39,6 +43,11 @@ def root(
 
 
 app.add_typer(config_cmd.app, name="config")
+app.add_typer(data_cmd.app, name="data")
+app.command("cv")(cv_cmd.cv)
+app.command("compare")(cv_cmd.compare)
+train_cmd.register(app)  # train, evaluate, predict
+app.command("plan")(plan_cmd.plan)
 
 
 def main() -> None:

@@ -8,6 +8,8 @@ dotted key in every error.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -179,7 +181,7 @@ def validate_config(config: Config) -> None:
             f"expected 3 sizes of at least 16, got {data.synth.shape}")
     require(len(train.patch) == 3 and all(p > 0 for p in train.patch), "train.patch", f"expected 3 positive sizes, got {train.patch}")
     if train.mode == "patch":
-        require(all(p <= c for p, c in zip(train.patch, data.cube)), "train.patch",
+        require(all(p <= c for p, c in zip(train.patch, data.cube, strict=True)), "train.patch",
                 f"patch {train.patch} is larger than the cube {data.cube}")
         require(all(p % factor == 0 for p in train.patch), "train.patch",
                 f"each size must be divisible by {factor} (2^(model.depth-1)), got {train.patch}")
@@ -208,6 +210,29 @@ def validate_config(config: Config) -> None:
     require(0 <= config.evaluate.sw_overlap < 1, "evaluate.sw_overlap", "must be in [0, 1)")
     require(0 < config.evaluate.threshold < 1, "evaluate.threshold", "must be between 0 and 1")
     require(config.cv.folds >= 2, "cv.folds", "must be at least 2")
+    # Values that otherwise fail late, deep inside torch/numpy, with a traceback instead of the key.
+    require(bool(config.name.strip()) and not set(config.name) & set("/\\") and config.name not in (".", ".."),
+            "name", f"must be a plain folder name (runs/<name>), got {config.name!r}")
+    known = ("t1", "t1ce", "t2", "flair")  # brats_swap.data.editions.CANONICAL_MODALITIES
+    unknown = [m for m in data.modalities if m not in known]
+    require(not unknown, "data.modalities", f"unknown modality {unknown[0]!r} (known: {', '.join(known)})"
+            if unknown else "")
+    require(len(set(data.modalities)) == len(data.modalities), "data.modalities",
+            f"each modality at most once, got {data.modalities}")
+    require(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", train.device) is not None, "train.device",
+            f"expected auto, cpu, cuda or cuda:N, got {train.device!r}")
+    require(train.threads is None or train.threads >= 1, "train.threads", "must be at least 1")
+    require(0 <= train.patch_foreground <= 1, "train.patch_foreground", "must be between 0 and 1")
+    require(train.early_stop_patience >= 1, "train.early_stop_patience", "must be at least 1")
+    require(train.plateau_patience >= 0, "train.plateau_patience", "must be 0 or more")
+    require(train.adam_eps > 0, "train.adam_eps", "must be positive")
+    require(model.norm_eps > 0, "model.norm_eps", "must be positive")
+    require(model.leaky_slope >= 0, "model.leaky_slope", "must be 0 or more")
+    require(config.evaluate.sw_batch_size >= 1, "evaluate.sw_batch_size", "must be at least 1")
+    require(memory.swap.max_inflight_bytes > 0, "memory.swap.max_inflight_bytes", "must be positive")
+    for key, value in (("train.lr", train.lr), ("train.weight_decay", train.weight_decay),
+                       ("memory.budget_gib", memory.budget_gib), ("cv.max_hours", config.cv.max_hours)):
+        require(value is None or math.isfinite(value), key, f"must be a finite number, got {value}")
     require(config.cv.max_hours is None or config.cv.max_hours > 0, "cv.max_hours", "must be positive")
 
 

@@ -86,6 +86,7 @@ class TrainConfig:
     mode: Literal["full", "patch"] = "full"
     patch: list[int] = field(default_factory=lambda: [128, 128, 128])
     patches_per_case: int = 1  # random patches drawn per case per epoch in patch mode
+    patch_foreground: float = 0.33  # share of patches centred on a tumour voxel (nnU-Net oversamples foreground)
     max_epochs: int = 500
     steps_per_epoch: int | None = None  # None = one pass over the training cases
     batch_size: int = 1

@@ -1,0 +1,103 @@
+"""`brats-swap cv` and `brats-swap compare --patch`: resumable, cron-safe cross-validation runs.
+
+Exit codes: 0 = the run is consistent (complete, or stopped by --max-hours / SIGTERM at an epoch boundary
+and continued by the next invocation); 75 = another process holds the run folder's lock, nothing changed;
+1 / 2 = bad data / bad config (one line on stderr).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from brats_swap.cli.common import (
+    ConfigOption,
+    RunOption,
+    SetOption,
+    console,
+    default_run_dir,
+    handle_errors,
+    resolve_config,
+)
+from brats_swap.errors import ConfigError
+
+MaxHoursOption = Annotated[
+    float | None,
+    typer.Option("--max-hours", help="Stop at the epoch boundary that would overrun this many hours; "
+                                     "the next invocation continues (exit 0).", show_default=False),
+]
+
+
+@handle_errors
+def cv(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    run: RunOption = None,
+    fold: Annotated[str, typer.Option("--fold", help="'all' or one fold number.")] = "all",
+    max_hours: MaxHoursOption = None,
+    parallel_folds: Annotated[int, typer.Option("--parallel-folds", help="Train this many folds at once, one "
+                                                "worker process per GPU (or per CPU share).")] = 1,
+) -> None:
+    """Train and evaluate the folds of a cross-validation run, continuing where the last call stopped.
+
+    Safe under cron: a second call while one runs exits 75 at once; --max-hours and SIGTERM stop at an
+    epoch boundary with the checkpoint written (exit 0). Writes cv_summary.{json,md}, figures/ and one
+    line per call in cv.log.
+    """
+    from brats_swap.cv import run_cv
+
+    resolved = resolve_config(config, set_)
+    run_dir = default_run_dir(resolved, run)
+    from brats_swap.distributed import launched_by_torchrun
+
+    if parallel_folds != 1:
+        if launched_by_torchrun():
+            raise ConfigError("--parallel-folds: not under torchrun (there every fold already uses all ranks); "
+                              "run it as a plain command")
+        from brats_swap.cv.parallel import run_cv_parallel
+
+        outcome = run_cv_parallel(resolved, run_dir, folds=fold, max_hours=max_hours, parallel=parallel_folds,
+                                  console=console)
+    elif launched_by_torchrun():
+        from brats_swap.cv.ddp import run_cv_distributed
+
+        outcome = run_cv_distributed(resolved, run_dir, folds=fold, max_hours=max_hours, console=console)
+        if outcome is None:  # ranks > 0 followed rank 0's folds; rank 0 reports
+            return
+    else:
+        outcome = run_cv(resolved, run_dir, folds=fold, max_hours=max_hours, console=console)
+    console.print(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)", markup=False, highlight=False, soft_wrap=True)
+    if outcome.complete:
+        console.print(f"summary: {run_dir / 'cv_summary.md'}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(outcome.exit_code)
+
+
+@handle_errors
+def compare(
+    patch: Annotated[bool, typer.Option("--patch", help="Whole volumes vs train.patch patches (the paper's "
+                                                        "comparison).")] = False,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    run: RunOption = None,
+    folds: Annotated[int | None, typer.Option("--folds", help="Compare the first K folds of the run's splits "
+                                                             "(default: all cv.folds).", show_default=False)] = None,
+    max_hours: MaxHoursOption = None,
+) -> None:
+    """Train and evaluate the same folds twice (whole volume and patches) and compare them.
+
+    Writes RUN/full/ and RUN/patch/ (two cv runs), RUN/compare.md, RUN/compare.json and RUN/figures/*.png.
+    Resumable and locked like `brats-swap cv`.
+    """
+    from brats_swap.compare import COMPARE_MD, run_compare
+
+    if not patch:
+        raise ConfigError("compare: choose what to compare; the only comparison is --patch (whole volume vs patches)")
+    resolved = resolve_config(config, set_)
+    # Not runs/<name>: that is where `brats-swap cv` / `train` put the same config's plain run.
+    run_dir = run if run is not None else Path("runs") / f"{resolved.name}-compare"
+    outcome = run_compare(resolved, run_dir, folds=folds, max_hours=max_hours, console=console)
+    console.print(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"comparison: {run_dir / COMPARE_MD}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(0)

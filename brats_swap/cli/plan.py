@@ -1,0 +1,94 @@
+"""`brats-swap plan`: predict device memory and step time of every memory policy before anything runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from brats_swap.atomic import atomic_write_json
+from brats_swap.cli.common import ConfigOption, SetOption, console, handle_errors, resolve_config
+from brats_swap.errors import ConfigError
+from brats_swap.memory.planner import PlanReport, plan_for_config
+from brats_swap.memory.simulate import GIB
+
+
+@handle_errors
+def plan(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    size: Annotated[int | None, typer.Option("--size", help="Cube edge (default: data.cube).")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", help="Batch size (default: train.batch_size).")] = None,
+    budget: Annotated[float | None, typer.Option("--budget", help="Device-memory budget in GiB "
+                                                "(default: memory.budget_gib).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 or bf16 (default: from train.amp).")] = None,
+    bandwidth: Annotated[float | None, typer.Option("--bandwidth", help="Host<->device GB/s per direction "
+                                                    "(default: memory.bandwidth_gbs, measured, or 25).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Time model: auto (measure CUDA if present, else "
+                                        "assume an H200-class GPU), cuda, gpu, cpu.")] = "auto",
+    profile: Annotated[Path | None, typer.Option("--profile", help="Saved cost profile JSON "
+                                                 "(see --save-profile).")] = None,
+    save_profile: Annotated[Path | None, typer.Option("--save-profile", help="Write the cost model used "
+                                                      "here as JSON.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
+    timeline: Annotated[Path | None, typer.Option("--timeline", help="Write the chosen plan's predicted "
+                                                  "timeline as PNG.")] = None,
+) -> None:
+    """Price none, the swap presets, recompute, norm_act, hybrid and the auto-tuned plan for a budget."""
+    resolved = resolve_config(config, set_)
+    saved_profile = None
+    if profile is not None:
+        try:
+            saved_profile = json.loads(profile.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{profile}: cannot read the cost profile ({exc})") from exc
+    report, planner = plan_for_config(resolved, size=size, batch=batch, budget_gib=budget, dtype=dtype,
+                                      bandwidth_gbs=bandwidth, device=device, profile=saved_profile)
+    print_report(report)
+    if json_out is not None:
+        atomic_write_json(json_out, report.as_dict())
+        console.print(f"wrote {json_out}")
+    if save_profile is not None:
+        atomic_write_json(save_profile, report.cost_model)
+        console.print(f"wrote {save_profile}")
+    if timeline is not None:
+        from brats_swap.memory.timeline import write_timeline_png
+
+        shown = report.chosen or next(p for p in report.policies if p.name == "none")
+        write_timeline_png(planner, shown.policy, timeline,
+                           title=f"{shown.name}: predicted {shown.step_s * 1e3:.1f} ms/step, "
+                                 f"peak {shown.peak_bytes / GIB:.2f} GiB")
+        console.print(f"wrote {timeline}")
+
+
+def print_report(report: PlanReport) -> None:
+    shape = "x".join(str(v) for v in report.input_shape[2:])
+    budget = f"{report.budget_gib:g} GiB" if report.budget_gib is not None else "none"
+    table = Table(title=f"memory plan: {shape}, batch {report.batch}, {report.dtype}, budget {budget}, "
+                        f"floor {report.floor_gib:.2f} GiB, link {report.bandwidth_gbs:.0f} GB/s",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("policy", "peak\nGiB", "swapped\nGiB", "recompute\nGFLOP", "step\ns", "vs\nnone", "fits"):
+        table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
+    baseline = report.baseline_step_s()
+    for policy in report.policies:
+        overhead = f"{(policy.step_s / baseline - 1) * 100:+.0f}%" if baseline else "-"
+        fits = "-" if report.budget_gib is None else ("yes" if policy.fits else "no")
+        table.add_row(policy.name, f"{policy.peak_bytes / GIB:.2f}", f"{policy.swapped_bytes / GIB:.2f}",
+                      f"{policy.recompute_flops / 1e9:.1f}", f"{policy.step_s:.3f}", overhead, fits)
+    console.print(table)
+    console.print(f"time model: {report.cost_model.get('name', '?')}; planned in {report.plan_seconds:.1f} s")
+    if report.chosen is not None:
+        cfg = report.chosen.policy
+        knobs = f"mode={cfg.mode}"
+        if cfg.mode in ("swap", "hybrid"):
+            knobs += (f" swap.tensors={cfg.swap.tensors} swap.lookahead={cfg.swap.lookahead}"
+                      f" swap.exclude={cfg.swap.exclude} swap.compress={cfg.swap.compress}")
+        if cfg.mode in ("recompute", "hybrid"):
+            knobs += f" recompute.norm_act={cfg.recompute.norm_act} recompute.modules={cfg.recompute.modules}"
+        console.print(f"chosen: {report.chosen.name} ({knobs}): {report.reason}")
+    else:
+        console.print(f"[bold red]{report.reason}[/]")

@@ -1,0 +1,150 @@
+"""`brats-swap train`, `brats-swap evaluate` and `brats-swap predict`: thin shells over train/ and evaluate/.
+
+Exit codes: 0 ok; 1 bad data / checkpoint / NaN loss; 2 bad config or usage; 3 device out of memory;
+130 interrupted (state saved, continue with --resume).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from brats_swap.cli.common import (
+    ConfigOption,
+    RunOption,
+    SetOption,
+    console,
+    default_run_dir,
+    handle_errors,
+    resolve_config,
+)
+from brats_swap.errors import ConfigError, TrainingInterrupted
+
+FoldOption = Annotated[int | None, typer.Option("--fold", "-f", help="Fold of splits.json (default 0).",
+                                                show_default=False)]
+CheckpointOption = Annotated[str, typer.Option("--checkpoint", help="best, latest, or a checkpoint file.")]
+
+
+@handle_errors
+def train(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    fold: FoldOption = None,
+    run: RunOption = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from fold_<k>/checkpoint_latest.pt.")] = False,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="Train with N processes on this node (torchrun + "
+                                              "DDP: one per GPU, or gloo on CPU); batch_size is per process.",
+                                              show_default=False)] = None,
+) -> None:
+    """Train one fold (default fold 0 of cv.folds: the paper's 80/20 split) into the run folder.
+
+    With --resume and no --config, the run's own config.yaml is used (plus any --set).
+
+    Example: brats-swap train --config configs/quickstart.yaml --set train.max_epochs=5
+    """
+    if nproc is not None:
+        import sys
+
+        from brats_swap.distributed import launch_torchrun
+
+        raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
+    from brats_swap.distributed import is_main_process
+    from brats_swap.train.loop import summary_panel, train_fold
+
+    run_config = run / "config.yaml" if run is not None else None
+    if config is None and resume and run_config is not None and run_config.is_file():
+        config = run_config
+    resolved = resolve_config(config, set_)
+    run_dir = default_run_dir(resolved, run)
+    result = train_fold(resolved, run_dir, fold or 0, resume=resume)
+    if is_main_process():  # under torchrun every rank runs this command; one summary is enough
+        console.print(summary_panel(result, resolved))
+    if result.interrupted:
+        raise TrainingInterrupted(f"{run_dir}: stopped at an epoch boundary; continue with --resume")
+
+
+@handle_errors
+def evaluate(
+    run: Annotated[Path | None, typer.Option("--run", help="Run folder to evaluate.", show_default=False)] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="Dataset folder with the ground-truth segmentations "
+                                                            "(default: the run's data.root).", show_default=False)] = None,
+    fold: FoldOption = None,
+    checkpoint: CheckpointOption = "best",
+    predictions: Annotated[Path | None, typer.Option("--predictions", help="Score <case id>.nii.gz files from any "
+                                                                           "tool instead of a run.",
+                                                     show_default=False)] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Report folder for --predictions (default: the "
+                                                           "predictions folder).", show_default=False)] = None,
+    edition: Annotated[str, typer.Option("--edition", help="Label convention for --predictions.")] = "auto",
+    set_: SetOption = None,
+) -> None:
+    """Score a trained run's validation cases, or any tool's predictions, with the BraTS metrics.
+
+    Writes metrics.csv, summary.json, summary.md and dice_boxplot.png; prints the WT/TC/ET table.
+
+    Examples: brats-swap evaluate --run runs/quickstart;
+    brats-swap evaluate --predictions nnunet_out/ --data data/BraTS2021 --out reports/nnunet
+    """
+    from brats_swap.evaluate.metrics import print_summary
+
+    if predictions is not None:
+        if run is not None:
+            raise ConfigError("evaluate: give either --run or --predictions, not both")
+        if data is None:
+            raise ConfigError("evaluate --predictions: --data DIR (the dataset with the ground truth) is required")
+        from brats_swap.evaluate.run import evaluate_predictions
+
+        out_dir = out if out is not None else predictions
+        summary = evaluate_predictions(predictions, data, out_dir, edition=edition)
+        print_summary(summary, console, title=f"{predictions} vs {data}")
+        console.print(f"report: {out_dir}", markup=False, highlight=False)
+        return
+    if run is None:
+        raise ConfigError("evaluate: give --run DIR (a trained run) or --predictions DIR --data DIR")
+    from brats_swap.config import load_config
+    from brats_swap.evaluate.run import evaluate_fold
+
+    run_config = run / "config.yaml"
+    if not run_config.is_file():
+        raise ConfigError(f"{run_config}: not found; is {run} a brats-swap run folder?")
+    resolved = load_config(run_config, set_ or [])
+    folds = [fold] if fold is not None else _trained_folds(run)
+    for k in folds:
+        summary = evaluate_fold(resolved, run, k, checkpoint=checkpoint, data_root=data)
+        print_summary(summary, console, title=f"{resolved.name} fold {k} ({checkpoint} checkpoint)")
+        console.print(f"report: {run / f'fold_{k}'}", markup=False, highlight=False)
+
+
+def _trained_folds(run: Path) -> list[int]:
+    folds = sorted(int(p.name.split("_", 1)[1]) for p in run.glob("fold_*")
+                   if p.name.split("_", 1)[1].isdigit() and (p / "checkpoint_best.pt").exists())
+    if not folds:
+        raise ConfigError(f"{run}: no fold has a checkpoint_best.pt; train first (brats-swap train)")
+    return folds
+
+
+@handle_errors
+def predict(
+    run: Annotated[Path, typer.Option("--run", help="Trained run folder.")],
+    input_path: Annotated[Path, typer.Option("--input", "-i", help="A case folder or a dataset folder.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for <case id>.nii.gz.")],
+    fold: FoldOption = None,
+    checkpoint: CheckpointOption = "best",
+) -> None:
+    """Segment new cases with a trained fold; labels in the edition's convention, original grid and affine.
+
+    Example: brats-swap predict --run runs/quickstart --input data/new_cases --out predictions/
+    """
+    from brats_swap.evaluate.run import predict as predict_cases
+
+    written = predict_cases(run, input_path, out, fold=fold or 0, checkpoint=checkpoint)
+    console.print(f"wrote {len(written)} segmentation(s) to {out}", markup=False, highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the three commands to the top-level app (called from cli/main.py)."""
+    app.command("train")(train)
+    app.command("evaluate")(evaluate)
+    app.command("predict")(predict)

@@ -1,0 +1,285 @@
+"""`brats-swap cv --parallel-folds N`: the same cross-validation as `run_cv`, N folds at a time.
+
+The parent process does what `run_cv` does (takes the run lock first, makes splits.json once, writes the
+summary and the cv.log line at the end) and, while it holds the lock, hands the unfinished folds to a pool
+of N worker processes (`concurrent.futures.ProcessPoolExecutor` with the `spawn` start method: fresh
+interpreters, no CUDA state copied by fork). Each worker advances one fold exactly as the sequential runner
+does, through the same `FoldRunner.advance` (resume from checkpoint_latest.pt, train, write
+fold_<k>/state.json, evaluate), so resume and the per-fold files are identical; folds only touch their own
+`fold_<k>/` folder, so they cannot collide.
+
+Devices: on CUDA worker i trains on GPU i (`train.device=cuda:i`, also made its current device, so streams
+and caches land there too); with more workers than GPUs they share GPUs round-robin. On CPU each worker gets
+cpu_count / N threads unless `train.threads` says otherwise.
+
+Stopping: the parent turns SIGTERM and the `--max-hours` window into a shared event; every worker checks it
+at each epoch boundary (and before starting or evaluating a fold), saves its checkpoint there and returns,
+as the sequential runner does. A worker also stops when its parent has gone (the lock died with it, so a
+new invocation may start). The lock itself is held by the parent only; workers are started while it is
+held and are all waited for before it is released.
+
+Worker output (progress, warnings) goes to `fold_<k>/cv_worker.log` instead of interleaving on the
+terminal; the parent prints one line per fold as it finishes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from brats_swap.config import Config
+from brats_swap.cv.lock import StopControl, run_lock
+from brats_swap.cv.runner import CVOutcome, FoldRunner, append_cv_log, resolve_folds
+from brats_swap.cv.state import fold_dir, read_fold_state
+from brats_swap.cv.summary import utc_now
+from brats_swap.errors import BratsSwapError, ConfigError
+
+WORKER_LOG = "cv_worker.log"
+
+
+@dataclass
+class ParallelCVOutcome(CVOutcome):
+    parallel: int = 1
+    workers: dict[int, dict[str, Any]] = field(default_factory=dict)  # fold -> pid, device, start/end (monotonic)
+
+    def describe(self) -> str:
+        return f"{super().describe()} ({self.parallel} fold(s) at a time)"
+
+
+def worker_devices(config: Config, parallel: int) -> list[str]:
+    """The device each of the `parallel` workers trains on ("cuda:<physical index>" or "cpu")."""
+    import torch
+
+    wants_cuda = config.train.device.startswith("cuda") or (config.train.device == "auto" and torch.cuda.is_available())
+    if not wants_cuda:
+        return ["cpu"] * parallel
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ConfigError(f"train.device: {config.train.device!r} requested but CUDA is not available")
+    return [f"cuda:{i % count}" for i in range(parallel)]
+
+
+def run_cv_parallel(config: Config, run_dir: Path, folds: str | int | list[int] = "all",
+                    max_hours: float | None = None, *, parallel: int = 2, console=None) -> ParallelCVOutcome:
+    """`run_cv` with up to `parallel` folds training at once (see the module docstring).
+
+    Same guarantees: RunLockedError (exit 75) at once if another process holds the run; a planned stop
+    (--max-hours, SIGTERM) is exit 0 with every running fold checkpointed at an epoch boundary; the summary
+    files and the cv.log line are the sequential runner's.
+    """
+    if parallel < 1:
+        raise ConfigError(f"--parallel-folds {parallel}: must be at least 1")
+    run_dir = Path(run_dir)
+    max_hours = max_hours if max_hours is not None else config.cv.max_hours
+    if max_hours is not None and max_hours <= 0:
+        raise ConfigError(f"--max-hours {max_hours}: must be positive")
+    with run_lock(run_dir):
+        # time.monotonic is system-wide on Linux, so the workers can share the parent's deadline.
+        stop = StopControl(max_hours, clock=time.monotonic)
+        outcome = ParallelCVOutcome(run_dir=run_dir, folds=[], parallel=parallel)
+        status = "error"
+        try:
+            with stop.on_sigterm():
+                runner = FoldRunner(config, run_dir, stop, console=console)  # splits.json, made under the lock
+                outcome.folds = resolve_folds(folds, runner.n_folds)
+                pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
+                if pending:
+                    _run_folds(config, run_dir, pending, stop, outcome, parallel, console)
+                outcome.stop_reason = stop.reason
+                states = runner.states(outcome.folds)
+                outcome.done = [k for k in outcome.folds if states[k].done]
+                outcome.summary = runner.write_summary(outcome.folds)
+            status = "exit 0"
+        except BratsSwapError as exc:
+            status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
+            raise
+        except KeyboardInterrupt:
+            status = "exit 130 (interrupted)"
+            raise
+        finally:
+            outcome.seconds = stop.elapsed_seconds
+            what = outcome.describe() if outcome.folds else "did not start"
+            append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {outcome.seconds:.1f}s {status}: {what}")
+        return outcome
+
+
+def _run_folds(config: Config, run_dir: Path, pending: list[int], stop: StopControl, outcome: ParallelCVOutcome,
+               parallel: int, console) -> None:
+    context = multiprocessing.get_context("spawn")
+    stop_event = context.Event()
+    devices = context.Queue()
+    n_workers = min(parallel, len(pending))
+    for device in worker_devices(config, n_workers):
+        devices.put(device)
+    threads = config.train.threads or max(1, (os.cpu_count() or 1) // n_workers)
+    error: BaseException | None = None
+
+    def say(text: str) -> None:
+        if console is not None:
+            console.print(text, markup=False, highlight=False)
+
+    with ProcessPoolExecutor(max_workers=n_workers, mp_context=context, initializer=_init_worker,
+                             initargs=(stop_event, devices, os.getpid(), threads)) as pool:
+        futures: dict[Future, int] = {
+            pool.submit(_advance_fold, config, run_dir, k, stop.deadline): k for k in pending
+        }
+        say(f"[{config.name}] {len(pending)} fold(s) to advance, {n_workers} at a time; worker logs in "
+            f"fold_<k>/{WORKER_LOG}")
+        waiting = set(futures)
+        try:
+            while waiting:
+                finished, waiting = wait(waiting, timeout=0.5, return_when=FIRST_COMPLETED)
+                if stop.time_is_up() or error is not None:
+                    stop_event.set()
+                for future in finished:
+                    fold = futures[future]
+                    try:
+                        report = future.result()
+                    except BaseException as exc:  # a worker's error (pickled back) or a dead worker
+                        error = error or exc
+                        stop_event.set()
+                        say(f"[{config.name}] fold {fold}: failed ({exc.__class__.__name__}: {exc})")
+                        continue
+                    _merge(outcome, fold, report)
+                    if report["stop_reason"] is not None:
+                        stop.request(report["stop_reason"])
+                        stop_event.set()
+                    say(f"[{config.name}] fold {fold}: {report['summary']}")
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the workers too (same process group): they save at the step and return.
+            stop_event.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    if error is not None:
+        raise error
+
+
+def _merge(outcome: ParallelCVOutcome, fold: int, report: dict[str, Any]) -> None:
+    part: CVOutcome = report["outcome"]
+    outcome.started += part.started
+    outcome.resumed += part.resumed
+    outcome.evaluated += part.evaluated
+    outcome.epochs_trained.update(part.epochs_trained)
+    outcome.workers[fold] = {key: report[key] for key in ("pid", "device", "started", "ended")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Inside a worker process
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(stop_event, devices, parent_pid: int, threads: int) -> None:
+    import torch
+
+    device = devices.get()
+    if device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(device))  # code that says just "cuda" means this GPU too
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the parent decides; it tells us through stop_event
+    _die_with_parent()
+    _WORKER.update(stop_event=stop_event, device=device, parent_pid=parent_pid, threads=threads)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the parent dies, as training dies with the sequential runner.
+
+    Otherwise a killed parent (whose lock the kernel releases) would leave folds training unlocked until
+    their next epoch boundary, where `WorkerStop` notices the parent is gone.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the epoch-boundary check in WorkerStop remains
+
+
+class WorkerStop(StopControl):
+    """The worker's `stop_requested`: the parent's event, the parent's death, or this fold's epoch estimate
+    against the shared --max-hours deadline (StopControl's own rule)."""
+
+    def __init__(self, deadline: float | None, stop_event, parent_pid: int) -> None:
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 1e-3) / 3600.0
+        super().__init__(remaining, clock=time.monotonic)
+        self.stop_event = stop_event
+        self.parent_pid = parent_pid
+
+    def _check_parent(self) -> None:
+        if self.stop_event.is_set():
+            self.request("stopped by the parent")
+        elif os.getppid() != self.parent_pid:
+            self.request("parent exited")
+
+    def __call__(self) -> bool:
+        self._check_parent()
+        return super().__call__()
+
+    def time_is_up(self) -> bool:
+        self._check_parent()
+        return super().time_is_up()
+
+
+def _advance_fold(config: Config, run_dir: Path, fold: int, deadline: float | None) -> dict[str, Any]:
+    import dataclasses
+
+    started = time.monotonic()
+    stop = WorkerStop(deadline, _WORKER["stop_event"], _WORKER["parent_pid"])
+    device = _WORKER["device"]
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, device=device))
+    if config.train.threads is None:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, threads=_WORKER["threads"]))
+    part = CVOutcome(run_dir=Path(run_dir), folds=[fold])
+    log_path = fold_dir(run_dir, fold) / WORKER_LOG
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with _redirect_output(log_path):
+        runner = FoldRunner(config, run_dir, stop, console=None)
+        completed = runner.advance(fold, part)
+    state = read_fold_state(run_dir, fold)
+    reason = None if completed else stop.reason
+    # The parent's own stop (event) is not news to it; report only what this worker decided by itself.
+    if reason in ("stopped by the parent",):
+        reason = None
+    summary = ("done" if state.done else f"stopped after epoch {state.epochs_completed}") + \
+        f" (worker pid {os.getpid()}, {device})"
+    return {"outcome": part, "stop_reason": reason, "pid": os.getpid(), "device": device, "started": started,
+            "ended": time.monotonic(), "summary": summary}
+
+
+class _redirect_output:
+    """Send this process's stdout/stderr (file descriptors 1 and 2) to `path` for the block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.saved = (os.dup(1), os.dup(2))
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in __exit__
+        os.dup2(self.file.fileno(), 1)
+        os.dup2(self.file.fileno(), 2)
+
+    def __exit__(self, *exc) -> None:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.saved[0], 1)
+        os.dup2(self.saved[1], 2)
+        for fd in self.saved:
+            os.close(fd)
+        self.file.close()
+
+
+__all__ = ["ParallelCVOutcome", "WORKER_LOG", "WorkerStop", "run_cv_parallel", "worker_devices"]

@@ -1,0 +1,217 @@
+"""`run_cv`: train and evaluate every fold of a run, resumably, one cron invocation at a time.
+
+One invocation:
+
+1. takes the run folder's lock (before writing anything; a second invocation gets exit 75);
+2. reads (or makes, once) `splits.json`;
+3. for each selected fold that is not done: resumes its training from `checkpoint_latest.pt` (or starts
+   it), then evaluates it on its validation cases; a fold is done when trained and evaluated;
+4. stops at an epoch boundary when the `--max-hours` window would be overrun or SIGTERM arrives (the
+   checkpoint is written by the training loop; the next invocation carries on);
+5. rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
+6. appends one line to `cv.log` saying what it did, how long it took and how it ended.
+
+Exit status: 0 whenever the run is consistent, whether complete or stopped by the window/SIGTERM: under
+cron a planned stop is success (a non-zero status would send an error mail every night). Whether the run
+is complete is in the message, `cv.log` and `cv_summary.json["complete"]`. 75 = locked, try later.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from brats_swap.config import Config
+from brats_swap.cv.lock import StopControl, run_lock
+from brats_swap.cv.state import FoldState, fold_dir, read_fold_state
+from brats_swap.cv.summary import SUMMARY_JSON, utc_now, write_cv_summary
+from brats_swap.data.cache import list_prepared
+from brats_swap.errors import BratsSwapError, ConfigError, DataError
+from brats_swap.evaluate.run import evaluate_fold
+from brats_swap.splits import fold_cases, load_or_create_splits
+from brats_swap.train.checkpoint import LATEST, PREVIOUS
+from brats_swap.train.loop import train_fold
+
+CV_LOG = "cv.log"
+FoldSelection = str | int | Iterable[int]
+
+
+@dataclass
+class CVOutcome:
+    run_dir: Path
+    folds: list[int]  # the folds this invocation was asked to complete
+    done: list[int] = field(default_factory=list)  # trained and evaluated (now or before)
+    started: list[int] = field(default_factory=list)  # training began from scratch in this invocation
+    resumed: list[int] = field(default_factory=list)  # training continued from checkpoint_latest
+    evaluated: list[int] = field(default_factory=list)  # evaluated in this invocation
+    epochs_trained: dict[int, int] = field(default_factory=dict)  # fold -> epochs trained now
+    stop_reason: str | None = None  # "max-hours" | "SIGTERM" when stopped before completing
+    seconds: float = 0.0
+    summary: dict = field(default_factory=dict)
+    exit_code: int = 0  # see the module docstring: a planned stop is success
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == len(self.folds)
+
+    @property
+    def stopped(self) -> bool:
+        return not self.complete and self.stop_reason is not None
+
+    def describe(self) -> str:
+        """One line for cv.log and the terminal."""
+        parts = []
+        for k in self.folds:
+            did = []
+            if k in self.started:
+                did.append(f"trained {self.epochs_trained.get(k, 0)} epoch(s)")
+            elif k in self.resumed:
+                did.append(f"resumed, trained {self.epochs_trained.get(k, 0)} epoch(s)")
+            if k in self.evaluated:
+                did.append("evaluated")
+            if did:
+                parts.append(f"fold {k}: " + ", ".join(did))
+        action = "; ".join(parts) if parts else "nothing to train or evaluate, summary refreshed"
+        if self.complete:
+            state = f"all {len(self.folds)} fold(s) done"
+        else:
+            why = {"max-hours": "the --max-hours window closed", "SIGTERM": "SIGTERM received"}.get(
+                self.stop_reason or "", "stopped")
+            state = (f"{len(self.done)}/{len(self.folds)} fold(s) done; stopped at an epoch boundary because {why}, "
+                     "the next invocation continues")
+        return f"{action}; {state}"
+
+
+def resolve_folds(selection: FoldSelection, n_folds: int) -> list[int]:
+    """'all' -> every fold; an int or an iterable of ints -> those folds (checked)."""
+    if isinstance(selection, str):
+        if selection.strip().lower() == "all":
+            return list(range(n_folds))
+        try:
+            selection = int(selection)
+        except ValueError:
+            raise ConfigError(f"--fold {selection!r}: expected 'all' or a fold number 0..{n_folds - 1}") from None
+    folds = [selection] if isinstance(selection, int) else [int(k) for k in selection]
+    for k in folds:
+        if not 0 <= k < n_folds:
+            raise ConfigError(f"--fold {k}: the run has folds 0..{n_folds - 1} (see splits.json)")
+    return sorted(set(folds))
+
+
+def load_run_splits(config: Config, run_dir: Path) -> dict:
+    """The run's splits.json (made once from the prepared cache's case ids, seeded by config.seed)."""
+    cache = Path(config.data.cache)
+    case_ids = list_prepared(cache) if cache.exists() else []
+    if not case_ids:
+        raise DataError(f"{cache}: no prepared cases (data.cache); run `brats-swap data prepare` first")
+    return load_or_create_splits(run_dir, case_ids, config.cv.folds, config.seed)
+
+
+def append_cv_log(run_dir: Path, line: str) -> None:
+    # One short O_APPEND write per invocation: a crash can lose the line but never corrupt earlier ones.
+    with open(Path(run_dir) / CV_LOG, "a", encoding="utf-8") as handle:
+        handle.write(line.rstrip("\n") + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+class FoldRunner:
+    """Advances the folds of one run folder; the caller holds the lock. Used by `run_cv` and `compare`."""
+
+    def __init__(self, config: Config, run_dir: Path, stop: StopControl, console=None, train=None) -> None:
+        self.config = config
+        self.train = train  # None = train_fold; cv under torchrun passes one that brings the other ranks along
+        self.run_dir = Path(run_dir)
+        self.stop = stop
+        self.console = console
+        self.splits = load_run_splits(config, self.run_dir)
+        self.n_folds = len(self.splits["folds"])
+
+    def _say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def states(self, folds: list[int]) -> dict[int, FoldState]:
+        return {k: read_fold_state(self.run_dir, k) for k in folds}
+
+    def advance(self, fold: int, outcome: CVOutcome) -> bool:
+        """Train (or resume) and evaluate one fold; False when the run must stop here."""
+        fold_cases(self.splits, fold)  # validates the fold number against the run's splits
+        state = read_fold_state(self.run_dir, fold)
+        if state.done:
+            return True
+        if not state.trained:
+            if self.stop.time_is_up():
+                return False
+            resume = any((fold_dir(self.run_dir, fold) / name).exists() for name in (LATEST, PREVIOUS))
+            self._say(f"[{self.config.name}] fold {fold}: {'resuming' if resume else 'training'}")
+            self.stop.fold_started()
+            train = self.train or train_fold
+            result = train(self.config, self.run_dir, fold, resume=resume, stop_requested=self.stop)
+            trained_now = len(result.epoch_seconds)  # the loop reports only this call's epochs there
+            if trained_now or not resume:
+                (outcome.resumed if resume else outcome.started).append(fold)
+                outcome.epochs_trained[fold] = trained_now
+            state.record_training(result, trained_now)
+            state.write(self.run_dir)
+            if not result.finished:
+                if self.stop.reason is None:
+                    self.stop.request("interrupted")
+                return False
+        if self.stop.time_is_up():
+            return False
+        self._say(f"[{self.config.name}] fold {fold}: evaluating")
+        evaluate_fold(self.config, self.run_dir, fold, checkpoint="best")
+        state.evaluated = True
+        state.evaluated_at = utc_now()
+        state.write(self.run_dir)
+        outcome.evaluated.append(fold)
+        return True
+
+    def write_summary(self, folds: list[int]) -> dict:
+        return write_cv_summary(self.config.name, self.run_dir, self.splits, folds, self.states(folds))
+
+
+def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None,
+           *, console=None, clock=time.monotonic, train=None) -> CVOutcome:
+    """Continue the run's cross-validation where the last invocation stopped (see the module docstring).
+
+    Raises RunLockedError (exit 75) at once, touching nothing, when another process holds the run.
+    """
+    run_dir = Path(run_dir)
+    max_hours = max_hours if max_hours is not None else config.cv.max_hours
+    if max_hours is not None and max_hours <= 0:
+        raise ConfigError(f"--max-hours {max_hours}: must be positive")
+    with run_lock(run_dir):
+        stop = StopControl(max_hours, clock=clock)
+        outcome = CVOutcome(run_dir=run_dir, folds=[])
+        status = "error"
+        try:
+            with stop.on_sigterm():
+                runner = FoldRunner(config, run_dir, stop, console=console, train=train)
+                outcome.folds = resolve_folds(folds, runner.n_folds)
+                for k in outcome.folds:
+                    if not runner.advance(k, outcome):
+                        break
+                outcome.stop_reason = stop.reason
+                states = runner.states(outcome.folds)
+                outcome.done = [k for k in outcome.folds if states[k].done]
+                outcome.summary = runner.write_summary(outcome.folds)
+            status = "exit 0"
+        except BratsSwapError as exc:
+            status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
+            raise
+        except KeyboardInterrupt:
+            status = "exit 130 (interrupted)"
+            raise
+        finally:
+            outcome.seconds = stop.elapsed_seconds
+            what = outcome.describe() if outcome.folds else "did not start"
+            append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {outcome.seconds:.1f}s {status}: {what}")
+        return outcome
+
+
+__all__ = ["CVOutcome", "CV_LOG", "FoldRunner", "SUMMARY_JSON", "load_run_splits", "resolve_folds", "run_cv"]

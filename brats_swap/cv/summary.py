@@ -1,0 +1,241 @@
+"""Cross-validation summary: per-fold metrics -> mean ± std over folds, a markdown table, a box plot.
+
+Each evaluated fold has `fold_<k>/metrics.csv` (one row per validation case, columns like `dice_wt`,
+`sensitivity_tc`, `hd95_et`). The table follows the paper's Table 2: for each metric and region, the
+mean over folds of the per-fold mean, ± the standard deviation over folds (sample std, ddof=1; "—" with
+a single fold). The box plot shows every validation case of every fold, which is the distribution the
+paper's Fig. 5 draws.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from datetime import datetime, timezone
+from pathlib import Path
+
+from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
+from brats_swap.cv.state import FoldState, fold_dir
+from brats_swap.data.editions import REGIONS
+from brats_swap.errors import DataError
+
+METRICS = ("dice", "sensitivity", "specificity", "hd95")
+METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
+SUMMARY_JSON = "cv_summary.json"
+SUMMARY_MD = "cv_summary.md"
+BOXPLOT_PNG = "figures/dice_boxplot.png"
+CASE_COLUMNS = ("case_id", "case", "subject")
+_REGION_KEYS = tuple(region.lower() for region in REGIONS)
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def metric_columns() -> list[str]:
+    return [f"{m}_{r.lower()}" for m in METRICS for r in REGIONS]
+
+
+def read_case_rows(run_dir: Path, fold: int) -> list[dict]:
+    """The fold's per-case metrics as dicts: `case`, `fold`, and a float per metric column present."""
+    path = fold_dir(run_dir, fold) / "metrics.csv"
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            raw_rows = list(csv.DictReader(handle))
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the fold's metrics ({exc.__class__.__name__})") from exc
+    rows = []
+    for raw in raw_rows:
+        case = next((raw[c] for c in CASE_COLUMNS if raw.get(c)), None)
+        if case is None:
+            continue  # a summary line (e.g. "mean") rather than a case
+        row: dict = {"case": case, "fold": fold}
+        for column in metric_columns():
+            if raw.get(column) not in (None, ""):
+                try:
+                    row[column] = float(raw[column])
+                except ValueError as exc:
+                    raise DataError(f"{path}: case {case!r} has {column}={raw[column]!r}, not a number") from exc
+        rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no case rows")
+    return rows
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def _mean_std(values: list[float]) -> dict:
+    finite = _finite(values)
+    if not finite:
+        return {"mean": None, "std": None, "n": 0}
+    std = statistics.stdev(finite) if len(finite) > 1 else None
+    return {"mean": statistics.fmean(finite), "std": std, "n": len(finite)}
+
+
+def fold_means(rows: list[dict]) -> dict[str, float | None]:
+    """Mean over the fold's cases per metric column (non-finite values, e.g. an undefined HD95, skipped)."""
+    out = {}
+    for column in metric_columns():
+        finite = _finite([r[column] for r in rows if column in r])
+        out[column] = statistics.fmean(finite) if finite else None
+    return out
+
+
+def aggregate(case_rows_by_fold: dict[int, list[dict]]) -> dict:
+    """{metric: {region: {mean, std, n (folds), per_fold: [...], case_mean, case_std, cases}}}."""
+    per_fold = {k: fold_means(rows) for k, rows in case_rows_by_fold.items()}
+    table: dict = {}
+    for metric in METRICS:
+        for region in REGIONS:
+            column = f"{metric}_{region.lower()}"
+            fold_values = [per_fold[k][column] for k in sorted(per_fold)]
+            if all(v is None for v in fold_values):
+                continue
+            over_folds = _mean_std([v for v in fold_values if v is not None])
+            over_cases = _mean_std([r[column] for rows in case_rows_by_fold.values() for r in rows if column in r])
+            table.setdefault(metric, {})[region] = {
+                **over_folds,
+                "per_fold": fold_values,
+                "case_mean": over_cases["mean"],
+                "case_std": over_cases["std"],
+                "cases": over_cases["n"],
+            }
+    return table
+
+
+def format_mean_std(cell: dict | None, digits: int = 3) -> str:
+    if not cell or cell.get("mean") is None:
+        return "—"
+    text = f"{cell['mean']:.{digits}f}"
+    return text + (f" ± {cell['std']:.{digits}f}" if cell.get("std") is not None else "")
+
+
+def markdown_metric_table(table: dict, digits: int = 3) -> str:
+    lines = ["| metric | " + " | ".join(REGIONS) + " |", "|---|" + "---|" * len(REGIONS)]
+    for metric in METRICS:
+        if metric not in table:
+            continue
+        cells = [format_mean_std(table[metric].get(region), 2 if metric == "hd95" else digits) for region in REGIONS]
+        lines.append(f"| {METRIC_TITLES[metric]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def fold_record(state: FoldState, rows: list[dict] | None, split_sizes: tuple[int, int]) -> dict:
+    epoch_seconds = state.epoch_seconds
+    return {
+        "fold": state.fold,
+        "status": "done" if state.done else ("trained" if state.trained else "training" if state.epochs_completed else "pending"),
+        "train_cases": split_sizes[0],
+        "val_cases": split_sizes[1],
+        "epochs": state.epochs_completed,
+        "best_epoch": state.best_epoch,
+        "best_val_dice": state.best_val_dice,
+        "stopped_early": state.stopped_early,
+        "train_hours": state.train_seconds / 3600.0,
+        "median_epoch_seconds": statistics.median(epoch_seconds) if epoch_seconds else None,
+        "peak_memory_bytes": state.peak_memory_bytes,
+        "invocations": state.invocations,
+        "evaluated_at": state.evaluated_at,
+        "mean": fold_means(rows) if rows else None,
+    }
+
+
+def render_cv_markdown(summary: dict) -> str:
+    done, total = len(summary["folds_done"]), len(summary["folds"])
+    lines = [
+        f"# Cross-validation: {summary['name']}",
+        "",
+        f"{done} of {total} folds trained and evaluated"
+        + ("." if summary["complete"] else " (the run continues on the next `brats-swap cv` invocation)."),
+        f"Summary written {summary['generated_at']}.",
+        "",
+        f"## Validation metrics, mean ± std over {done} fold{'s' if done != 1 else ''}",
+        "",
+        markdown_metric_table(summary["table"]) if summary["table"] else "No fold evaluated yet.",
+        "",
+        "## Folds",
+        "",
+        "| fold | status | train/val cases | epochs | best epoch | early stop | hours | s/epoch (median) "
+        + "".join(f"| Dice {region} " for region in REGIONS) + "|",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(REGIONS),
+    ]
+    for record in summary["folds"]:
+        mean = record["mean"] or {}
+        dice = {r: "—" if mean.get(f"dice_{r}") is None else f"{mean[f'dice_{r}']:.3f}" for r in _REGION_KEYS}
+
+        epoch_s = record["median_epoch_seconds"]
+        lines.append(
+            f"| {record['fold']} | {record['status']} | {record['train_cases']}/{record['val_cases']} "
+            f"| {record['epochs']} | {record['best_epoch'] if record['best_epoch'] is not None else '—'} "
+            f"| {'yes' if record['stopped_early'] else 'no'} | {record['train_hours']:.3f} "
+            f"| {f'{epoch_s:.1f}' if epoch_s is not None else '—'} | " + " | ".join(dice[r] for r in _REGION_KEYS) + " |"
+        )
+    lines += ["", f"Total training time: {summary['total_train_hours']:.3f} h.", ""]
+    if summary["table"]:
+        lines += [f"![per-case Dice]({BOXPLOT_PNG})", ""]
+    return "\n".join(lines)
+
+
+def savefig_deterministic(figure, path: Path) -> None:
+    """PNG without a software/date stamp, so an unchanged plot gives an unchanged file."""
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=110, metadata={"Software": None})
+
+
+def dice_boxplot(case_rows: list[dict], path: Path, title: str) -> None:
+    """Per-case Dice per region over all folds (one box per region, every case drawn as a dot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [[r[f"dice_{region.lower()}"] for r in case_rows if f"dice_{region.lower()}" in r] for region in REGIONS]
+    figure, axis = plt.subplots(figsize=(5, 4))
+    axis.boxplot(data, showfliers=False)
+    axis.set_xticks(range(1, len(REGIONS) + 1), REGIONS)
+    for i, values in enumerate(data, start=1):
+        # A deterministic spread of the dots (no random jitter: the PNG must be reproducible).
+        offsets = [(-0.12 + 0.24 * j / max(len(values) - 1, 1)) for j in range(len(values))]
+        axis.scatter([i + o for o in offsets], values, s=10, alpha=0.6, color="tab:blue", zorder=3)
+    axis.set_ylim(-0.02, 1.02)
+    axis.set_ylabel("Dice")
+    axis.set_title(title)
+    axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    savefig_deterministic(figure, path)
+    plt.close(figure)
+
+
+def build_cv_summary(name: str, run_dir: Path, splits: dict, folds: list[int],
+                     states: dict[int, FoldState]) -> tuple[dict, dict[int, list[dict]]]:
+    rows_by_fold = {k: read_case_rows(run_dir, k) for k in folds if states[k].evaluated}
+    records = []
+    for k in folds:
+        entry = splits["folds"][k]
+        records.append(fold_record(states[k], rows_by_fold.get(k), (len(entry["train"]), len(entry["val"]))))
+    summary = {
+        "name": name,
+        "generated_at": utc_now(),
+        "complete": all(states[k].done for k in folds),
+        "folds_done": [k for k in folds if states[k].done],
+        "folds": records,
+        "total_train_hours": sum(states[k].train_seconds for k in folds) / 3600.0,
+        "table": aggregate(rows_by_fold) if rows_by_fold else {},
+    }
+    return summary, rows_by_fold
+
+
+def write_cv_summary(name: str, run_dir: Path, splits: dict, folds: list[int],
+                     states: dict[int, FoldState]) -> dict:
+    """Write cv_summary.json, cv_summary.md and figures/dice_boxplot.png (atomically); return the summary."""
+    run_dir = Path(run_dir)
+    summary, rows_by_fold = build_cv_summary(name, run_dir, splits, folds, states)
+    atomic_write_json(run_dir / SUMMARY_JSON, summary)
+    atomic_write_text(run_dir / SUMMARY_MD, render_cv_markdown(summary))
+    all_rows = [r for k in sorted(rows_by_fold) for r in rows_by_fold[k]]
+    if all_rows:
+        dice_boxplot(all_rows, run_dir / BOXPLOT_PNG, f"{name}: per-case Dice, {len(rows_by_fold)} fold(s)")
+    return summary

@@ -1,0 +1,356 @@
+"""`MemoryEngine`: applies a memory policy (swap / recompute / hybrid) to any `nn.Module`.
+
+The engine installs, reversibly:
+- a forward pre/post hook on every module, so each saved tensor is attributed to the innermost running
+  module's qualified name (what `swap.include` / `swap.exclude` globs match);
+- block markers on the blocks (`discover_blocks`, or the `blocks` argument): a forward pre-hook numbers
+  each block call and releases the device copies of tensors swapped before it; a prehook on the
+  `grad_fn` of each block output fires when backward reaches that block and issues the reloads needed
+  within `swap.lookahead` blocks (TransformerEngine's approach: no extra autograd node, no changed
+  outputs);
+- for `recompute` / `hybrid`: checkpoint wrappers and norm_act recipes (`recompute.py`).
+
+Saved tensors themselves are handled by `swap.SavedTensorEngine` through `saved_tensors_hooks`, active
+only inside `engine.step()` (the forward and the loss); backward runs outside it.
+
+When swapped memory leaves and comes back:
+- release (forward): at every module start, swapped storages whose copy has finished are dropped (CUDA:
+  `event.query()`, never waits); at every block start all earlier ones are dropped (the compute stream
+  waits for their copies); `swap.max_inflight_bytes` forces the oldest out earlier.
+- reload (backward), `swap.lookahead = L >= 1`: when backward reaches block b, every storage first used
+  in blocks >= b - L is reloaded (so up to L + 1 blocks of swapped tensors are resident). The tail saved
+  in the last module of the forward is never released.
+- `swap.lookahead = 0`: the smallest footprint. Finished copies are released at the end of forward too,
+  and exactly one swapped tensor is kept reloaded ahead of backward, following the first-unpack order
+  learned in the previous step (first step: reverse forward order; its misses are counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from brats_swap.config.schema import MemoryConfig
+from brats_swap.errors import ConfigError
+from brats_swap.memory.policy import RECOMPUTE_MODES, SavedRecord, effective_memory_config
+from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
+from brats_swap.memory.stats import StepStats
+from brats_swap.memory.swap import SavedTensorEngine, _Where
+
+COMPUTE_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
+)
+
+
+def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Blocks for prefetch markers, found structurally: the innermost modules that own a conv/linear layer.
+
+    A module is a candidate when one of its direct children is a convolution or linear layer. Candidates
+    that contain other candidates are not blocks themselves; their direct conv/linear children are. For
+    the U-Net each ConvNormAct is a block (and a bare 1x1 segmentation conv). Returns (name, module)
+    pairs in registration order; block *ordinals* are assigned per call at run time.
+    """
+    parents: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if any(isinstance(child, COMPUTE_TYPES) for child in module.children()):
+            parents[name] = module
+    if not parents:
+        return [("", model)] if isinstance(model, COMPUTE_TYPES) else []
+
+    def contains_candidate(name: str) -> bool:
+        prefix = f"{name}." if name else ""
+        return any(other != name and other.startswith(prefix) for other in parents)
+
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, module in parents.items():
+        if not contains_candidate(name):
+            blocks.append((name, module))
+            continue
+        for child_name, child in module.named_children():
+            if isinstance(child, COMPUTE_TYPES):
+                blocks.append((f"{name}.{child_name}" if name else child_name, child))
+    return blocks
+
+
+def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
+    if blocks is None:
+        return discover_blocks(model)
+    modules = dict(model.named_modules())
+    names = {id(module): name for name, module in model.named_modules()}
+    resolved = []
+    for item in blocks:
+        if isinstance(item, str):
+            if item not in modules:
+                raise ConfigError(f"memory engine blocks: no module named {item!r} in the model")
+            resolved.append((item, modules[item]))
+        elif isinstance(item, tuple):
+            resolved.append((item[0], item[1]))
+        elif isinstance(item, nn.Module) and id(item) in names:
+            resolved.append((names[id(item)], item))
+        else:
+            raise ConfigError(f"memory engine blocks: {item!r} is not a module name or a submodule of the model")
+    return resolved
+
+
+def _validate(cfg: MemoryConfig) -> None:
+    if cfg.mode == "auto":
+        raise ConfigError("memory.mode=auto must be resolved by brats_swap.memory.planner.choose_policy "
+                          "before the engine is built")
+    if cfg.mode not in ("none", "swap", "recompute", "hybrid"):
+        raise ConfigError(f"memory.mode: unknown mode {cfg.mode!r} (none, swap, recompute, hybrid, auto)")
+    swap = cfg.swap
+    if swap.tensors < -1:
+        raise ConfigError(f"memory.swap.tensors: must be -1 (all) or >= 0, got {swap.tensors}")
+    if swap.lookahead < 0:
+        raise ConfigError(f"memory.swap.lookahead: must be 0 or more, got {swap.lookahead}")
+    if swap.min_bytes < 0:
+        raise ConfigError(f"memory.swap.min_bytes: must be 0 or more, got {swap.min_bytes}")
+    if swap.max_inflight_bytes <= 0:
+        raise ConfigError(f"memory.swap.max_inflight_bytes: must be positive, got {swap.max_inflight_bytes}")
+    if swap.compress not in ("none", "bf16"):
+        raise ConfigError(f"memory.swap.compress: must be none or bf16, got {swap.compress!r}")
+
+
+def memory_config_from(policy: MemoryConfig | dict | str | None) -> MemoryConfig:
+    """A `MemoryConfig` from a config object, a dict shaped like the YAML `memory:` section, or a mode name."""
+    if policy is None:
+        return MemoryConfig()
+    if isinstance(policy, MemoryConfig):
+        return policy
+    if isinstance(policy, str):
+        policy = {"mode": policy}
+    if not isinstance(policy, dict):
+        raise ConfigError(f"memory policy: expected a MemoryConfig, a dict or a mode name, got {type(policy).__name__}")
+    from brats_swap.config.loader import from_dict
+
+    return from_dict(MemoryConfig, policy, prefix="memory")
+
+
+class MemoryEngine:
+    """Apply `memory_cfg` to `model`. Mode `none` is a no-op unless `measure=True` (stats only).
+
+    Training-loop use (backward outside the step context):
+
+        engine = MemoryEngine(model, cfg.memory, device)
+        with engine.step():
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        stats = engine.last_stats()     # StepStats, .as_dict() for loggers
+        ...
+        engine.close()                  # removes every hook and wrapper
+
+    Arguments beyond the contract: `blocks` (module names, modules or (name, module) pairs used as
+    prefetch blocks; default `discover_blocks`), `measure` (install the hooks in mode none to report
+    saved bytes), `prefetch=False` (every reload is a synchronous miss; for tests), `arena_bytes`
+    (pre-size the host arena, e.g. from the planner's prediction).
+    """
+
+    def __init__(self, model: nn.Module, memory_cfg: MemoryConfig | dict | str | None = None,
+                 device: torch.device | str | None = None, *, blocks: Sequence | None = None,
+                 measure: bool = False, prefetch: bool = True, arena_bytes: int = 0):
+        cfg = memory_config_from(memory_cfg)
+        _validate(cfg)
+        cfg = effective_memory_config(cfg)
+        self.model = model
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else None
+        self.enabled = cfg.mode != "none" or measure
+        self._hooks: list = []
+        self._checkpointed: CheckpointedModules | None = None
+        self.recipes: NormActRecipes | None = None
+        self.blocks: list[tuple[str, nn.Module]] = []
+        self._in_forward = False
+        self._stats = StepStats()
+        self.core: SavedTensorEngine | None = None
+        if not self.enabled:
+            return
+
+        self.core = SavedTensorEngine(cfg, param_storages=self._param_storages, where=self._where,
+                                      prefetch=prefetch, arena_bytes=arena_bytes)
+        self._reset_forward_state()
+        for name, module in model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._module_start, name)))
+            self._hooks.append(module.register_forward_hook(self._module_end, always_call=True))
+        self.blocks = _resolve_blocks(model, blocks)
+        for _name, module in self.blocks:
+            self._hooks.append(module.register_forward_pre_hook(self._block_start))
+            self._hooks.append(module.register_forward_hook(self._block_end, always_call=True))
+        if cfg.mode in RECOMPUTE_MODES:
+            if cfg.recompute.modules:
+                self._checkpointed = CheckpointedModules(model, cfg.recompute.modules, self._count_checkpoint,
+                                                        self._checkpoint_done)
+                if not self._checkpointed.names:
+                    self.close()
+                    raise ConfigError(f"memory.recompute.modules: {cfg.recompute.modules} match no module of the model")
+            if cfg.recompute.norm_act:
+                self.recipes = NormActRecipes(model, self.core)
+                self.core.recipes = self.recipes
+
+    # ------------------------------------------------------------------ public API
+    @contextlib.contextmanager
+    def step(self) -> Iterator[MemoryEngine]:
+        """Run the forward (and loss) of one step inside this context; call backward after it."""
+        if not self.enabled:
+            yield self
+            return
+        if self._in_forward:
+            raise RuntimeError("MemoryEngine.step() is not re-entrant")
+        self.core.begin_step()
+        self._reset_forward_state()
+        self._in_forward = True
+        if self.recipes is not None:
+            self.recipes.active = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.core.pack, self.core.unpack):
+                yield self
+        finally:
+            self._in_forward = False
+            if self.recipes is not None:
+                self.recipes.active = False
+                self.recipes.reset()
+            self.core.finish_forward(self._last_block)
+
+    def last_stats(self) -> StepStats:
+        """Statistics of the latest step (complete once its backward has run)."""
+        if self.core is None:
+            return StepStats()
+        return self.core.step_stats()
+
+    def last_records(self) -> list[SavedRecord]:
+        """Every storage saved in the latest forward, as `policy.SavedRecord`s (what a planner predicts)."""
+        return list(self.core.records) if self.core is not None else []
+
+    def last_swapped(self) -> set[int]:
+        """Indices (into `last_records()`) of the storages the latest step swapped."""
+        if self.core is None:
+            return set()
+        return {i for i, decision in enumerate(self.core.decisions) if decision == "swap"}
+
+    @property
+    def checkpointed_modules(self) -> list[str]:
+        return list(self._checkpointed.names) if self._checkpointed is not None else []
+
+    def close(self) -> None:
+        """Remove every hook and wrapper; the model is exactly as before."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._checkpointed is not None:
+            self._checkpointed.remove()
+            self._checkpointed = None
+        if self.recipes is not None:
+            self.recipes.remove()
+            self.recipes = None
+            self.core.recipes = None
+
+    remove = close
+
+    def __enter__(self) -> MemoryEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ forward bookkeeping
+    def _reset_forward_state(self) -> None:
+        self._module_stack: list[str] = []
+        self._block_stack: list[int] = []
+        self._blocks_started = 0
+        self._last_block = -1
+
+    def _param_storages(self) -> set[int]:
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().data_ptr() != 0}
+
+    def _where(self) -> _Where:
+        module = self._module_stack[-1] if self._module_stack else ""
+        if self._block_stack:
+            return _Where(module, self._block_stack[-1], self._block_stack[-1])
+        return _Where(module, self._last_block, self._last_block + 1)
+
+    def _module_start(self, name: str, module: nn.Module, args) -> None:
+        if self._in_forward:
+            self._module_stack.append(name)
+            self.core.release_completed()
+
+    def _module_end(self, module: nn.Module, args, output) -> None:
+        if self._in_forward and self._module_stack:
+            self._module_stack.pop()
+
+    def _count_checkpoint(self) -> None:
+        if self._in_forward:
+            self.core.stats.recomputed_modules += 1
+
+    def _checkpoint_done(self, args: tuple) -> None:
+        """The region's saved inputs are first used when backward recomputes it, i.e. in its last block."""
+        if not self._in_forward:
+            return
+        for tensor in _tensors_in(list(args)):
+            record = self.core.lookup(tensor)
+            if record is not None:
+                self.core.raise_use_marker(record, self._last_block)
+
+    def _block_start(self, module: nn.Module, args) -> None:
+        if not self._in_forward:
+            return
+        self.core.release_pending()
+        ordinal = self._blocks_started
+        self._blocks_started += 1
+        self._block_stack.append(ordinal)
+        self._last_block = ordinal
+
+    def _block_end(self, module: nn.Module, args, output) -> None:
+        if not self._in_forward or not self._block_stack:
+            return
+        ordinal = self._block_stack.pop()
+        marker = functools.partial(self._block_backward, self.core.step_id, ordinal)
+        for tensor in _tensors_in(output):
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(marker)
+
+    def _block_backward(self, step_id: int, ordinal: int, grad_outputs) -> None:
+        if self.core is not None and step_id == self.core.step_id:
+            self.core.on_block_backward(ordinal)
+
+
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors_in(item)]
+    return []
+
+
+@contextlib.contextmanager
+def memory_policy(model: nn.Module, policy: MemoryConfig | dict | str | None = None,
+                  device: torch.device | str | None = None, **engine_kwargs) -> Iterator[MemoryEngine]:
+    """Apply a memory policy to any `nn.Module` for the duration of a `with` block.
+
+    `policy` has the fields of the YAML `memory:` section (a dict, a `MemoryConfig`, or just a mode name).
+    Example (README):
+
+        from brats_swap.memory import memory_policy
+
+        policy = {"mode": "hybrid", "swap": {"exclude": ["decoder.*"], "lookahead": 2},
+                  "recompute": {"norm_act": True}}
+        with memory_policy(model, policy) as engine:
+            for x, y in loader:
+                with engine.step():                 # saved tensors are swapped/recomputed here
+                    loss = loss_fn(model(x), y)
+                loss.backward()                     # reloads are prefetched block by block
+                optimizer.step(); optimizer.zero_grad()
+                print(engine.last_stats().as_dict())
+        # leaving the block removes every hook: the model is untouched
+    """
+    engine = MemoryEngine(model, policy, device, **engine_kwargs)
+    try:
+        yield engine
+    finally:
+        engine.close()

@@ -1,0 +1,113 @@
+"""Checkpoints: full training state, checksummed, written atomically, with a fallback to the previous file.
+
+File format: a `torch.save`d dict `{"format": 1, "sha256": <hex>, "payload": <bytes>}` where `payload` is
+the `torch.save` of the state dict. The checksum is verified on load, so a torn or bit-rotted file is
+detected instead of silently resuming from garbage. Both levels load with `weights_only=True`: the state
+holds only tensors, numbers, strings, lists and dicts (RNG states are converted to plain lists), so a
+checkpoint is never arbitrary pickle.
+
+Per fold folder: `checkpoint_latest.pt` (every epoch, and on interruption), `checkpoint_prev.pt` (the
+latest before it, kept as the fallback) and `checkpoint_best.pt` (best mean validation Dice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from brats_swap.atomic import atomic_path
+from brats_swap.errors import CheckpointError
+
+CHECKPOINT_FORMAT = 1
+LATEST = "checkpoint_latest.pt"
+PREVIOUS = "checkpoint_prev.pt"
+BEST = "checkpoint_best.pt"
+
+
+def save_checkpoint(state: dict[str, Any], path: Path, *, keep_previous: bool = False) -> None:
+    """Write `state` atomically; with `keep_previous`, the file it replaces becomes `checkpoint_prev.pt`."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    record = {"format": CHECKPOINT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
+    with atomic_path(path) as tmp:
+        torch.save(record, tmp)
+        # Rotate only once the new file is complete on disk: at any instant either latest or prev is good.
+        if keep_previous and path.exists():
+            os.replace(path, path.with_name(PREVIOUS))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read and verify one checkpoint file; raises CheckpointError naming the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint not found")
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for truncated/garbled files
+        raise CheckpointError(f"{path}: unreadable checkpoint ({exc.__class__.__name__})") from exc
+    if not isinstance(record, dict) or record.get("format") != CHECKPOINT_FORMAT or "payload" not in record:
+        raise CheckpointError(f"{path}: not a brats-swap checkpoint (format {CHECKPOINT_FORMAT})")
+    payload = record["payload"]
+    if hashlib.sha256(payload).hexdigest() != record.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch, the file is corrupted")
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint payload ({exc.__class__.__name__})") from exc
+
+
+def load_latest(fold_dir: Path, warn=None) -> tuple[dict[str, Any], Path] | None:
+    """The newest good training state of a fold: latest, else prev (with a warning); None if neither exists.
+
+    Raises CheckpointError when files exist but none is usable.
+    """
+    fold_dir = Path(fold_dir)
+    latest, previous = fold_dir / LATEST, fold_dir / PREVIOUS
+    if not latest.exists() and not previous.exists():
+        return None
+    problem = f"{latest}: checkpoint not found"
+    if latest.exists():
+        try:
+            return load_checkpoint(latest), latest
+        except CheckpointError as exc:
+            problem = str(exc)
+    if previous.exists():
+        state = load_checkpoint(previous)
+        if warn is not None:
+            warn(f"{problem}; falling back to {previous.name} (epoch {state.get('epoch', '?')})")
+        return state, previous
+    raise CheckpointError(f"{problem}, and there is no {PREVIOUS} to fall back to")
+
+
+def capture_rng_states(loader_generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Every RNG the training step can touch, in weights_only-safe types."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "python": [version, list(internal), gauss_next],
+        "loader": loader_generator.get_state() if loader_generator is not None else None,
+    }
+
+
+def restore_rng_states(states: dict[str, Any], loader_generator: torch.Generator | None = None) -> None:
+    torch.set_rng_state(states["torch"])
+    if states.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if loader_generator is not None and states.get("loader") is not None:
+        loader_generator.set_state(states["loader"])

@@ -1,0 +1,43 @@
+"""Shared pieces of the distributed tests: start N gloo ranks on the loopback interface.
+
+`spawn_ranks(worker, nprocs, *args)` runs `worker(ctx, *args)` in N fresh processes (torch.multiprocessing
+spawn), each with torchrun's environment variables set, so the code under test goes through the same
+`init_distributed` path as under `torchrun`. Workers must be module-level functions (spawn pickles them by
+name) and report through files in a tmp folder; an exception in any rank fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from brats_swap.distributed import DistContext, cleanup, free_port, init_distributed
+
+
+def _entry(rank: int, worker: Callable[..., Any], nprocs: int, port: int, args: tuple) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1",
+    })
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
+    ctx = init_distributed("cpu")
+    try:
+        worker(ctx, *args)
+    finally:
+        cleanup()
+
+
+def spawn_ranks(worker: Callable[..., Any], nprocs: int, *args: Any) -> None:
+    mp.spawn(_entry, args=(worker, nprocs, free_port(), args), nprocs=nprocs, join=True)
+
+
+def torchrun_env(nprocs: int, rank: int, port: int) -> dict[str, str]:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nprocs)}
+
+
+__all__ = ["DistContext", "spawn_ranks", "torchrun_env"]

@@ -1,0 +1,72 @@
+"""Shared helpers for the memory-engine tests: a tiny real U-Net and a plain-vs-engine step runner."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from brats_swap.config import ModelConfig
+from brats_swap.memory import MemoryEngine
+from brats_swap.model import build_model
+
+# The real architecture (depth 5, deep supervision, dropout 0.3) with 2 base filters: fast on 2 cores.
+TINY_UNET = ModelConfig(base_filters=2, dropout=0.3)
+
+
+def make_unet(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model(TINY_UNET)
+
+
+def batch(step: int, cube: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(1, 4, cube, cube, cube, generator=generator)
+    y = (torch.rand(1, 3, cube, cube, cube, generator=generator) > 0.7).float()
+    return x, y
+
+
+def dice_loss(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    dims = (0, 2, 3, 4)
+    intersection = (probs * target).sum(dims)
+    return 1 - (2 * intersection + 1e-5).div(probs.sum(dims) + target.sum(dims) + 1e-5).mean()
+
+
+def train_steps(policy, steps: int = 3, cube: int = 32, **engine_kwargs):
+    """Losses, gradients and parameters after each of `steps` SGD steps; the engine's stats per step.
+
+    `policy=None` is plain PyTorch. The RNG is seeded identically before every step so dropout draws the
+    same masks with and without the engine.
+    """
+    model = make_unet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = MemoryEngine(model, policy, **engine_kwargs) if policy is not None else None
+    history, stats = [], []
+    for step in range(steps):
+        x, y = batch(step, cube)
+        torch.manual_seed(step)
+        context = engine.step() if engine is not None else contextlib.nullcontext()
+        with context:
+            loss = dice_loss(model(x), y)
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        history.append((loss.detach().clone(), grads, [p.detach().clone() for p in model.parameters()]))
+        if engine is not None:
+            stats.append(engine.last_stats())
+    return history, stats, engine
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by name (e.g. convolutions run in forward and in backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

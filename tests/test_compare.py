@@ -1,0 +1,111 @@
+"""`compare --patch` logic with the scripted training loop: two arms, shared folds, tables, figures, resume.
+
+tests/test_cv_integration.py runs the real comparison on tiny phantoms.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cv_helpers import CASE_IDS, PATCH_PENALTY, FakeTraining, epochs_trained
+
+from brats_swap import compare
+from brats_swap.config import load_config
+from brats_swap.cv import runner
+from brats_swap.cv.lock import run_lock
+from brats_swap.errors import ConfigError, DataError, RunLockedError
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    training = FakeTraining()
+    monkeypatch.setattr(runner, "train_fold", training.train_fold)
+    monkeypatch.setattr(runner, "evaluate_fold", training.evaluate_fold)
+    monkeypatch.setattr(runner, "list_prepared", lambda cache: list(CASE_IDS))
+    (tmp_path / "cache").mkdir()
+    return training
+
+
+@pytest.fixture
+def config(tmp_path):
+    return load_config(None, [f"data.cache={tmp_path / 'cache'}", f"data.root={tmp_path / 'no-data'}", "cv.folds=3",
+                              "train.max_epochs=2", "name=cmp", "data.cube=[64,64,64]", "train.patch=[32,32,32]",
+                              "memory.mode=swap"])
+
+
+def test_compare_trains_both_arms_on_the_same_folds_and_writes_the_comparison(fake, config, tmp_path):
+    run_dir = tmp_path / "cmp"
+    outcome = compare.run_compare(config, run_dir, folds=2)
+    assert outcome.complete and outcome.folds == [0, 1]
+    # Alternating arms, fold by fold; the patch arm without the memory engine.
+    assert fake.modes == [("full", "swap", 0), ("patch", "none", 0), ("full", "swap", 1), ("patch", "none", 1)]
+    splits = json.loads((run_dir / "splits.json").read_text())
+    for arm in compare.ARMS:
+        assert json.loads((run_dir / arm / "splits.json").read_text())["folds"] == splits["folds"]
+        assert (run_dir / arm / "cv_summary.md").exists()
+        assert epochs_trained(run_dir / arm, 1) == [1, 2] and not (run_dir / arm / "fold_2").exists()
+
+    result = json.loads((run_dir / "compare.json").read_text())
+    assert result["paired_cases"] == 4 and result["folds_compared"] == [0, 1]
+    wt = result["metrics"]["dice"]["WT"]
+    assert wt["difference"] == pytest.approx(PATCH_PENALTY)
+    assert wt["full_better_cases"] == 4
+    assert wt["full"]["mean"] - wt["patch"]["mean"] == pytest.approx(PATCH_PENALTY)
+    assert result["metrics"]["dice"]["TC"]["difference"] == pytest.approx(0.0)
+    assert result["timing"]["full"]["epochs_per_fold"] == [2, 2]
+    assert result["timing"]["patch"]["median_epoch_seconds"] == pytest.approx(0.5)
+    markdown = (run_dir / "compare.md").read_text()
+    assert "| Dice | WT |" in markdown and f"{PATCH_PENALTY:+.3f}" in markdown
+    assert "one epoch (median, s) | 0.5 | 0.5" in markdown
+    for figure in (compare.BOXPLOT_PNG, compare.CURVES_PNG):
+        assert (run_dir / figure).read_bytes()[:4] == b"\x89PNG"
+        assert f"({figure})" in markdown
+    # No predictions/ground truth on disk for the stand-in: the overlay figure is left out, not broken.
+    assert compare.OVERLAYS_PNG not in result["figures"] and compare.OVERLAYS_PNG not in markdown
+
+
+def test_compare_resumes_where_the_window_closed(fake, config, tmp_path):
+    run_dir = tmp_path / "cmp"
+    now = [0.0]
+
+    def one_minute_epochs(fold, epoch):
+        now[0] += 60.0
+
+    fake.during_epoch = one_minute_epochs
+    first = compare.run_compare(config, run_dir, folds=1, max_hours=150 / 3600, clock=lambda: now[0])
+    assert not first.complete and first.stop_reason == "max-hours"
+    assert (run_dir / "full" / "fold_0" / "state.json").exists()
+    fake.during_epoch = None
+    second = compare.run_compare(config, run_dir, folds=1)
+    assert second.complete
+    for arm in compare.ARMS:
+        assert epochs_trained(run_dir / arm, 0) == [1, 2]
+    assert len((run_dir / "cv.log").read_text().splitlines()) == 2
+
+
+def test_compare_is_locked_per_folder(fake, config, tmp_path):
+    run_dir = tmp_path / "cmp"
+    with run_lock(run_dir / "patch"):  # e.g. `brats-swap cv --run cmp/patch` still running
+        with pytest.raises(RunLockedError, match="patch"):
+            compare.run_compare(config, run_dir, folds=1)
+    assert fake.calls == []
+
+
+def test_compare_refuses_diverging_splits_and_bad_fold_counts(fake, config, tmp_path):
+    run_dir = tmp_path / "cmp"
+    compare.run_compare(config, run_dir, folds=1)
+    with pytest.raises(ConfigError, match="--folds 4"):
+        compare.run_compare(config, run_dir, folds=4)
+    patch_splits = run_dir / "patch" / "splits.json"
+    edited = json.loads(patch_splits.read_text())
+    edited["folds"].reverse()
+    patch_splits.write_text(json.dumps(edited))
+    with pytest.raises(DataError, match="same folds"):
+        compare.run_compare(config, run_dir, folds=1)
+
+
+def test_arm_configs_reject_a_patch_larger_than_the_cube(config):
+    config.train.patch = [128, 128, 128]
+    with pytest.raises(ConfigError, match="train.patch"):
+        compare.arm_configs(config)

@@ -1,0 +1,134 @@
+"""Memory engine on the real U-Net: bitwise-equal training under every policy, and the memory it saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from memory_helpers import OpCounter, batch, dice_loss, make_unet, train_steps
+
+from brats_swap.config import MemoryConfig, SwapConfig
+from brats_swap.memory import MemoryEngine, select_swapped
+from brats_swap.memory.engine import memory_config_from
+
+# min_bytes 0 so the tiny test volumes swap every activation (the default 1 MiB would skip most of them).
+POLICIES = {
+    "swap_all": {"mode": "swap", "swap": {"min_bytes": 0}},
+    "swap_first_n": {"mode": "swap", "swap": {"tensors": 40, "min_bytes": 0}},
+    "swap_no_decoder": {"mode": "swap", "swap": {"exclude": ["decoder.*"], "min_bytes": 0}},
+    # swap_all and swap_no_decoder use the default lookahead 1 (lookahead 0: test_memory_edge.py).
+    "lookahead_3": {"mode": "swap", "swap": {"lookahead": 3, "exclude": ["decoder.*"], "min_bytes": 0}},
+    "recompute_blocks": {"mode": "recompute", "recompute": {"modules": ["encoder.*", "decoder.*"]}},
+    "norm_act": {"mode": "recompute", "recompute": {"norm_act": True}},
+    "hybrid": {"mode": "hybrid", "swap": {"min_bytes": 0, "lookahead": 2},
+               "recompute": {"norm_act": True, "modules": ["encoder.level1", "decoder.level2"]}},
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    history, _, _ = train_steps(None)
+    return history
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_training_is_bitwise_identical(reference, name):
+    history, stats, engine = train_steps(POLICIES[name])
+    for step, ((loss, grads, params), (ref_loss, ref_grads, ref_params)) in enumerate(zip(history, reference, strict=True)):
+        assert torch.equal(loss, ref_loss), f"{name}: loss differs at step {step}"
+        for i, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
+            assert torch.equal(grad, ref_grad), f"{name}: gradient {i} differs at step {step}"
+        for param, ref_param in zip(params, ref_params, strict=True):
+            assert torch.equal(param, ref_param), f"{name}: parameters differ after step {step}"
+
+    cfg = engine.cfg
+    last = stats[-1]
+    assert last.saved_bytes > 0
+    if cfg.mode in ("swap", "hybrid"):
+        assert last.swapped_out_bytes > 0 and last.swapped_in_bytes > 0
+        # The planner's pure function predicts exactly what the engine swapped.
+        assert select_swapped(engine.last_records(), cfg.swap) == engine.last_swapped()
+        # Once the backward order is learned (step 2+), prefetching never misses on this network.
+        assert last.prefetch_misses == 0, f"{name}: {last.prefetch_misses} prefetch misses"
+    if cfg.recompute.modules and cfg.mode != "swap":
+        assert last.recomputed_modules > 0
+    if cfg.recompute.norm_act and cfg.mode != "swap":
+        assert last.recomputed_tensors > 0
+    records = engine.last_records()
+    swapped = engine.last_swapped()
+    # One decision per storage: nothing is both swapped and recomputed.
+    assert not any(records[i].recompute for i in swapped)
+    if name == "swap_no_decoder":
+        assert swapped and not any(records[i].module.startswith("decoder.") for i in swapped)
+    if name == "swap_first_n":
+        assert len(swapped) == 40 and max(swapped) < max(i for i, r in enumerate(records) if not r.is_param)
+    # The engine reverts cleanly.
+    model = engine.model
+    engine.close()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def _peak_and_convs(policy, cube: int):
+    model = make_unet()
+    engine = MemoryEngine(model, policy, measure=True)
+    x, y = batch(0, cube)
+    with engine.step():
+        loss = dice_loss(model(x), y)
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    stats = engine.last_stats()
+    engine.close()
+    return stats, counter.counts
+
+
+def test_peak_resident_saved_bytes_at_48():
+    none, none_bwd = _peak_and_convs("none", 48)
+    # Swap every activation (min_bytes 4 KiB only keeps the per-channel statistics), reloading one tensor
+    # ahead of backward (lookahead 0: the smallest window; lookahead 1 holds two blocks, about 23%).
+    swap, _ = _peak_and_convs({"mode": "swap", "swap": {"min_bytes": 4096, "lookahead": 0}}, 48)
+    norm_act, norm_act_bwd = _peak_and_convs({"mode": "recompute", "recompute": {"norm_act": True}}, 48)
+
+    assert none.peak_resident_saved_bytes == none.saved_bytes > 0
+    assert swap.swapped_out_bytes >= 0.99 * swap.saved_bytes
+    assert swap.prefetch_misses == 0
+    assert swap.peak_resident_saved_bytes <= 0.15 * none.peak_resident_saved_bytes, \
+        swap.peak_resident_saved_bytes / none.peak_resident_saved_bytes
+    assert norm_act.peak_resident_saved_bytes <= 0.60 * none.peak_resident_saved_bytes, \
+        norm_act.peak_resident_saved_bytes / none.peak_resident_saved_bytes
+    # No convolution is re-run: backward runs the same ops on convolutions as plain PyTorch, no forward one.
+    assert norm_act_bwd.get("convolution", 0) == 0
+    assert norm_act_bwd.get("convolution_backward") == none_bwd.get("convolution_backward") > 0
+    assert norm_act.recomputed_tensors > 0
+
+
+def test_block_checkpointing_reruns_convolutions():
+    """The contrast to norm_act: block checkpointing recomputes convolutions in backward."""
+    model = make_unet()
+    engine = MemoryEngine(model, POLICIES["recompute_blocks"])
+    x, y = batch(0, 16)
+    with engine.step():
+        loss = dice_loss(model(x), y)
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    assert counter.counts.get("convolution", 0) > 0
+    assert engine.checkpointed_modules == [f"encoder.level{i}" for i in range(5)] + \
+        [f"decoder.level{i}" for i in (3, 2, 1, 0)]
+    engine.close()
+
+
+def test_mode_none_is_a_no_op():
+    model = make_unet()
+    engine = MemoryEngine(model, MemoryConfig())
+    assert not engine.enabled
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with engine.step():
+        pass
+    assert engine.last_stats().saved_bytes == 0
+
+
+def test_policy_from_dict_matches_yaml_section():
+    cfg = memory_config_from({"mode": "swap", "swap": {"exclude": ["decoder.*"], "lookahead": 2}})
+    assert cfg.swap == SwapConfig(exclude=["decoder.*"], lookahead=2)
+    assert memory_config_from("recompute").mode == "recompute"
