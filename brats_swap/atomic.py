@@ -55,6 +55,16 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _read_umask() -> int:
+    # os.umask can only be read by setting it; read it once at import, before any worker threads exist.
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_read_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it is fsynced and renamed onto `path`.
@@ -76,6 +86,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
+        # mkstemp creates the file 0600; give the result the permissions a plain open() would (umask),
+        # so run folders, caches and predictions stay readable by the group as users expect.
+        os.chmod(tmp, _FILE_MODE)
         yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())

@@ -58,11 +58,25 @@ def train(
         config = run_config
     resolved = resolve_config(config, set_)
     run_dir = default_run_dir(resolved, run)
-    result = train_fold(resolved, run_dir, fold or 0, resume=resume)
+    with _run_lock_of_this_rank(run_dir):  # a second train/cv on this run exits 75 before touching anything
+        result = train_fold(resolved, run_dir, fold or 0, resume=resume)
     if is_main_process():  # under torchrun every rank runs this command; one summary is enough
         console.print(summary_panel(result, resolved))
     if result.interrupted:
         raise TrainingInterrupted(f"{run_dir}: stopped at an epoch boundary; continue with --resume")
+
+
+def _run_lock_of_this_rank(run_dir: Path):
+    """The run folder's lock (brats_swap.cv.lock); under torchrun rank 0 holds it for all ranks."""
+    import contextlib
+    import os
+
+    from brats_swap.cv.lock import run_lock
+    from brats_swap.distributed import launched_by_torchrun
+
+    if launched_by_torchrun() and os.environ["RANK"] != "0":
+        return contextlib.nullcontext()
+    return run_lock(run_dir)
 
 
 @handle_errors

@@ -37,7 +37,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from brats_swap.atomic import atomic_save_npy, atomic_write_json
+from brats_swap.atomic import atomic_save_npy, atomic_write_json, remove_stale_temp_files
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import preprocess_case, preprocess_settings
@@ -217,12 +217,18 @@ def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> 
     if meta is None:
         raise DataError(f"cache {Path(cache)}: case {case_id} is not prepared (no {folder / META_FILE})")
     mode = "r" if mmap else None
-    try:
-        image = np.load(folder / IMAGE_FILE, mmap_mode=mode, allow_pickle=False)
-        label_path = folder / LABEL_FILE
-        label = np.load(label_path, mmap_mode=mode, allow_pickle=False) if label_path.exists() else None
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cache {Path(cache)}: case {case_id}: unreadable array ({exc})") from exc
+    arrays = {}
+    for name in (IMAGE_FILE, LABEL_FILE):
+        path = folder / name
+        if name == LABEL_FILE and not path.exists():
+            arrays[name] = None
+            continue
+        try:
+            arrays[name] = np.load(path, mmap_mode=mode, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cache {Path(cache)}: case {case_id}: file {name}: unreadable array ({exc}); "
+                            "re-run `brats-swap data prepare`") from exc
+    image, label = arrays[IMAGE_FILE], arrays[LABEL_FILE]
     return PreparedCase(case_id=case_id, image=image, label=label, meta=meta)
 
 
@@ -255,7 +261,8 @@ def clean_stale_temp(cache_dir: Path) -> int:
             continue  # another prepare (or its worker) is writing it right now
         shutil.rmtree(entry, ignore_errors=True)
         removed += 1
-    return removed
+    # Temp files of atomic writes (index.json) whose writer was killed mid-write.
+    return removed + remove_stale_temp_files(cache_dir)
 
 
 def _writer_pid(name: str) -> int | None:

@@ -27,6 +27,8 @@ from brats_swap.errors import DataError
 # Affines of one case's files may differ by float noise from resampling tools; more than this is a
 # different grid. 1e-3 mm is far below a voxel and far above float32 round-off of a 240 mm offset.
 AFFINE_TOLERANCE = 1e-3
+# A BraTS volume is ~9 M voxels (35 MB as float32); a header declaring more than this is damaged.
+MAX_VOLUME_BYTES = 4 * 2**30
 
 
 @dataclass
@@ -102,7 +104,7 @@ def read_volume(case_id: str, path: Path, as_float: bool = True) -> tuple[np.nda
         img = nib.load(str(path), mmap=False)
     except nib.filebasedimages.ImageFileError as exc:
         raise DataError(f"{where}: not a NIfTI file ({_short(exc)})") from exc
-    except (OSError, EOFError, zlib.error, ValueError) as exc:
+    except (OSError, EOFError, zlib.error, ValueError, OverflowError, nib.spatialimages.HeaderDataError) as exc:
         raise DataError(f"{where}: unreadable ({_short(exc)})") from exc
     if not isinstance(img, (nib.Nifti1Image, nib.Nifti2Image)):
         raise DataError(f"{where}: not a NIfTI file ({type(img).__name__})")
@@ -111,11 +113,29 @@ def read_volume(case_id: str, path: Path, as_float: bool = True) -> tuple[np.nda
         shape = shape[:3]
     if len(shape) != 3:
         raise DataError(f"{where}: {len(img.shape)}D image of shape {_fmt(img.shape)}, expected one 3D volume")
+    _check_declared_size(where, path, img)
+    if np.issubdtype(img.get_data_dtype(), np.complexfloating):
+        raise DataError(f"{where}: complex-valued voxels ({img.get_data_dtype()}), expected a real-valued volume")
     try:
         data = img.get_fdata(dtype=np.float32) if as_float else np.asanyarray(img.dataobj)
-    except (OSError, EOFError, zlib.error, ValueError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, zlib.error, ValueError, OverflowError, MemoryError, gzip.BadGzipFile,
+            nib.spatialimages.HeaderDataError) as exc:
         raise DataError(f"{where}: unreadable or truncated ({_short(exc)})") from exc
     return data.reshape(shape), np.asarray(img.affine, dtype=np.float64), img.header
+
+
+def _check_declared_size(where: str, path: Path, img) -> None:
+    # nibabel allocates the size the header declares before reading: a damaged header could make it
+    # claim gigabytes (or terabytes) for a file of a few hundred bytes.
+    declared = int(np.prod([int(s) for s in img.shape], dtype=object)) * img.get_data_dtype().itemsize
+    if declared > MAX_VOLUME_BYTES:
+        raise DataError(f"{where}: header declares a {_fmt(img.shape)} image ({declared / 2**30:.3g} GiB), "
+                        "far larger than any MRI volume; the header is damaged")
+    if not path.name.endswith(".gz"):
+        available = path.stat().st_size - int(img.header.get_data_offset())
+        if declared > available:
+            raise DataError(f"{where}: truncated: the header declares {declared} bytes of voxels, "
+                            f"the file holds {max(available, 0)}")
 
 
 def save_label_nifti(label: np.ndarray, affine: np.ndarray, path: str | os.PathLike,
@@ -165,6 +185,8 @@ def _check_intensities(case_id: str, path: Path, volume: np.ndarray) -> None:
 
 def _labels_as_uint8(case_id: str, path: Path, raw: np.ndarray, allowed: tuple[int, ...], edition: str) -> np.ndarray:
     where = f"case {case_id}: file {path.name}"
+    if not (np.issubdtype(raw.dtype, np.integer) or np.issubdtype(raw.dtype, np.floating) or raw.dtype == bool):
+        raise DataError(f"{where}: segmentation of type {raw.dtype}, expected integer labels")
     if np.issubdtype(raw.dtype, np.floating):
         if not np.isfinite(raw).all():
             raise DataError(f"{where}: non-finite values in the segmentation")

@@ -38,8 +38,13 @@ def save_checkpoint(state: dict[str, Any], path: Path, *, keep_previous: bool = 
     torch.save(state, buffer)
     payload = buffer.getvalue()
     record = {"format": CHECKPOINT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
     with atomic_path(path) as tmp:
-        torch.save(record, tmp)
+        # Bytes written by Python, not torch.save(record, tmp): torch's zip writer turns a full disk into
+        # "RuntimeError: [enforce fail at inline_container.cc]"; a plain write keeps errno ENOSPC, which
+        # atomic_path reports as a DiskError naming the file (the previous checkpoint is untouched).
+        tmp.write_bytes(buffer.getvalue())
         # Rotate only once the new file is complete on disk: at any instant either latest or prev is good.
         if keep_previous and path.exists():
             os.replace(path, path.with_name(PREVIOUS))

@@ -62,7 +62,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from brats_swap.atomic import atomic_write_json, atomic_write_text
+from brats_swap.atomic import atomic_write_json, atomic_write_text, remove_stale_temp_files
 from brats_swap.config import Config, config_from_saved, config_to_dict, config_to_yaml, diff_configs
 from brats_swap.config.loader import from_dict
 from brats_swap.config.schema import MemoryConfig
@@ -274,15 +274,37 @@ def _plain(report: Any) -> Any:
     return report if isinstance(report, dict | list | str | int | float | type(None)) else str(report)
 
 
-def out_of_memory_error(device: torch.device, config: Config, where: str) -> DeviceOutOfMemoryError:
+def out_of_memory_error(device: torch.device, config: Config, where: str,
+                        memory_cfg: MemoryConfig | None = None) -> DeviceOutOfMemoryError:
+    """The OOM message with the planner's advice for this model, size and device: what the running policy
+    needs, and (on CUDA) the policy the planner would pick for this card."""
+    memory_cfg = memory_cfg or config.memory
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     budget = f"{0.9 * total:.0f}" if total else "N"
+    sample = config.train.patch if config.train.mode == "patch" else config.data.cube
+    shape = (config.train.batch_size, config.model.in_channels, *sample)
+    needs = pick = ""
+    try:  # advice only: whatever goes wrong here must not hide the out-of-memory error itself
+        from brats_swap.memory.planner import GIB, Planner
+
+        dtype = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.train.amp]
+        planner = Planner(build_model(config.model, out_channels=3), shape, dtype=dtype)
+        peak = planner.memory(memory_cfg).peak_bytes
+        needs = f" the planner predicts it needs about {peak / GIB:.2f} GiB for input {list(shape)}"
+        needs += f" on this {total:.0f} GiB device;" if total else ";"
+        if total:
+            best, _ = planner.auto(0.9 * total * GIB, memory_cfg)
+            if best is not None:
+                pick = f" (its pick: {best.name}, about {best.peak_bytes / GIB:.2f} GiB)"
+    except Exception:  # noqa: BLE001 - see above
+        needs = ";"
+    mode = memory_cfg.mode if config.memory.mode != "auto" else f"auto (planned {memory_cfg.mode})"
     if config.memory.mode == "auto":
-        advice = "the planner's plan did not fit; lower memory.budget_gib or data.cube"
+        advice = "the planned policy did not fit; lower memory.budget_gib, or a smaller data.cube / train.patch"
     else:
-        advice = (f"try --set memory.mode=auto --set memory.budget_gib={budget} (the planner picks what to swap "
-                  "or recompute), or memory.mode=swap, or a smaller data.cube / train.patch")
-    return DeviceOutOfMemoryError(f"{where}: {device} ran out of memory with memory.mode={config.memory.mode}; {advice}")
+        advice = (f"try --set memory.mode=auto --set memory.budget_gib={budget}{pick} (the planner picks what to "
+                  "swap or recompute), or a smaller data.cube / train.patch")
+    return DeviceOutOfMemoryError(f"{where}: {device} ran out of memory with memory.mode={mode};{needs} {advice}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,12 +365,23 @@ def _resume_state(config: Config, fold_dir: Path, resume: bool) -> dict[str, Any
         else:
             state, used = loaded
             changed = diff_configs(config_from_saved(state["config"]), config)
+            _check_same_architecture(state, config, changed, used)
             if changed:
                 warn(f"{used}: config differs from the checkpoint's in {', '.join(changed)}; continuing with the new values")
     elif (fold_dir / LATEST).exists():
         raise ConfigError(f"{fold_dir}: already holds checkpoints; pass --resume to continue it, "
                           "or choose another --run folder")
     return state
+
+
+def _check_same_architecture(state: dict[str, Any], config: Config, changed: list[str], used: Path) -> None:
+    """Refuse, before anything is written, a --resume whose model cannot load the checkpoint's weights."""
+    expected = {k: tuple(v.shape) for k, v in build_model(config.model, out_channels=3).state_dict().items()}
+    saved = {k: tuple(v.shape) for k, v in state["model"].items()}
+    if expected != saved:
+        keys = [k for k in changed if k.startswith(("model.", "data.modalities"))] or ["model"]
+        raise ConfigError(f"{used}: {', '.join(keys)} differs from the checkpoint's model; the architecture "
+                          "cannot change on --resume (train it in a new --run folder)")
 
 
 def _can_extend(state: dict[str, Any], config: Config) -> bool:
@@ -379,6 +412,9 @@ def _train(config: Config, run_dir: Path, fold: int, fold_dir: Path, device: tor
         raise DataError(f"{cache}: no prepared cases (data.cache); run `brats-swap data prepare` first")
     if ctx.is_main:
         fold_dir.mkdir(parents=True, exist_ok=True)
+        # A run killed mid-write (SIGKILL, power loss) leaves checkpoint-sized temp files; their writer is gone.
+        remove_stale_temp_files(run_dir)
+        remove_stale_temp_files(fold_dir)
         if not (run_dir / CONFIG_FILE).exists():
             atomic_write_text(run_dir / CONFIG_FILE, config_to_yaml(config))
         atomic_write_json(run_dir / ENV_FILE, {**environment_record(device), "world_size": ctx.world_size})
@@ -588,7 +624,8 @@ def _train_epoch(config: Config, model, engine, optimizer, scaler, data, counter
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
             except torch.OutOfMemoryError:
-                raise out_of_memory_error(device, config, f"{fold_dir}: epoch {epoch + 1} step {step + 1}") from None
+                raise out_of_memory_error(device, config, f"{fold_dir}: epoch {epoch + 1} step {step + 1}",
+                                          getattr(engine, "cfg", None)) from None
 
             stats = engine.last_stats()
             if stats is not None:
