@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml
 		echo "no CUDA: installing the CPU build torch==2.13.0"; \
 		$(BIN)/pip install --quiet "torch==2.13.0" $(QUIET_PIP); \
 	fi
-	$(BIN)/pip install --quiet -e ".[dev]" $(QUIET_PIP)
+	@echo "installing brats-swap and its dependencies into $(VENV)"
+	@$(BIN)/pip install --quiet -e ".[dev]" $(QUIET_PIP)
 	@touch $@
 
 test: install

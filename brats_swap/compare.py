@@ -35,7 +35,7 @@ from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import Config
 from brats_swap.config.loader import validate_config
 from brats_swap.cv.lock import StopControl, run_lock
-from brats_swap.cv.runner import CVOutcome, FoldRunner, append_cv_log, load_run_splits
+from brats_swap.cv.runner import CVOutcome, FoldRunner, append_cv_log, load_run_splits, logged_invocation
 from brats_swap.cv.state import FoldState, fold_dir, read_fold_state
 from brats_swap.cv.summary import (
     METRIC_TITLES,
@@ -117,9 +117,8 @@ def run_compare(config: Config, run_dir: Path, folds: int | None = None, max_hou
     with run_lock(run_dir):
         stop = StopControl(max_hours, clock=clock)
         outcome = CompareOutcome(run_dir=run_dir, folds=[])
-        status = "error"
         try:
-            with stop.on_sigterm():
+            with logged_invocation(run_dir, stop, lambda: "compare " + outcome.describe()), stop.on_sigterm():
                 splits = load_run_splits(config, run_dir)
                 n_folds = len(splits["folds"])
                 count = n_folds if folds is None else folds
@@ -135,17 +134,8 @@ def run_compare(config: Config, run_dir: Path, folds: int | None = None, max_hou
                     _advance_arms(configs, arm_dirs, outcome, stop, console)
                 outcome.stop_reason = stop.reason
                 outcome.comparison = write_comparison(config, run_dir, outcome.folds)
-            status = "exit 0"
-        except BratsSwapError as exc:
-            status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
-            raise
-        except KeyboardInterrupt:
-            status = "exit 130 (interrupted)"
-            raise
         finally:
             outcome.seconds = stop.elapsed_seconds
-            append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {outcome.seconds:.1f}s {status}: compare "
-                                   + outcome.describe())
         return outcome
 
 

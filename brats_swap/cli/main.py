@@ -42,12 +42,13 @@ def root(
     DEBUG["enabled"] = debug
 
 
-app.add_typer(config_cmd.app, name="config")
+# Listed in --help in the order of a project's life: data, training, planning, cross-validation.
 app.add_typer(data_cmd.app, name="data")
-app.command("cv")(cv_cmd.cv)
-app.command("compare")(cv_cmd.compare)
+app.add_typer(config_cmd.app, name="config")
 train_cmd.register(app)  # train, evaluate, predict
 app.command("plan")(plan_cmd.plan)
+app.command("cv")(cv_cmd.cv)
+app.command("compare")(cv_cmd.compare)
 
 
 def main() -> None:

@@ -35,10 +35,9 @@ from typing import Any
 
 from brats_swap.config import Config
 from brats_swap.cv.lock import StopControl, run_lock
-from brats_swap.cv.runner import CVOutcome, FoldRunner, append_cv_log, resolve_folds
+from brats_swap.cv.runner import CVOutcome, FoldRunner, logged_invocation, resolve_folds
 from brats_swap.cv.state import fold_dir, read_fold_state
-from brats_swap.cv.summary import utc_now
-from brats_swap.errors import BratsSwapError, ConfigError
+from brats_swap.errors import ConfigError
 
 WORKER_LOG = "cv_worker.log"
 
@@ -83,9 +82,8 @@ def run_cv_parallel(config: Config, run_dir: Path, folds: str | int | list[int] 
         # time.monotonic is system-wide on Linux, so the workers can share the parent's deadline.
         stop = StopControl(max_hours, clock=time.monotonic)
         outcome = ParallelCVOutcome(run_dir=run_dir, folds=[], parallel=parallel)
-        status = "error"
         try:
-            with stop.on_sigterm():
+            with logged_invocation(run_dir, stop, outcome.describe_or_not_started), stop.on_sigterm():
                 runner = FoldRunner(config, run_dir, stop, console=console)  # splits.json, made under the lock
                 outcome.folds = resolve_folds(folds, runner.n_folds)
                 pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
@@ -95,17 +93,8 @@ def run_cv_parallel(config: Config, run_dir: Path, folds: str | int | list[int] 
                 states = runner.states(outcome.folds)
                 outcome.done = [k for k in outcome.folds if states[k].done]
                 outcome.summary = runner.write_summary(outcome.folds)
-            status = "exit 0"
-        except BratsSwapError as exc:
-            status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
-            raise
-        except KeyboardInterrupt:
-            status = "exit 130 (interrupted)"
-            raise
         finally:
             outcome.seconds = stop.elapsed_seconds
-            what = outcome.describe() if outcome.folds else "did not start"
-            append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {outcome.seconds:.1f}s {status}: {what}")
         return outcome
 
 

@@ -18,9 +18,10 @@ is complete is in the message, `cv.log` and `cv_summary.json["complete"]`. 75 = 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,9 @@ class CVOutcome:
     @property
     def stopped(self) -> bool:
         return not self.complete and self.stop_reason is not None
+
+    def describe_or_not_started(self) -> str:
+        return self.describe() if self.folds else "did not start"
 
     def describe(self) -> str:
         """One line for cv.log and the terminal."""
@@ -116,6 +120,27 @@ def append_cv_log(run_dir: Path, line: str) -> None:
         handle.write(line.rstrip("\n") + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+@contextlib.contextmanager
+def logged_invocation(run_dir: Path, stop: StopControl, describe: Callable[[], str]) -> Iterator[None]:
+    """Append one `cv.log` line when the block ends: how long, how it ended (exit code) and what it did.
+
+    Shared by the sequential runner, the parallel-folds runner and `compare`, so every invocation of any
+    of them leaves the same kind of line, also when it fails or is interrupted.
+    """
+    status = "error"
+    try:
+        yield
+        status = "exit 0"
+    except BratsSwapError as exc:
+        status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
+        raise
+    except KeyboardInterrupt:
+        status = "exit 130 (interrupted)"
+        raise
+    finally:
+        append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {stop.elapsed_seconds:.1f}s {status}: {describe()}")
 
 
 class FoldRunner:
@@ -188,9 +213,8 @@ def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hour
     with run_lock(run_dir):
         stop = StopControl(max_hours, clock=clock)
         outcome = CVOutcome(run_dir=run_dir, folds=[])
-        status = "error"
         try:
-            with stop.on_sigterm():
+            with logged_invocation(run_dir, stop, outcome.describe_or_not_started), stop.on_sigterm():
                 runner = FoldRunner(config, run_dir, stop, console=console, train=train)
                 outcome.folds = resolve_folds(folds, runner.n_folds)
                 for k in outcome.folds:
@@ -200,17 +224,8 @@ def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hour
                 states = runner.states(outcome.folds)
                 outcome.done = [k for k in outcome.folds if states[k].done]
                 outcome.summary = runner.write_summary(outcome.folds)
-            status = "exit 0"
-        except BratsSwapError as exc:
-            status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
-            raise
-        except KeyboardInterrupt:
-            status = "exit 130 (interrupted)"
-            raise
         finally:
             outcome.seconds = stop.elapsed_seconds
-            what = outcome.describe() if outcome.folds else "did not start"
-            append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {outcome.seconds:.1f}s {status}: {what}")
         return outcome
 
 

@@ -28,20 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 
 from brats_swap.atomic import atomic_save_npy, atomic_write_json, remove_stale_temp_files
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import preprocess_case, preprocess_settings
 from brats_swap.errors import DataError
+from brats_swap.progress import progress_bar
 
 INDEX_FILE = "index.json"
 META_FILE = "meta.json"
@@ -345,8 +339,7 @@ def _init_worker() -> None:
 
 
 def _progress_bar(enabled: bool) -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TimeRemainingColumn(), disable=not enabled)
+    return progress_bar("[bold]{task.description}", disable=not enabled)
 
 
 __all__ = [

@@ -33,6 +33,7 @@ import numpy as np
 
 from brats_swap.data.editions import CANONICAL_MODALITIES, EDITIONS, get_edition
 from brats_swap.data.nifti import save_nifti
+from brats_swap.progress import progress_bar
 
 # Mean intensity per tissue and modality, relative to white matter on T1 (channel order t1, t1ce, t2, flair).
 _CONTRAST = {
@@ -78,9 +79,8 @@ def synthesize_dataset(out: str | os.PathLike, cases: int, seed: int, edition: s
     out_dir.mkdir(parents=True, exist_ok=True)
     separator = "-" if edition == "2023" else "_"
     ids = []
-    from rich.progress import Progress
 
-    with Progress(disable=not progress) as bar:
+    with progress_bar(disable=not progress) as bar:
         task = bar.add_task("synth", total=cases)
         for index in range(cases):
             case_id = phantom_case_id(edition, index)

@@ -18,14 +18,7 @@ import numpy as np
 import torch
 import yaml
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 
 from brats_swap.config import Config, config_from_saved
 from brats_swap.data.cache import load_prepared
@@ -38,6 +31,7 @@ from brats_swap.evaluate.inference import predict_cube
 from brats_swap.evaluate.metrics import case_metrics, write_metrics_report
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs
+from brats_swap.progress import progress_bar
 from brats_swap.splits import SPLITS_FILE, fold_cases, read_splits
 from brats_swap.train.checkpoint import BEST, LATEST, load_checkpoint, load_latest
 
@@ -47,8 +41,7 @@ PREDICTIONS = "predictions"
 
 
 def _progress(show: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console, transient=True, disable=not show)
+    return progress_bar(console=console, transient=True, disable=not show)
 
 
 def _warn(message: str) -> None:

@@ -52,14 +52,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import TextColumn
 from rich.table import Table
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text, remove_stale_temp_files
@@ -92,6 +85,7 @@ from brats_swap.evaluate.metrics import case_metrics
 from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs
+from brats_swap.progress import progress_bar
 from brats_swap.splits import fold_cases, load_or_create_splits
 from brats_swap.train.checkpoint import (
     BEST,
@@ -596,9 +590,8 @@ def _train_epoch(config: Config, model, engine, optimizer, scaler, data, counter
     memory_sums: dict[str, float] = {}
     step_times: list[float] = []
     total = data.steps_per_epoch
-    progress = Progress(
-        TextColumn(f"epoch {epoch + 1}/{config.train.max_epochs}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+    progress = progress_bar(
+        f"epoch {epoch + 1}/{config.train.max_epochs}", TextColumn("{task.fields[info]}"),
         # Off when stderr is not a terminal (CI, SLURM logs): `train_fold` prints one line per epoch instead.
         console=console, transient=True, disable=not (show_progress and console.is_terminal),
     )
