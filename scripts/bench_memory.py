@@ -68,9 +68,9 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: in
         times = []
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(torch.cuda.current_stream(device))  # time on `device`'s stream, where the copy runs
             dst.copy_(src, non_blocking=True)
-            end.record()
+            end.record(torch.cuda.current_stream(device))
             end.synchronize()
             times.append(start.elapsed_time(end) / 1000)
         result[name] = round(nbytes / statistics.median(times) / 1e9, 2)

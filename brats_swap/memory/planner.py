@@ -369,10 +369,11 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: in
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        stream = torch.cuda.current_stream(device)  # the copies run on `device`'s stream, not the current device's
+        start.record(stream)
         for _ in range(repeats):
             dst.copy_(src, non_blocking=True)
-        end.record()
+        end.record(stream)
         torch.cuda.synchronize(device)
         rates.append(nbytes * repeats / (start.elapsed_time(end) / 1e3))
     return rates[0], rates[1]

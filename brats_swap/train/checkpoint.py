@@ -99,7 +99,8 @@ def capture_rng_states(loader_generator: torch.Generator | None = None) -> dict[
     version, internal, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # is_initialized, not is_available: a CPU run on a GPU host must not create a CUDA context just to save RNGs.
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         "python": [version, list(internal), gauss_next],
         "loader": loader_generator.get_state() if loader_generator is not None else None,
@@ -109,7 +110,9 @@ def capture_rng_states(loader_generator: torch.Generator | None = None) -> dict[
 def restore_rng_states(states: dict[str, Any], loader_generator: torch.Generator | None = None) -> None:
     torch.set_rng_state(states["torch"])
     if states.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # Per device, not set_rng_state_all: a checkpoint from a node with more GPUs would index past device_count().
+        for index, cuda_state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
     kind, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     version, internal, gauss_next = states["python"]

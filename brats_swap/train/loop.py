@@ -445,7 +445,8 @@ def _train(config: Config, run_dir: Path, fold: int, fold_dir: Path, device: tor
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty when saved with fp16 off; loading {} into an enabled scaler raises
+            scaler.load_state_dict(state["scaler"])
         counters.update({k: state[k] for k in counters if k in state})
         counters["finished"] = False  # only reached when max_epochs was raised (see _can_extend)
         rng_ranks = state.get("rng_ranks") or []
