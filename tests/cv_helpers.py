@@ -107,3 +107,15 @@ def snapshot(run_dir: Path, ignore: tuple[str, ...] = ()) -> dict[str, str]:
         for p in sorted(run_dir.rglob("*"))
         if p.is_file() and str(p.relative_to(run_dir)) not in ignore
     }
+
+
+def install_fake_training(monkeypatch, tmp_path: Path) -> FakeTraining:
+    """Replace the cv runner's training, evaluation and cache listing by the scripted FakeTraining."""
+    from brats_swap.cv import runner
+
+    training = FakeTraining()
+    monkeypatch.setattr(runner, "train_fold", training.train_fold)
+    monkeypatch.setattr(runner, "evaluate_fold", training.evaluate_fold)
+    monkeypatch.setattr(runner, "list_prepared", lambda cache: list(CASE_IDS))
+    (tmp_path / "cache").mkdir()
+    return training

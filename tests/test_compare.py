@@ -8,23 +8,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from cv_helpers import CASE_IDS, PATCH_PENALTY, FakeTraining, epochs_trained
+from cv_helpers import PATCH_PENALTY, epochs_trained, install_fake_training
 
 from brats_swap import compare
 from brats_swap.config import load_config
-from brats_swap.cv import runner
 from brats_swap.cv.lock import run_lock
 from brats_swap.errors import ConfigError, DataError, RunLockedError
 
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    training = FakeTraining()
-    monkeypatch.setattr(runner, "train_fold", training.train_fold)
-    monkeypatch.setattr(runner, "evaluate_fold", training.evaluate_fold)
-    monkeypatch.setattr(runner, "list_prepared", lambda cache: list(CASE_IDS))
-    (tmp_path / "cache").mkdir()
-    return training
+    return install_fake_training(monkeypatch, tmp_path)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import signal
 import statistics
 
 import pytest
-from cv_helpers import CASE_IDS, FakeTraining, epochs_trained, fake_dice, snapshot
+from cv_helpers import CASE_IDS, epochs_trained, fake_dice, install_fake_training, snapshot
 
 from brats_swap.config import load_config
 from brats_swap.cv import runner
@@ -22,12 +22,7 @@ from brats_swap.errors import ConfigError, DataError, RunLockedError
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    training = FakeTraining()
-    monkeypatch.setattr(runner, "train_fold", training.train_fold)
-    monkeypatch.setattr(runner, "evaluate_fold", training.evaluate_fold)
-    monkeypatch.setattr(runner, "list_prepared", lambda cache: list(CASE_IDS))
-    (tmp_path / "cache").mkdir()
-    return training
+    return install_fake_training(monkeypatch, tmp_path)
 
 
 @pytest.fixture

@@ -89,10 +89,7 @@ def run_cv_parallel(config: Config, run_dir: Path, folds: str | int | list[int] 
                 pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
                 if pending:
                     _run_folds(config, run_dir, pending, stop, outcome, parallel, console)
-                outcome.stop_reason = stop.reason
-                states = runner.states(outcome.folds)
-                outcome.done = [k for k in outcome.folds if states[k].done]
-                outcome.summary = runner.write_summary(outcome.folds)
+                runner.finish(outcome)
         finally:
             outcome.seconds = stop.elapsed_seconds
         return outcome

@@ -199,6 +199,13 @@ class FoldRunner:
     def write_summary(self, folds: list[int]) -> dict:
         return write_cv_summary(self.config.name, self.run_dir, self.splits, folds, self.states(folds))
 
+    def finish(self, outcome: CVOutcome) -> None:
+        """Close an invocation: why it stopped, which folds are done, and the refreshed summary."""
+        outcome.stop_reason = self.stop.reason
+        states = self.states(outcome.folds)
+        outcome.done = [k for k in outcome.folds if states[k].done]
+        outcome.summary = self.write_summary(outcome.folds)
+
 
 def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None,
            *, console=None, clock=time.monotonic, train=None) -> CVOutcome:
@@ -220,10 +227,7 @@ def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hour
                 for k in outcome.folds:
                     if not runner.advance(k, outcome):
                         break
-                outcome.stop_reason = stop.reason
-                states = runner.states(outcome.folds)
-                outcome.done = [k for k in outcome.folds if states[k].done]
-                outcome.summary = runner.write_summary(outcome.folds)
+                runner.finish(outcome)
         finally:
             outcome.seconds = stop.elapsed_seconds
         return outcome
