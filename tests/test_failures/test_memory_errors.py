@@ -12,7 +12,7 @@ import torch
 from failure_helpers import error_line, invoke, loss_with_fault, set_args
 
 from brats_swap.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_MEMORY
-from brats_swap.train import loop
+from brats_swap.train import loop, planning
 from brats_swap.train.checkpoint import LATEST, load_checkpoint
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 13.50 GiB. GPU 0 has a total capacity of 79.19 GiB"
@@ -78,7 +78,7 @@ def test_oom_advice_names_the_device_and_policy(prepared_cache):
     from failure_helpers import tiny_config
 
     config = tiny_config(prepared_cache)
-    error = loop.out_of_memory_error(torch.device("cpu"), config, "fold_0: epoch 1 step 1")
+    error = planning.out_of_memory_error(torch.device("cpu"), config, "fold_0: epoch 1 step 1")
     message = str(error)
     assert error.exit_code == EXIT_OUT_OF_MEMORY
     assert message.startswith("fold_0: epoch 1 step 1: cpu ran out of memory")

@@ -1,0 +1,195 @@
+"""The run folder: every path of a run comes from here, and nothing else spells those names.
+
+Like nnU-Net's output folder, the layout is a contract users script against:
+
+```
+<run>/config.yaml  env.json  splits.json  .lock  cv.log  cv_summary.json  cv_summary.md
+      postprocessing.json  compare.json  compare.md  figures/*.png
+      fold_<k>/checkpoint_latest.pt  checkpoint_prev.pt  checkpoint_best.pt
+               train.log  tb/  state.json  memory_plan.json  cv_worker.log
+               metrics.csv  summary.json  summary.md  dice_boxplot.png  predictions/<case>.nii.gz
+      full/  patch/                      (compare --patch: each arm is a run folder of its own)
+```
+
+`RunFolder` and `FoldFolder` are plain path arithmetic: building one touches no file, so they are
+cheap to create anywhere (CLI, training, evaluation, cv) and safe to pass between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# File names, in one place. Modules import the folder objects, not these constants, wherever they
+# have a run or fold at hand; the constants exist for messages and documentation.
+CONFIG_FILE = "config.yaml"
+ENV_FILE = "env.json"
+SPLITS_FILE = "splits.json"
+LOCK_FILE = ".lock"
+CV_LOG = "cv.log"
+CV_SUMMARY_JSON = "cv_summary.json"
+CV_SUMMARY_MD = "cv_summary.md"
+POSTPROCESSING_FILE = "postprocessing.json"
+COMPARE_JSON = "compare.json"
+COMPARE_MD = "compare.md"
+FIGURES_DIR = "figures"
+COMPARE_ARMS = ("full", "patch")
+
+LATEST = "checkpoint_latest.pt"
+PREVIOUS = "checkpoint_prev.pt"
+BEST = "checkpoint_best.pt"
+TRAIN_LOG = "train.log"
+TENSORBOARD_DIR = "tb"
+STATE_FILE = "state.json"
+MEMORY_PLAN = "memory_plan.json"
+CV_WORKER_LOG = "cv_worker.log"
+METRICS_CSV = "metrics.csv"
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
+DICE_BOXPLOT = "dice_boxplot.png"
+PREDICTIONS_DIR = "predictions"
+
+
+@dataclass(frozen=True)
+class FoldFolder:
+    """`<run>/fold_<k>/`: one fold's checkpoints, logs, state and evaluation."""
+
+    root: Path
+    fold: int
+
+    @property
+    def latest(self) -> Path:
+        return self.root / LATEST
+
+    @property
+    def previous(self) -> Path:
+        return self.root / PREVIOUS
+
+    @property
+    def best(self) -> Path:
+        return self.root / BEST
+
+    @property
+    def train_log(self) -> Path:
+        return self.root / TRAIN_LOG
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD_DIR
+
+    @property
+    def state(self) -> Path:
+        return self.root / STATE_FILE
+
+    @property
+    def memory_plan(self) -> Path:
+        return self.root / MEMORY_PLAN
+
+    @property
+    def cv_worker_log(self) -> Path:
+        return self.root / CV_WORKER_LOG
+
+    @property
+    def metrics_csv(self) -> Path:
+        return self.root / METRICS_CSV
+
+    @property
+    def summary_json(self) -> Path:
+        return self.root / SUMMARY_JSON
+
+    @property
+    def summary_md(self) -> Path:
+        return self.root / SUMMARY_MD
+
+    @property
+    def dice_boxplot(self) -> Path:
+        return self.root / DICE_BOXPLOT
+
+    @property
+    def predictions(self) -> Path:
+        return self.root / PREDICTIONS_DIR
+
+    def prediction(self, case_id: str, suffix: str = ".nii.gz") -> Path:
+        """`predictions/<case><suffix>` (labels as `.nii.gz`; probabilities as `.npz`)."""
+        return self.predictions / f"{case_id}{suffix}"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """`runs/<name>/`: a run of one config (one training, a cross-validation, or a compare arm)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @classmethod
+    def default_for(cls, config_name: str, runs_root: Path | str = "runs") -> RunFolder:
+        """`runs/<config name>`, the folder a command uses when no `--run` is given."""
+        return cls(Path(runs_root) / config_name)
+
+    def fold(self, k: int) -> FoldFolder:
+        return FoldFolder(self.root / f"fold_{int(k)}", int(k))
+
+    def existing_folds(self) -> list[int]:
+        """Fold indices that have a `fold_<k>/` folder, sorted."""
+        folds = []
+        for path in self.root.glob("fold_*"):
+            suffix = path.name[len("fold_"):]
+            if path.is_dir() and suffix.isdigit():
+                folds.append(int(suffix))
+        return sorted(folds)
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def env(self) -> Path:
+        return self.root / ENV_FILE
+
+    @property
+    def splits(self) -> Path:
+        return self.root / SPLITS_FILE
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
+    @property
+    def cv_log(self) -> Path:
+        return self.root / CV_LOG
+
+    @property
+    def cv_summary_json(self) -> Path:
+        return self.root / CV_SUMMARY_JSON
+
+    @property
+    def cv_summary_md(self) -> Path:
+        return self.root / CV_SUMMARY_MD
+
+    @property
+    def postprocessing(self) -> Path:
+        return self.root / POSTPROCESSING_FILE
+
+    @property
+    def compare_json(self) -> Path:
+        return self.root / COMPARE_JSON
+
+    @property
+    def compare_md(self) -> Path:
+        return self.root / COMPARE_MD
+
+    @property
+    def figures(self) -> Path:
+        return self.root / FIGURES_DIR
+
+    def figure(self, name: str) -> Path:
+        """`figures/<name>` (e.g. `dice_boxplot.png`)."""
+        return self.figures / name
+
+    def arm(self, name: str) -> RunFolder:
+        """A compare arm (`full` or `patch`): a run folder of its own inside this one."""
+        if name not in COMPARE_ARMS:
+            raise ValueError(f"unknown compare arm {name!r}; expected one of {COMPARE_ARMS}")
+        return RunFolder(self.root / name)
