@@ -44,11 +44,9 @@ from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from brats_swap.errors import ConfigError
+from brats_swap.run.device import resolve_device
 
 T = TypeVar("T")
-
-# torchrun's contract: these are set for every worker it starts (torch.distributed.elastic docs).
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -78,25 +76,20 @@ def launched_by_torchrun() -> bool:
 
 def _device_for(device_pref: str, local_rank: int, distributed: bool) -> torch.device:
     """The device of this rank: `auto` = CUDA if present; under torchrun each rank takes GPU LOCAL_RANK."""
-    if device_pref == "auto":
-        device_pref = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device_pref)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"train.device: {device_pref!r} requested but CUDA is not available")
-        if distributed:
-            # One GPU per rank, chosen by torchrun's LOCAL_RANK; an explicit index would put every rank
-            # on the same GPU, which NCCL refuses.
-            if device.index is not None and device.index != local_rank:
-                raise ConfigError(f"train.device: {device_pref!r} under torchrun; use 'cuda' or 'auto', each rank "
-                                  f"takes GPU LOCAL_RANK (this is local rank {local_rank})")
-            if local_rank >= torch.cuda.device_count():
-                raise ConfigError(f"LOCAL_RANK {local_rank}: only {torch.cuda.device_count()} GPU(s) on this node; "
-                                  "lower --nproc_per_node")
-            device = torch.device("cuda", local_rank)
-        elif device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    device = resolve_device(device_pref)
+    if device.type != "cuda":
+        return device
+    if not distributed:
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    # One GPU per rank, chosen by torchrun's LOCAL_RANK; an explicit index would put every rank on the same
+    # GPU, which NCCL refuses.
+    if device.index is not None and device.index != local_rank:
+        raise ConfigError(f"train.device: {device_pref!r} under torchrun; use 'cuda' or 'auto', each rank "
+                          f"takes GPU LOCAL_RANK (this is local rank {local_rank})")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK {local_rank}: only {torch.cuda.device_count()} GPU(s) on this node; "
+                          "lower --nproc_per_node")
+    return torch.device("cuda", local_rank)
 
 
 def init_distributed(device_pref: str = "auto", *, timeout_minutes: float = 30.0) -> DistContext:
@@ -139,11 +132,6 @@ def cleanup() -> None:
 def is_main_process() -> bool:
     """Rank 0 of the current process group, or a single process (for code that holds no DistContext)."""
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def barrier(ctx: DistContext) -> None:
-    if ctx.is_distributed:
-        dist.barrier()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,19 +204,6 @@ def run_on_main(ctx: DistContext, func: Callable[..., T], *args: Any, **kwargs: 
     return value
 
 
-def main_process_only(func: Callable[..., T]) -> Callable[..., T | None]:
-    """Decorator: the wrapped function (a writer, a logger) runs on rank 0 and returns None elsewhere.
-
-    It takes the context from its `ctx` keyword argument; it does not synchronise the ranks.
-    """
-
-    def wrapper(*args: Any, ctx: DistContext, **kwargs: Any) -> T | None:
-        return func(*args, **kwargs) if ctx.is_main else None
-
-    wrapper.__name__, wrapper.__doc__ = func.__name__, func.__doc__
-    return wrapper
-
-
 # --------------------------------------------------------------------------------------------------
 # Data and model
 
@@ -237,8 +212,8 @@ def make_sampler(dataset: Dataset, ctx: DistContext, shuffle: bool, seed: int = 
     """torch's DistributedSampler for `dataset` when distributed, else None (the DataLoader's own order).
 
     Remember `sampler.set_epoch(epoch)` each epoch when shuffling. Note that DistributedSampler pads the
-    dataset to a multiple of world_size by repeating items; `validate` in the loop therefore de-duplicates
-    per-case results by case id before averaging.
+    dataset to a multiple of world_size by repeating items; the loop's `validation_scores` therefore
+    de-duplicates per-case results by case id before averaging.
     """
     if not ctx.is_distributed:
         return None
@@ -354,23 +329,3 @@ def launch_torchrun(nproc: int, argv: Sequence[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.run(torchrun_command(nproc, argv), env=env, check=False).returncode
 
-
-__all__ = [
-    "DistContext", "NullSummaryWriter", "RankShardSampler", "all_reduce_max", "all_reduce_mean", "all_reduce_sum", "any_rank", "barrier",
-    "broadcast_object", "cleanup", "free_port", "gather_objects", "init_distributed", "is_main_process", "launch_torchrun",
-    "launched_by_torchrun", "main_process_only", "make_sampler", "run_on_main", "strip_nproc", "torchrun_command",
-    "unwrap", "wrap_ddp",
-]
-
-
-class NullSummaryWriter:
-    """What ranks other than 0 log TensorBoard scalars into: nothing (the SummaryWriter methods the loop uses)."""
-
-    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

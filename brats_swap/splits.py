@@ -14,8 +14,7 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json
 from brats_swap.errors import ConfigError, DataError
-
-SPLITS_FILE = "splits.json"
+from brats_swap.run.folder import RunFolder
 
 # BraTS 2023+ ids are BraTS-GLI-<subject>-<timepoint>; older editions have one scan per subject.
 _TIMEPOINT = re.compile(r"^(?P<subject>.+)-\d{3}$")
@@ -43,9 +42,9 @@ def make_splits(case_ids: list[str], folds: int, seed: int) -> dict:
     return {"seed": seed, "folds": entries}
 
 
-def load_or_create_splits(run_dir: Path, case_ids: list[str], folds: int, seed: int) -> dict:
-    """Read `run_dir/splits.json` if present (checking it), else create and write it atomically."""
-    path = Path(run_dir) / SPLITS_FILE
+def load_or_create_splits(run: RunFolder | Path, case_ids: list[str], folds: int, seed: int) -> dict:
+    """Read the run's `splits.json` if present (checking it), else create and write it atomically."""
+    path = RunFolder.of(run).splits
     if path.exists():
         splits = read_splits(path)
         known = set(case_ids)

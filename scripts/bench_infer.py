@@ -1,6 +1,6 @@
 """CPU inference time per case: whole-cube vs sliding-window, at the quickstart size and at 128³.
 
-For each setting it times the two inference paths of `brats_swap.evaluate.inference` on random input
+For each setting it times the two inference paths of `brats_swap.run.inference` on random input
 (time does not depend on the values): one pass over the whole cube, and MONAI's sliding window with
 windows of about half the cube per axis, 50% overlap and Gaussian blending (what a patch model pays).
 Prints a table and writes JSON.
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from brats_swap.atomic import atomic_write_json
     from brats_swap.config import load_config
-    from brats_swap.evaluate.inference import predict_full, predict_sliding_window
     from brats_swap.model import build_model
+    from brats_swap.run.inference import predict_full, predict_sliding_window
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,7 +7,8 @@
         --batches 1 --steps 1 --min-bytes 0 --out /tmp/bench              # CPU smoke run (what the test does)
 
 Policies: `none`, the four swap presets (swap_all, swap_first_n, swap_no_decoder, swap_no_decoder_lookahead),
-`recompute` (block checkpointing), `norm_act`, `hybrid` (all read from configs/*.yaml), and two built-in
+`recompute` (block checkpointing), `norm_act`, `hybrid` (`brats_swap.memory.presets`, the same sections as
+configs/*.yaml), and two built-in
 PyTorch baselines: `save_on_cpu` (`torch.autograd.graph.save_on_cpu(pin_memory=True)`) and
 `checkpoint_blocks` (`torch.utils.checkpoint` around every block of `discover_blocks`).
 
@@ -34,47 +35,27 @@ from pathlib import Path
 import torch
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
-from brats_swap.config import ModelConfig, load_config
+from brats_swap.config import MemoryConfig, ModelConfig
 from brats_swap.memory import MemoryEngine, discover_blocks
+from brats_swap.memory.planner import measure_bandwidth
+from brats_swap.memory.presets import PRESET_NAMES, named_policies
 from brats_swap.memory.recompute import CheckpointedModules
 from brats_swap.model import build_model
 from brats_swap.train.losses import weighted_dice_loss
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = ["swap_all", "swap_first_n", "swap_no_decoder", "swap_no_decoder_lookahead", "recompute",
-           "norm_act", "hybrid"]
 BASELINES = ["save_on_cpu", "checkpoint_blocks"]
-ALL_POLICIES = ["none", *PRESETS, *BASELINES]
+ALL_POLICIES = ["none", *PRESET_NAMES, *BASELINES]
 
 
-def policy_memory(name: str, min_bytes: int | None):
-    """The `memory:` section of a policy (None for the plain-PyTorch baselines)."""
+def policy_memory(name: str, min_bytes: int | None) -> MemoryConfig | None:
+    """The memory policy `name` (None for the plain-PyTorch baselines), with `min_bytes` if given."""
     if name in BASELINES:
         return None
-    if name == "none":
-        return load_config(None).memory
-    cfg = load_config(REPO / "configs" / f"{name}.yaml").memory
+    base = MemoryConfig()
     if min_bytes is not None:
-        cfg.swap.min_bytes = min_bytes
-    return cfg
-
-
-def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> dict:
-    """Pinned host<->device copy bandwidth in GB/s (median of `repeats` copies of `nbytes`)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    result = {}
-    for name, dst, src in (("h2d_gbs", dev, host), ("d2h_gbs", host, dev)):
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(device))  # time on `device`'s stream, where the copy runs
-            dst.copy_(src, non_blocking=True)
-            end.record(torch.cuda.current_stream(device))
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        result[name] = round(nbytes / statistics.median(times) / 1e9, 2)
-    return result
+        base.swap.min_bytes = min_bytes
+    return named_policies(base)[name]
 
 
 class Case:
@@ -233,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
               "torch": torch.__version__, "base_filters": args.base_filters, "depth": args.depth, "steps": args.steps, "rows": [],
               "skipped": []}
     if device.type == "cuda":
-        result["bandwidth"] = measure_bandwidth(device)
+        h2d, d2h = measure_bandwidth(device)
+        result["bandwidth"] = {"h2d_gbs": round(h2d / 1e9, 2), "d2h_gbs": round(d2h / 1e9, 2)}
 
     # Most interesting first: cubes in the given order (192³ first), every dtype, batch and policy there.
     started = time.perf_counter()

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
     from brats_swap.errors import BratsSwapError
     from brats_swap.evaluate.metrics import print_summary
     from brats_swap.evaluate.run import evaluate_fold
-    from brats_swap.train.loop import summary_panel, train_fold
+    from brats_swap.train.loop import train_fold
+    from brats_swap.train.report import summary_panel
 
     console = Console()
     config = load_config(args.config, args.overrides)

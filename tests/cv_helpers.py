@@ -1,7 +1,8 @@
 """Shared pieces of the cv/compare tests: a scripted stand-in for the training loop and the evaluator.
 
-The stand-ins follow the contracts of `train_fold` / `evaluate_fold` (BRIEF "Training + evaluation") on
-files small enough to reason about: a JSON "checkpoint" holding the epoch number, one line per trained
+The stand-ins follow the contracts of `train_fold` (resume from `checkpoint_latest.pt`, ask
+`stop_requested()` at each epoch boundary, report a TrainResult) and `evaluate_fold` (write the fold's
+metrics.csv, one row per validation case) on files small enough to reason about: a JSON "checkpoint" holding the epoch number, one line per trained
 epoch in `epochs.log`, and a metrics.csv whose Dice values are known. They let the runner's logic (resume,
 lock, window, SIGTERM, idempotence) be tested in milliseconds; tests/test_cv_integration.py runs the
 real loop.

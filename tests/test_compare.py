@@ -10,10 +10,14 @@ import json
 import pytest
 from cv_helpers import PATCH_PENALTY, epochs_trained, install_fake_training
 
-from brats_swap import compare
 from brats_swap.config import load_config
+from brats_swap.cv import compare
 from brats_swap.cv.lock import run_lock
 from brats_swap.errors import ConfigError, DataError, RunLockedError
+from brats_swap.run.folder import COMPARE_ARMS
+
+BOXPLOT, OVERLAYS, CURVES = ("figures/compare_dice_boxplot.png", "figures/compare_overlays.png",
+                             "figures/training_curves.png")
 
 
 @pytest.fixture
@@ -35,7 +39,7 @@ def test_compare_trains_both_arms_on_the_same_folds_and_writes_the_comparison(fa
     # Alternating arms, fold by fold; the patch arm without the memory engine.
     assert fake.modes == [("full", "swap", 0), ("patch", "none", 0), ("full", "swap", 1), ("patch", "none", 1)]
     splits = json.loads((run_dir / "splits.json").read_text())
-    for arm in compare.ARMS:
+    for arm in COMPARE_ARMS:
         assert json.loads((run_dir / arm / "splits.json").read_text())["folds"] == splits["folds"]
         assert (run_dir / arm / "cv_summary.md").exists()
         assert epochs_trained(run_dir / arm, 1) == [1, 2] and not (run_dir / arm / "fold_2").exists()
@@ -52,11 +56,11 @@ def test_compare_trains_both_arms_on_the_same_folds_and_writes_the_comparison(fa
     markdown = (run_dir / "compare.md").read_text()
     assert "| Dice | WT |" in markdown and f"{PATCH_PENALTY:+.3f}" in markdown
     assert "one epoch (median, s) | 0.5 | 0.5" in markdown
-    for figure in (compare.BOXPLOT_PNG, compare.CURVES_PNG):
+    for figure in (BOXPLOT, CURVES):
         assert (run_dir / figure).read_bytes()[:4] == b"\x89PNG"
         assert f"({figure})" in markdown
     # No predictions/ground truth on disk for the stand-in: the overlay figure is left out, not broken.
-    assert compare.OVERLAYS_PNG not in result["figures"] and compare.OVERLAYS_PNG not in markdown
+    assert result["figures"] == [BOXPLOT, CURVES] and OVERLAYS not in markdown
 
 
 def test_compare_resumes_where_the_window_closed(fake, config, tmp_path):
@@ -73,7 +77,7 @@ def test_compare_resumes_where_the_window_closed(fake, config, tmp_path):
     fake.during_epoch = None
     second = compare.run_compare(config, run_dir, folds=1)
     assert second.complete
-    for arm in compare.ARMS:
+    for arm in COMPARE_ARMS:
         assert epochs_trained(run_dir / arm, 0) == [1, 2]
     assert len((run_dir / "cv.log").read_text().splitlines()) == 2
 

@@ -20,12 +20,12 @@ import pytest
 from cv_helpers import snapshot
 from typer.testing import CliRunner
 
-from brats_swap import compare
 from brats_swap.cli.main import app
 from brats_swap.config import load_config
-from brats_swap.cv import run_cv
+from brats_swap.cv import compare, run_cv
 from brats_swap.data.cache import prepare_dataset
 from brats_swap.data.phantom import synthesize_dataset
+from brats_swap.run.folder import COMPARE_ARMS
 
 PHANTOM_SHAPE = (40, 40, 32)
 TINY = [
@@ -176,16 +176,17 @@ def test_compare_patch_on_tiny_phantoms_writes_both_result_sets_the_table_and_fi
     config = load_config(None, tiny_overrides(tiny_data, "train.max_epochs=1"))
     outcome = compare.run_compare(config, run_dir, folds=1)
     assert outcome.complete
-    for arm in compare.ARMS:
+    for arm in COMPARE_ARMS:
         assert (run_dir / arm / "fold_0" / "metrics.csv").exists()
         assert json.loads((run_dir / arm / "cv_summary.json").read_text())["folds_done"] == [0]
     assert "mode patch [16, 16, 16]" in (run_dir / "patch" / "fold_0" / "train.log").read_text()
     result = json.loads((run_dir / "compare.json").read_text())
     assert result["paired_cases"] == 2 and set(result["metrics"]) >= {"dice", "sensitivity", "specificity"}
-    for arm in compare.ARMS:
+    for arm in COMPARE_ARMS:
         assert result["timing"][arm]["median_epoch_seconds"] > 0 and result["timing"][arm]["epochs_per_fold"] == [1]
     markdown = (run_dir / "compare.md").read_text()
     assert "| Dice | WT |" in markdown and "| Specificity | ET |" in markdown and "one epoch" in markdown
-    assert set(result["figures"]) == {compare.BOXPLOT_PNG, compare.OVERLAYS_PNG, compare.CURVES_PNG}
+    assert result["figures"] == ["figures/compare_dice_boxplot.png", "figures/compare_overlays.png",
+                                 "figures/training_curves.png"]
     for figure in result["figures"]:
         assert (run_dir / figure).read_bytes()[:4] == b"\x89PNG"

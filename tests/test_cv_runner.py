@@ -203,3 +203,16 @@ def test_stop_control_without_a_window_only_stops_on_request():
     stop.request("SIGTERM")
     assert stop() and stop.reason == "SIGTERM"
 
+
+
+def test_the_one_entry_refuses_parallel_folds_it_cannot_run(fake, config, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match="--parallel-folds 0: must be at least 1"):
+        run_cv(config, run_dir, parallel_folds=0)
+    with pytest.raises(ValueError, match="time.monotonic"):
+        run_cv(config, run_dir, parallel_folds=2, clock=lambda: 0.0)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)  # as under torchrun: there every fold already trains on all ranks
+    with pytest.raises(ConfigError, match="--parallel-folds: not under torchrun"):
+        run_cv(config, run_dir, parallel_folds=2)
+    assert not run_dir.exists() and fake.calls == []

@@ -172,3 +172,45 @@ def test_prepare_command(dataset):
     assert result.exit_code == 0, result.output
     assert "3 prepared, 0 up to date, 0 skipped" in " ".join(result.output.split())
     assert load_prepared(cache, IDS[0]).image.shape == (4, 16, 16, 32)
+
+
+def test_prepare_missing_fills_in_what_the_cache_lacks(dataset, tmp_path):
+    from brats_swap.data.cache import prepare_missing
+
+    root, cache, _ = dataset
+    cfg = _config(root=str(root), cache=str(cache))
+    prepare_dataset(root, cache, cfg, progress=False)  # the first two cases were prepared before the third
+    cache_module.shutil.rmtree(cache / IDS[2])
+    before = _mtimes(cache)
+    report = prepare_missing(cfg, progress=False)
+    assert report.prepared == [IDS[2]] and report.up_to_date == IDS[:2] and report.cases == IDS
+    assert list_prepared(cache) == IDS and all(_mtimes(cache)[k] == v for k, v in before.items() if k != IDS[2])
+    assert prepare_missing(cfg, progress=False).prepared == []  # nothing left to do
+    # Without the raw data the cache is used as it stands; without either there is nothing to train on.
+    gone = _config(root=str(tmp_path / "moved-away"), cache=str(cache))
+    assert prepare_missing(gone, progress=False).cases == IDS
+    with pytest.raises(DataError, match=r"no prepared cases .*data.root .*moved-away"):
+        prepare_missing(_config(root=str(tmp_path / "moved-away"), cache=str(tmp_path / "empty")), progress=False)
+
+
+def test_prepare_missing_prepares_a_fresh_cache_of_any_challenge(tmp_path):
+    from brats_swap.data.cache import prepare_missing
+
+    root = tmp_path / "raw"
+    write_case(root, "BraTS-PED-00001-000", "ped")
+    write_case(root, "BraTS-MEN-RT-0060-1", "men-rt")
+    ped = prepare_missing(_config(root=str(root), cache=str(tmp_path / "c1")), progress=False)
+    assert ped.prepared == ["BraTS-PED-00001-000"]  # MEN-RT ships t1c alone: skipped with all 4 modalities
+    assert "ships no t1 image" in ped.failed["BraTS-MEN-RT-0060-1"]
+    meta = load_prepared(tmp_path / "c1", "BraTS-PED-00001-000").meta
+    assert meta["edition"] == "ped" and set(meta["label_counts"]) == {"1", "2", "3", "4"}
+    men_rt_root = tmp_path / "men-rt"
+    write_case(men_rt_root, "BraTS-MEN-RT-0060-1", "men-rt")
+    men_rt = prepare_missing(_config(root=str(men_rt_root), cache=str(tmp_path / "c2"), modalities=["t1ce"],
+                                     challenge="men-rt"), progress=False)
+    assert men_rt.cases == ["BraTS-MEN-RT-0060-1"]
+    prepared = load_prepared(tmp_path / "c2", "BraTS-MEN-RT-0060-1")
+    assert prepared.image.shape[0] == 1 and prepared.meta["settings"]["challenge"] == "men-rt"
+    assert set(np.unique(prepared.label)) == {0, 1}
+    with pytest.raises(DataError, match="no usable case"):
+        prepare_missing(_config(root=str(men_rt_root), cache=str(tmp_path / "c3")), progress=False)

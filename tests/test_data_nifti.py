@@ -129,14 +129,54 @@ def test_missing_modality_names_the_expected_file(tmp_path):
         in " ".join(result.output.split())
 
 
+def _one_line(result) -> str:
+    return " ".join(result.output.split())
+
+
 def test_2023_labels_are_checked_against_their_own_table(tmp_path):
     paths = write_case(tmp_path, "BraTS-GLI-00000-000", "2023")
     seg = np.asanyarray(nib.load(str(paths["seg"])).dataobj).copy()
-    seg[1, 1, 1] = 4  # ET of 2017-2021, not a 2023 label
+    seg[1, 1, 1] = 4  # ET of 2017-2021 and RC of the post-treatment release, not a GLI pre-op label
     write_volume(paths["seg"], seg)
     result = _check(tmp_path, "--strict")
     assert result.exit_code == 1
-    assert "labels {4} not in the 2023 edition's table {0, 1, 2, 3}" in result.output
+    line = _one_line(result)
+    assert ("file BraTS-GLI-00000-000-seg.nii.gz: labels {4} not in the gli challenge's table {0, 1, 2, 3} "
+            "(GLI pre-operative glioma (2023)); set data.challenge=gli-post") in line
+    assert _check(tmp_path, "--strict", "--challenge", "gli-post").exit_code == 0
+
+
+@pytest.mark.parametrize(("edition", "case_id", "bad", "suggested"), [
+    ("ped", "BraTS-PED-00001-000", 5, "data.challenge"),
+    ("men-rt", "BraTS-MEN-RT-0060-1", 2, "data.challenge=gli "),
+    ("met", "BraTS-MET-00132-000", 7, "data.challenge"),
+    ("men", "BraTS-MEN-00004-000", 4, "data.challenge=gli-post"),
+])
+def test_a_label_outside_the_detected_challenge_names_file_labels_table_and_key(tmp_path, edition, case_id, bad,
+                                                                               suggested):
+    paths = write_case(tmp_path, case_id, edition)
+    seg = np.asanyarray(nib.load(str(paths["seg"])).dataobj).copy()
+    seg[1, 1, 1] = bad
+    write_volume(paths["seg"], seg)
+    result = _check(tmp_path, "--strict", "--set", f"data.modalities=[{','.join(sorted(paths.keys() - {'seg'}))}]")
+    assert result.exit_code == 1
+    line = _one_line(result)
+    assert f"error: case {case_id}: file {paths['seg'].name}: labels {{{bad}}} not in the {edition} challenge's" \
+        in line
+    assert suggested in line
+
+
+def test_men_rt_reads_t1c_alone_and_says_so_when_other_modalities_are_asked_for(tmp_path):
+    write_case(tmp_path, "BraTS-MEN-RT-0060-1", "men-rt")
+    result = _check(tmp_path, "--strict")
+    assert result.exit_code == 1
+    assert ("case BraTS-MEN-RT-0060-1: the men-rt challenge ships no t1 image (only t1ce): "
+            "set data.modalities=[t1ce]") in _one_line(result)
+    result = _check(tmp_path, "--strict", "--set", "data.modalities=[t1ce]")
+    assert result.exit_code == 0, result.output
+    loaded = load_case(discover_cases(tmp_path, modalities=["t1ce"])[0], ["t1ce"])
+    assert loaded.image.shape == (1, *SHAPE) and set(np.unique(loaded.seg)) == {0, 1}
+    assert "GTV [1]" in _one_line(result)  # the label table of the detected challenge is shown
 
 
 def test_without_strict_bad_cases_are_listed_and_skipped(tmp_path):
@@ -186,6 +226,8 @@ def test_edition_option_is_validated_and_forces_the_table(tmp_path):
     # Forced 2023: its file names (t1n, t1c, ...) are not the 2021 ones, so the modalities are missing.
     result = _check(tmp_path, "--edition", "2023", "--strict")
     assert result.exit_code == 1 and "missing modality t1" in result.output
+    result = _check(tmp_path, "--challenge", "pediatric")
+    assert result.exit_code == 2 and "data.challenge" in result.output
 
 
 def test_data_commands_are_registered_on_the_main_app(tmp_path):
@@ -195,3 +237,33 @@ def test_data_commands_are_registered_on_the_main_app(tmp_path):
     result = runner.invoke(app, ["data", "check", str(tmp_path), "--strict"])
     assert result.exit_code == 0, result.output
     assert CASE in result.output and "ok" in result.output
+
+
+def _gz_members(payload: bytes, parts: int) -> bytes:
+    step = len(payload) // parts + 1
+    return b"".join(gzip.compress(payload[i:i + step], mtime=0) for i in range(0, len(payload), step))
+
+
+def test_gzip_crc_and_length_are_checked_before_any_voxel_is_used(tmp_path):
+    paths = write_case(tmp_path, CASE, "2021")
+    stored = paths["t2"].read_bytes()
+    payload = gzip.decompress(stored)
+    (case,) = discover_cases(tmp_path)
+    expected = load_case(case).image
+    # Several gzip members (what `cat a.gz b.gz` or some writers give) and trailing zero padding are valid.
+    paths["t2"].write_bytes(_gz_members(payload, 3) + b"\0" * 7)
+    assert np.array_equal(load_case(case).image, expected)
+    damaged_files = [
+        stored[:-8] + bytes([stored[-8] ^ 1]) + stored[-7:],  # the CRC-32 of the trailer
+        stored[:-4] + bytes([stored[-4] ^ 1]) + stored[-3:],  # the length (ISIZE) of the trailer
+        stored + b"junk",  # garbage after the stream
+        _gz_members(payload, 2)[:-20],  # the last member cut short
+    ]
+    for damaged in damaged_files:
+        paths["t2"].write_bytes(damaged)
+        with pytest.raises(DataError, match=f"^case {CASE}: file {paths['t2'].name}: "
+                                            "(damaged gzip data|unreadable or truncated)"):
+            load_case(case)
+    paths["t2"].write_bytes(payload)  # a .nii.gz that is not gzip at all
+    with pytest.raises(DataError, match="not a NIfTI file .no gzip header"):
+        load_case(case)

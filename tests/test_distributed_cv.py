@@ -9,7 +9,6 @@ import pytest
 from train_helpers import prepared_dataset, tiny_config
 
 from brats_swap.cv import run_cv, run_lock
-from brats_swap.cv.parallel import WORKER_LOG, run_cv_parallel
 from brats_swap.errors import RunLockedError
 
 
@@ -21,7 +20,7 @@ def data(tmp_path_factory):
 def test_parallel_folds_train_concurrently_and_summarise_like_the_sequential_runner(data, tmp_path):
     run = tmp_path / "run"
     config = tiny_config(*data, "train.threads=1", "train.augment=none")
-    outcome = run_cv_parallel(config, run, parallel=2)
+    outcome = run_cv(config, run, parallel_folds=2)
 
     assert outcome.complete and outcome.exit_code == 0 and outcome.stop_reason is None
     assert sorted(outcome.started) == [0, 1] and sorted(outcome.evaluated) == [0, 1]
@@ -34,7 +33,7 @@ def test_parallel_folds_train_concurrently_and_summarise_like_the_sequential_run
         state = json.loads((fold / "state.json").read_text())
         assert state["trained"] and state["evaluated"] and state["epochs_completed"] == 1
         assert (fold / "checkpoint_best.pt").exists() and (fold / "metrics.csv").exists()
-        assert (fold / WORKER_LOG).exists()
+        assert (fold / "cv_worker.log").exists()
     parallel_summary = json.loads((run / "cv_summary.json").read_text())
     assert parallel_summary["complete"] and parallel_summary["folds_done"] == [0, 1]
     assert "(2 fold(s) at a time)" in (run / "cv.log").read_text()
@@ -54,5 +53,5 @@ def test_parallel_folds_respect_the_run_lock(data, tmp_path):
     run = tmp_path / "run"
     config = tiny_config(*data)
     with run_lock(run), pytest.raises(RunLockedError):
-        run_cv_parallel(config, run, parallel=2)
+        run_cv(config, run, parallel_folds=2)
     assert sorted(p.name for p in run.iterdir()) == [".lock"]

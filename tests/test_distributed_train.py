@@ -18,10 +18,11 @@ import torch
 from dist_helpers import spawn_ranks
 from train_helpers import prepared_dataset, tensorboard_scalars, tiny_config
 
-from brats_swap.cv.ddp import run_cv_distributed
+from brats_swap.cv import run_cv
 from brats_swap.distributed import DistContext
 from brats_swap.model import build_model
-from brats_swap.train.checkpoint import LATEST, load_checkpoint
+from brats_swap.run.checkpoint import load_checkpoint
+from brats_swap.run.folder import LATEST
 from brats_swap.train.loop import train_fold
 
 # One step of batch 1 per rank; dropout off (its masks are random per process, the one thing a DDP step and
@@ -77,7 +78,7 @@ def _two_rank_worker(ctx: DistContext, cache: str, root: str, runs: str, reports
         results[name] = {"finished": result.finished, "history": result.history}
     # `brats-swap cv` under torchrun: rank 0 runs the cv runner, both ranks train each fold.
     config = tiny_config(Path(root), Path(cache), *STEP, "train.batch_size=1")
-    outcome = run_cv_distributed(config, Path(runs) / "cv")
+    outcome = run_cv(config, Path(runs) / "cv")  # under torchrun's environment: the distributed cv
     results["cv"] = None if outcome is None else {"complete": outcome.complete, "evaluated": outcome.evaluated}
     torch.save({"results": results, "writes": writes}, Path(reports) / f"rank{ctx.rank}.pt")
 

@@ -90,9 +90,12 @@ def test_peak_resident_saved_bytes_at_48():
     norm_act, norm_act_bwd = _peak_and_convs({"mode": "recompute", "recompute": {"norm_act": True}}, 48)
 
     assert none.peak_resident_saved_bytes == none.saved_bytes > 0
-    assert swap.swapped_out_bytes >= 0.99 * swap.saved_bytes
+    batch_bytes = 4 * 48**3 * 4  # the input: the caller holds it, so it is never swapped
+    assert swap.swapped_out_bytes <= swap.saved_bytes - batch_bytes
+    assert swap.swapped_out_bytes >= 0.99 * (swap.saved_bytes - batch_bytes)
     assert swap.prefetch_misses == 0
-    assert swap.peak_resident_saved_bytes <= 0.15 * none.peak_resident_saved_bytes, \
+    # Besides the (kept) input, one reload ahead of backward and the tensors of the running op.
+    assert swap.peak_resident_saved_bytes - batch_bytes <= 0.15 * none.peak_resident_saved_bytes, \
         swap.peak_resident_saved_bytes / none.peak_resident_saved_bytes
     assert norm_act.peak_resident_saved_bytes <= 0.60 * none.peak_resident_saved_bytes, \
         norm_act.peak_resident_saved_bytes / none.peak_resident_saved_bytes

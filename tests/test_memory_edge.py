@@ -192,9 +192,10 @@ def test_unused_head_leaks_nothing():
     aux_ref = _tiny_step(engine, net, x, use_aux=False)
     gc.collect()
     assert aux_ref() is None
-    core = engine.core
-    assert core.resident == 0 and not core.live
-    assert all(record.alive == 0 and record.reloaded is None and record.gpu_ref is None for record in core.by_index)
+    rulebook = engine.core.rulebook
+    assert rulebook.resident == 0 and not rulebook.unreleased
+    assert all(entry.alive == 0 and not entry.reload_held and entry.payload.reloaded is None
+               and entry.payload.gpu_ref is None for entry in rulebook.entries)
     assert any(r.module == "aux" for r in engine.last_records())  # the head did save tensors
 
 
@@ -217,7 +218,7 @@ def test_fifty_steps_do_not_grow_live_tensors_or_arena():
         _tiny_step(engine, net, x, use_aux=step % 2 == 0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        assert engine.core.resident == 0
+        assert engine.core.rulebook.resident == 0
         if step in (4, 49):
             counts.append(live_tensors())
         arenas.append(engine.last_stats().arena_bytes)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from memory_helpers import dice_loss
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -20,12 +22,13 @@ from brats_swap.memory.planner import (
     Planner,
     choose_policy,
     default_cost_model,
-    named_policies,
     plan_report,
 )
+from brats_swap.memory.presets import named_policies
 from brats_swap.memory.simulate import GIB, OpCostModel, Placement, simulate_memory
-from brats_swap.memory.trace import meta_copy, soft_dice_loss, trace_step
+from brats_swap.memory.trace import meta_copy, trace_step
 from brats_swap.model import build_model
+from brats_swap.train.losses import weighted_dice_loss
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def _engine_step(model, cfg, x, y):
     engine = MemoryEngine(model, cfg, "cpu", measure=True)
     try:
         with engine.step():
-            loss = soft_dice_loss(model(x), y)
+            loss = dice_loss(model(x), y)
         loss.backward()
         model.zero_grad(set_to_none=True)
         return engine.last_stats(), engine.last_records(), engine.last_swapped()
@@ -71,7 +74,7 @@ def _engine_step(model, cfg, x, y):
 def test_predictions_equal_engine_measurements_for_every_policy(small_model, size, one_thread):
     model = small_model
     shape = (1, 4, size, size, size)
-    planner = Planner(model, shape, loss_fn=soft_dice_loss)
+    planner = Planner(model, shape, loss_fn=dice_loss)
     x = torch.randn(shape)
     y = (torch.rand(1, 3, size, size, size) > 0.5).float()
     policies = named_policies(_small_base())
@@ -121,7 +124,7 @@ class _LiveBytes(TorchDispatchMode):
 
 def test_none_peak_at_192_matches_a_direct_meta_count(model):
     shape = (2, 4, 192, 192, 192)
-    trace = trace_step(model, shape, loss_fn=soft_dice_loss)
+    trace = trace_step(model, shape, loss_fn=weighted_dice_loss)
     predicted = simulate_memory(trace, Placement(), optimizer_state_factor=0).peak_bytes
 
     meta_model = meta_copy(model)
@@ -129,7 +132,7 @@ def test_none_peak_at_192_matches_a_direct_meta_count(model):
     y = torch.empty((2, 3, 192, 192, 192), device="meta")
     params = {p.untyped_storage()._cdata for p in meta_model.parameters()}
     with _LiveBytes(params) as counter:
-        soft_dice_loss(meta_model(x), y).backward()
+        weighted_dice_loss(meta_model(x), y).backward()
     direct = counter.peak + x.untyped_storage().nbytes() + y.untyped_storage().nbytes() + trace.param_bytes
     assert abs(predicted - direct) <= 0.01 * direct
     assert 20 * GIB < predicted < 40 * GIB  # about 12 GiB of saved activations per 192³ sample
@@ -138,7 +141,7 @@ def test_none_peak_at_192_matches_a_direct_meta_count(model):
 
 def test_auto_tune_at_192_fits_16_8_4_gib_or_reports_the_floor(model):
     shape = (2, 4, 192, 192, 192)
-    planner = Planner(model, shape, cost=default_cost_model("gpu", torch.float32))
+    planner = Planner(model, shape, cost=default_cost_model("gpu", torch.float32), loss_fn=weighted_dice_loss)
     floor = planner.floor_bytes()
     none_peak = planner.memory(named_policies()["none"]).peak_bytes
     assert floor < none_peak
@@ -155,7 +158,7 @@ def test_auto_tune_at_192_fits_16_8_4_gib_or_reports_the_floor(model):
     memory_cfg = MemoryConfig(mode="auto", budget_gib=4.0)
     with pytest.raises(ConfigError, match=r"memory.budget_gib=4.*floor"):
         choose_policy(model, memory_cfg, shape, torch.float32, "cpu",
-                      cost=default_cost_model("gpu", torch.float32))
+                      cost=default_cost_model("gpu", torch.float32), loss_fn=weighted_dice_loss)
 
 
 def test_auto_plan_is_checked_against_the_engine_on_cpu(small_model, one_thread):
@@ -163,13 +166,13 @@ def test_auto_plan_is_checked_against_the_engine_on_cpu(small_model, one_thread)
     size = 32
     shape = (1, 4, size, size, size)
     base = _small_base()
-    planner = Planner(model, shape, loss_fn=soft_dice_loss)
+    planner = Planner(model, shape, loss_fn=dice_loss)
     none = planner.memory(named_policies(base)["none"])
     lowest = min(planner.memory(cfg).peak_bytes for cfg in named_policies(base).values())
     # Scale the budget down so that keeping everything does not fit but the leanest preset does.
     budget = (lowest + none.peak_bytes) / 2 / BUDGET_HEADROOM
     base.budget_gib = budget / GIB
-    chosen, report = choose_policy(model, base, shape, torch.float32, "cpu", loss_fn=soft_dice_loss)
+    chosen, report = choose_policy(model, base, shape, torch.float32, "cpu", loss_fn=dice_loss)
     assert chosen.mode in ("swap", "recompute", "hybrid")
     assert report.chosen.peak_bytes <= budget * BUDGET_HEADROOM
     predicted = planner.memory(chosen)
@@ -183,14 +186,23 @@ def test_auto_plan_is_checked_against_the_engine_on_cpu(small_model, one_thread)
     assert stats.peak_resident_saved_bytes < none.peak_resident_saved_bytes
 
 
-def test_choose_policy_needs_a_budget(model):
+def test_auto_without_a_budget_is_refused_where_policies_are_read():
+    # One validator (the config loader's) for YAML, --set and policies handed to the memory package.
+    from brats_swap.config import load_config
+    from brats_swap.memory import memory_config_from
+
     with pytest.raises(ConfigError, match="memory.budget_gib"):
-        choose_policy(model, MemoryConfig(mode="auto"), (1, 4, 16, 16, 16), torch.float32, "cpu")
+        load_config(None, ["memory.mode=auto"])
+    with pytest.raises(ConfigError, match="memory.budget_gib"):
+        memory_config_from({"mode": "auto"})
+    with pytest.raises(ConfigError, match="memory.budget_gib"):
+        memory_config_from({"mode": "auto", "budget_gib": -1})
 
 
 def test_copy_engine_prices_the_link(small_model):
     model = small_model
-    planner = Planner(model, (1, 4, 32, 32, 32), cost=OpCostModel(flops_per_s=1e12, bytes_per_s=1e11))
+    planner = Planner(model, (1, 4, 32, 32, 32), cost=OpCostModel(flops_per_s=1e12, bytes_per_s=1e11),
+                      loss_fn=weighted_dice_loss)
     cfg = named_policies(_small_base())["swap_all"]
     none = planner.time(named_policies()["none"])
     planner.cost.h2d_bytes_per_s = planner.cost.d2h_bytes_per_s = 1e15  # a free link hides everything
@@ -211,8 +223,10 @@ def test_copy_engine_prices_the_link(small_model):
 def test_plan_report_bf16_halves_activations(small_model):
     model = small_model
     shape = (1, 4, 32, 32, 32)
-    fp32, _ = plan_report(model, MemoryConfig(), shape, dtype="float32", cost=default_cost_model("gpu"))
-    bf16, _ = plan_report(model, MemoryConfig(), shape, dtype="bfloat16", cost=default_cost_model("gpu"))
+    fp32, _ = plan_report(model, MemoryConfig(), shape, dtype="float32", cost=default_cost_model("gpu"),
+                          loss_fn=weighted_dice_loss)
+    bf16, _ = plan_report(model, MemoryConfig(), shape, dtype="bfloat16", cost=default_cost_model("gpu"),
+                          loss_fn=weighted_dice_loss)
     saved32 = next(p for p in fp32.policies if p.name == "none").saved_bytes
     saved16 = next(p for p in bf16.policies if p.name == "none").saved_bytes
     assert 0.4 * saved32 < saved16 < 0.75 * saved32
@@ -251,7 +265,6 @@ def test_plan_cli_rejects_a_bad_dtype():
 
 def test_validate_plan_script_runs_on_cpu(tmp_path, one_thread):
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "validate_plan.py"
     spec = importlib.util.spec_from_file_location("validate_plan", path)
@@ -265,3 +278,91 @@ def test_validate_plan_script_runs_on_cpu(tmp_path, one_thread):
         assert row["predicted_peak_bytes"] == row["measured_peak_bytes"]  # CPU: peak resident saved bytes
     assert "| 16 | 1 | swap_all |" in (tmp_path / "validate_plan.md").read_text()
     assert json.loads((tmp_path / "validate_plan.json").read_text())["rows"][0]["policy"] == "none"
+
+
+def test_yaml_presets_equal_the_preset_data():
+    """configs/<preset>.yaml are for users; the planner reads `memory.presets`. They must not drift."""
+    import yaml
+
+    from brats_swap.memory.presets import PRESETS
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name, section in PRESETS.items():
+        raw = yaml.safe_load((configs / f"{name}.yaml").read_text(encoding="utf-8"))
+        assert raw["memory"] == section, name
+    assert {"swap_all", "swap_first_n", "swap_no_decoder", "swap_no_decoder_lookahead", "recompute", "norm_act",
+            "hybrid"} == set(PRESETS)
+
+
+def _tiny_config(*overrides: str):
+    from brats_swap.config import load_config
+
+    return load_config(None, ["model.base_filters=4", "data.cube=[32,32,32]", *overrides])
+
+
+def test_fp16_training_is_priced_in_fp16(monkeypatch, tmp_path):
+    from brats_swap.run.folder import FoldFolder
+    from brats_swap.train import planning
+
+    # `brats-swap plan`: the dtype train.amp trains in, unless --dtype says otherwise.
+    saved = {}
+    for amp in ("none", "fp16"):
+        report, _ = planning.plan_for_config(_tiny_config(f"train.amp={amp}"), batch=1, device="gpu")
+        saved[amp] = next(p for p in report.policies if p.name == "none").saved_bytes
+        assert report.dtype == {"none": "float32", "fp16": "float16"}[amp]
+    assert 0.4 * saved["none"] < saved["fp16"] < 0.75 * saved["none"]
+    forced, _ = planning.plan_for_config(_tiny_config("train.amp=fp16"), batch=1, device="gpu", dtype="fp32")
+    assert next(p for p in forced.policies if p.name == "none").saved_bytes == saved["none"]
+
+    # The out-of-memory advice prices the same dtype (at 96³: its GiB are printed with two decimals).
+    def needs_gib(amp: str) -> float:
+        config = _tiny_config(f"train.amp={amp}", "data.cube=[96,96,96]")
+        message = str(planning.out_of_memory_error(torch.device("cpu"), config, "here"))
+        return float(message.split("needs about ")[1].split(" GiB")[0])
+
+    assert needs_gib("fp16") < 0.8 * needs_gib("none")
+
+    # memory.mode=auto plans in it too.
+    seen = []
+
+    def fake_choose_policy(model, memory_cfg, input_shape, dtype, device, *, loss_fn):
+        seen.append(dtype)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(planning, "choose_policy", fake_choose_policy)
+    config = _tiny_config("train.amp=fp16", "memory.mode=auto", "memory.budget_gib=1")
+    with pytest.raises(ConfigError, match="stop here"):
+        planning.plan_memory(config, build_model(config.model), FoldFolder(tmp_path / "fold_0", 0), (1, 4, 32, 32, 32),
+                             torch.device("cpu"), reuse=False)
+    assert seen == [torch.float16]
+
+
+def test_the_memory_policy_is_resolved_once(tmp_path):
+    """`plan_memory` gives the concrete policy the engine runs, the checkpoint saves and a resume reuses."""
+    from brats_swap.memory import MemoryEngine
+    from brats_swap.run.folder import FoldFolder
+    from brats_swap.train.planning import plan_memory
+
+    config = _tiny_config("memory.mode=recompute")
+    model = build_model(config.model)
+    folder = FoldFolder(tmp_path / "fold_0", 0)
+    folder.root.mkdir()
+    shape = (1, 4, 32, 32, 32)
+    policy = plan_memory(config, model, folder, shape, torch.device("cpu"), reuse=False)
+    assert policy.mode == "recompute" and policy.recompute.norm_act  # recompute with nothing named: norm_act
+    engine = MemoryEngine(model, policy)
+    assert engine.cfg == policy  # the engine runs exactly the resolved policy
+    engine.close()
+    assert not folder.memory_plan.exists()
+
+    config = _tiny_config("memory.mode=auto", "memory.budget_gib=4", "memory.bandwidth_gbs=10")
+    policy = plan_memory(config, model, folder, shape, torch.device("cpu"), reuse=False)
+    assert policy.mode in ("none", "swap", "recompute", "hybrid")
+    assert policy.budget_gib == 4 and policy.bandwidth_gbs == 10
+    recorded = json.loads(folder.memory_plan.read_text())
+    assert recorded["memory"]["mode"] == policy.mode and recorded["report"]["chosen"] is not None
+    # A resumed fold reads the recorded plan back instead of planning again.
+    recorded["memory"] = {**recorded["memory"], "mode": "swap", "swap": {**recorded["memory"]["swap"], "tensors": 3}}
+    folder.memory_plan.write_text(json.dumps(recorded))
+    resumed = plan_memory(config, model, folder, shape, torch.device("cpu"), reuse=True)
+    assert resumed.mode == "swap" and resumed.swap.tensors == 3

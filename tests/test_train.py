@@ -12,8 +12,9 @@ import yaml
 from train_helpers import prepared_dataset, tensorboard_scalars, tiny_config
 
 from brats_swap.errors import ConfigError, NumericalError, TrainingInterrupted
+from brats_swap.run.checkpoint import load_checkpoint
+from brats_swap.run.folder import BEST, LATEST, PREVIOUS
 from brats_swap.train import loop
-from brats_swap.train.checkpoint import BEST, LATEST, PREVIOUS, load_checkpoint
 from brats_swap.train.loop import train_fold
 
 

@@ -16,6 +16,7 @@ from rich.markup import escape
 from brats_swap.atomic import DISK_PROBLEMS
 from brats_swap.config import Config, load_config
 from brats_swap.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, BratsSwapError
+from brats_swap.run.folder import RunFolder
 
 console = Console(stderr=False)
 err_console = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -43,7 +44,8 @@ def resolve_config(config: Path | None, overrides: list[str] | None) -> Config:
 
 
 def default_run_dir(config: Config, run: Path | None) -> Path:
-    return run if run is not None else Path("runs") / config.name
+    """`--run` if given, else the run folder named after the config (`runs/<config name>`)."""
+    return run if run is not None else RunFolder.default_for(config.name).root
 
 
 def fail(message: str, exit_code: int) -> typer.Exit:

@@ -7,7 +7,6 @@ and continued by the next invocation); 75 = another process holds the run folder
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,6 +21,7 @@ from brats_swap.cli.common import (
     resolve_config,
 )
 from brats_swap.errors import ConfigError
+from brats_swap.run.folder import RunFolder
 
 MaxHoursOption = Annotated[
     float | None,
@@ -44,33 +44,19 @@ def cv(
 
     Safe under cron: a second call while one runs exits 75 at once; --max-hours and SIGTERM stop at an
     epoch boundary with the checkpoint written (exit 0). Writes cv_summary.{json,md}, figures/ and one
-    line per call in cv.log.
+    line per call in cv.log. Under torchrun every fold trains on all ranks.
     """
     from brats_swap.cv import run_cv
 
     resolved = resolve_config(config, set_)
     run_dir = default_run_dir(resolved, run)
-    from brats_swap.distributed import launched_by_torchrun
-
-    if parallel_folds != 1:
-        if launched_by_torchrun():
-            raise ConfigError("--parallel-folds: not under torchrun (there every fold already uses all ranks); "
-                              "run it as a plain command")
-        from brats_swap.cv.parallel import run_cv_parallel
-
-        outcome = run_cv_parallel(resolved, run_dir, folds=fold, max_hours=max_hours, parallel=parallel_folds,
-                                  console=console)
-    elif launched_by_torchrun():
-        from brats_swap.cv.ddp import run_cv_distributed
-
-        outcome = run_cv_distributed(resolved, run_dir, folds=fold, max_hours=max_hours, console=console)
-        if outcome is None:  # ranks > 0 followed rank 0's folds; rank 0 reports
-            return
-    else:
-        outcome = run_cv(resolved, run_dir, folds=fold, max_hours=max_hours, console=console)
+    outcome = run_cv(resolved, run_dir, folds=fold, max_hours=max_hours, parallel_folds=parallel_folds,
+                     console=console)
+    if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
+        return
     console.print(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)", markup=False, highlight=False, soft_wrap=True)
     if outcome.complete:
-        console.print(f"summary: {run_dir / 'cv_summary.md'}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"summary: {RunFolder(run_dir).cv_summary_md}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(outcome.exit_code)
 
 
@@ -90,14 +76,14 @@ def compare(
     Writes RUN/full/ and RUN/patch/ (two cv runs), RUN/compare.md, RUN/compare.json and RUN/figures/*.png.
     Resumable and locked like `brats-swap cv`.
     """
-    from brats_swap.compare import COMPARE_MD, run_compare
+    from brats_swap.cv.compare import run_compare
 
     if not patch:
         raise ConfigError("compare: choose what to compare; the only comparison is --patch (whole volume vs patches)")
     resolved = resolve_config(config, set_)
     # Not runs/<name>: that is where `brats-swap cv` / `train` put the same config's plain run.
-    run_dir = run if run is not None else Path("runs") / f"{resolved.name}-compare"
+    run_dir = run if run is not None else RunFolder.default_for(f"{resolved.name}-compare").root
     outcome = run_compare(resolved, run_dir, folds=folds, max_hours=max_hours, console=console)
     console.print(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"comparison: {run_dir / COMPARE_MD}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"comparison: {RunFolder(run_dir).compare_md}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(0)

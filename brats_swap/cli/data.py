@@ -20,8 +20,13 @@ RootArgument = Annotated[
 ]
 EditionOption = Annotated[
     str | None,
-    typer.Option("--edition", help="Force the BraTS edition: 2017, 2018, 2019, 2020, 2021, 2023 (default: "
-                                   "data.edition, auto-detected from file names).", show_default=False),
+    typer.Option("--edition", help="Force the BraTS edition: 2017, 2018, 2019, 2020, 2021, 2023 (= gli) "
+                                   "(default: data.edition, auto-detected from file names).", show_default=False),
+]
+ChallengeOption = Annotated[
+    str | None,
+    typer.Option("--challenge", help="Force the 2023+ challenge: gli, gli-post, met, men, men-rt, ped, ssa, goat "
+                                     "(default: data.challenge, auto-detected from case ids).", show_default=False),
 ]
 StrictOption = Annotated[bool, typer.Option("--strict", help="Any bad case is an error (exit 1) instead of "
                                                              "being listed and skipped.")]
@@ -29,17 +34,17 @@ StrictOption = Annotated[bool, typer.Option("--strict", help="Any bad case is an
 
 @app.command("check")
 @handle_errors
-def check(root: RootArgument = None, edition: EditionOption = None, strict: StrictOption = False,
-          config: ConfigOption = None, set_: SetOption = None) -> None:
-    """Find and validate every case: edition, shape, spacing, label counts and problems."""
+def check(root: RootArgument = None, edition: EditionOption = None, challenge: ChallengeOption = None,
+          strict: StrictOption = False, config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Find and validate every case: label table, shape, spacing, label counts and problems."""
     from brats_swap.data.check import check_dataset
 
-    cfg = resolve_config(config, [*(set_ or []), *([f"data.edition={edition}"] if edition else [])])
+    cfg = resolve_config(config, _forcing(set_, edition, challenge))
     folder = root if root is not None else Path(cfg.data.root)
-    results = check_dataset(folder, cfg.data.edition, cfg.data.modalities)
+    results = check_dataset(folder, cfg.data.edition, cfg.data.modalities, challenge=cfg.data.challenge)
 
     table = Table(title=f"{folder}: {len(results)} cases")
-    for column in ("case", "edition", "shape", "spacing (mm)"):
+    for column in ("case", "table", "shape", "spacing (mm)"):
         table.add_column(column, no_wrap=True)
     table.add_column("labels (voxels)")
     table.add_column("problems", overflow="fold")
@@ -51,6 +56,7 @@ def check(root: RootArgument = None, edition: EditionOption = None, strict: Stri
         notes += [f"[yellow]{n}[/]" for n in r.notes]
         table.add_row(r.case_id, r.edition, shape, spacing, labels if r.ok else "-", "; ".join(notes) or "ok")
     console.print(table)
+    console.print(_label_tables(sorted({r.edition for r in results})))
     bad = [r for r in results if not r.ok]
     console.print(f"{len(results) - len(bad)} usable, {len(bad)} skipped")
     if bad and strict:
@@ -70,12 +76,13 @@ def prepare(
     workers: Annotated[int | None, typer.Option("--workers", "-j", help="Parallel processes (default: "
                                                 "data.prepare_workers).", show_default=False)] = None,
     edition: EditionOption = None,
+    challenge: ChallengeOption = None,
     strict: StrictOption = False,
 ) -> None:
     """Crop, normalize and fit every case to data.cube into an on-disk cache (incremental, atomic)."""
     from brats_swap.data.cache import prepare_dataset
 
-    cfg = resolve_config(config, [*(set_ or []), *([f"data.edition={edition}"] if edition else [])])
+    cfg = resolve_config(config, _forcing(set_, edition, challenge))
     folder = root if root is not None else Path(cfg.data.root)
     cache = out if out is not None else Path(cfg.data.cache)
     report = prepare_dataset(folder, cache, cfg.data, workers=workers, strict=strict)
@@ -100,13 +107,16 @@ def synth(
                                              show_default=False)] = None,
     edition: Annotated[str | None, typer.Option("--edition", help="Naming and labels: 2017 ... 2021, 2023 "
                                                 "(default: data.synth.edition).", show_default=False)] = None,
+    challenge: Annotated[str | None, typer.Option(
+        "--challenge", help="Naming and labels of a 2023+ challenge instead: gli, gli-post, met, men, men-rt, "
+                            "ped, ssa, goat (default: data.challenge unless auto).", show_default=False)] = None,
     shape: Annotated[tuple[int, int, int] | None, typer.Option("--shape", help="Volume size X Y Z "
                                                                "(default: data.synth.shape, 240 240 155).",
                                                                show_default=False)] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
 ) -> None:
-    """Write BraTS-format phantom cases (4 modalities + seg, NIfTI gz, 1 mm), deterministic per seed."""
+    """Write BraTS-format phantom cases (modalities + seg, NIfTI gz, 1 mm), deterministic per seed."""
     from brats_swap.data.phantom import synthesize_dataset
 
     overrides = list(set_ or [])
@@ -115,14 +125,36 @@ def synth(
             overrides.append(f"data.synth.{key}={value}")
     if shape is not None:
         overrides.append(f"data.synth.shape=[{','.join(map(str, shape))}]")
+    if challenge is not None:
+        overrides.append(f"data.challenge={challenge}")
     cfg = resolve_config(config, overrides)
     synth_cfg = cfg.data.synth
     if synth_cfg.cases < 1 or len(synth_cfg.shape) != 3 or min(synth_cfg.shape) < 8:
         raise DataError(f"synth: need at least 1 case and a shape of three sizes >= 8, got {synth_cfg.cases} "
                         f"cases of {synth_cfg.shape}")
     folder = out if out is not None else Path(cfg.data.root)
-    ids = synthesize_dataset(folder, synth_cfg.cases, synth_cfg.seed, synth_cfg.edition, tuple(synth_cfg.shape),
-                             progress=True)
-    console.print(f"{folder}: wrote {len(ids)} {synth_cfg.edition} phantom cases "
+    # A forced challenge (--challenge, or data.challenge of the config) names and labels the phantoms.
+    table = cfg.data.challenge if cfg.data.challenge != "auto" else synth_cfg.edition
+    ids = synthesize_dataset(folder, synth_cfg.cases, synth_cfg.seed, table, tuple(synth_cfg.shape), progress=True)
+    console.print(f"{folder}: wrote {len(ids)} {table} phantom cases "
                   f"({'x'.join(map(str, synth_cfg.shape))}, seed {synth_cfg.seed}): {ids[0]} ... {ids[-1]}",
                   highlight=False)
+
+
+def _forcing(set_: list[str] | None, edition: str | None, challenge: str | None) -> list[str]:
+    """The --set overrides plus those of --edition / --challenge."""
+    return [*(set_ or []), *([f"data.edition={edition}"] if edition else []),
+            *([f"data.challenge={challenge}"] if challenge else [])]
+
+
+def _label_tables(keys: list[str]) -> Table:
+    """The label table of every convention the cases were checked against."""
+    from brats_swap.data.challenges import get_challenge
+
+    table = Table(title="label tables (data.challenge / data.edition force another)")
+    for column in ("table", "what", "labels", "evaluation groups", "default regions"):
+        table.add_column(column, overflow="fold")
+    for key in keys:
+        spec = get_challenge(key)
+        table.add_row(key, spec.title, spec.describe_labels(), spec.describe_groups(), ", ".join(spec.regions))
+    return table

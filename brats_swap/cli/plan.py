@@ -13,8 +13,8 @@ from rich.table import Table
 from brats_swap.atomic import atomic_write_json
 from brats_swap.cli.common import ConfigOption, SetOption, console, handle_errors, resolve_config
 from brats_swap.errors import ConfigError
-from brats_swap.memory.planner import PlanReport, plan_for_config
-from brats_swap.memory.simulate import GIB
+from brats_swap.memory.planner import GIB, PlanReport
+from brats_swap.train.planning import plan_for_config, write_timeline_png
 
 
 @handle_errors
@@ -25,7 +25,8 @@ def plan(
     batch: Annotated[int | None, typer.Option("--batch", help="Batch size (default: train.batch_size).")] = None,
     budget: Annotated[float | None, typer.Option("--budget", help="Device-memory budget in GiB "
                                                 "(default: memory.budget_gib).")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32 or bf16 (default: from train.amp).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32, bf16 or fp16 (default: the dtype train.amp "
+                                              "trains in).")] = None,
     bandwidth: Annotated[float | None, typer.Option("--bandwidth", help="Host<->device GB/s per direction "
                                                     "(default: memory.bandwidth_gbs, measured, or 25).")] = None,
     device: Annotated[str, typer.Option("--device", help="Time model: auto (measure CUDA if present, else "
@@ -56,8 +57,6 @@ def plan(
         atomic_write_json(save_profile, report.cost_model)
         console.print(f"wrote {save_profile}")
     if timeline is not None:
-        from brats_swap.memory.timeline import write_timeline_png
-
         shown = report.chosen or next(p for p in report.policies if p.name == "none")
         write_timeline_png(planner, shown.policy, timeline,
                            title=f"{shown.name}: predicted {shown.step_s * 1e3:.1f} ms/step, "

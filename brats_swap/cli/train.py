@@ -21,6 +21,7 @@ from brats_swap.cli.common import (
     resolve_config,
 )
 from brats_swap.errors import ConfigError, TrainingInterrupted
+from brats_swap.run.folder import BEST, RunFolder
 
 FoldOption = Annotated[int | None, typer.Option("--fold", "-f", help="Fold of splits.json (default 0).",
                                                 show_default=False)]
@@ -51,9 +52,10 @@ def train(
 
         raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
     from brats_swap.distributed import is_main_process
-    from brats_swap.train.loop import summary_panel, train_fold
+    from brats_swap.train.loop import train_fold
+    from brats_swap.train.report import summary_panel
 
-    run_config = run / "config.yaml" if run is not None else None
+    run_config = RunFolder(run).config if run is not None else None
     if config is None and resume and run_config is not None and run_config.is_file():
         config = run_config
     resolved = resolve_config(config, set_)
@@ -120,22 +122,22 @@ def evaluate(
     from brats_swap.config import load_config
     from brats_swap.evaluate.run import evaluate_fold
 
-    run_config = run / "config.yaml"
-    if not run_config.is_file():
-        raise ConfigError(f"{run_config}: not found; is {run} a brats-swap run folder?")
-    resolved = load_config(run_config, set_ or [])
-    folds = [fold] if fold is not None else _trained_folds(run)
+    run_folder = RunFolder(run)
+    if not run_folder.config.is_file():
+        raise ConfigError(f"{run_folder.config}: not found; is {run} a brats-swap run folder?")
+    resolved = load_config(run_folder.config, set_ or [])
+    folds = [fold] if fold is not None else _trained_folds(run_folder)
     for k in folds:
-        summary = evaluate_fold(resolved, run, k, checkpoint=checkpoint, data_root=data)
+        summary = evaluate_fold(resolved, run_folder, k, checkpoint=checkpoint, data_root=data)
         print_summary(summary, console, title=f"{resolved.name} fold {k} ({checkpoint} checkpoint)")
-        console.print(f"report: {run / f'fold_{k}'}", markup=False, highlight=False)
+        console.print(f"report: {run_folder.fold(k).root}", markup=False, highlight=False)
 
 
-def _trained_folds(run: Path) -> list[int]:
-    folds = sorted(int(p.name.split("_", 1)[1]) for p in run.glob("fold_*")
-                   if p.name.split("_", 1)[1].isdigit() and (p / "checkpoint_best.pt").exists())
+def _trained_folds(run: RunFolder) -> list[int]:
+    """The folds of `run` that have a best checkpoint to evaluate."""
+    folds = [k for k in run.existing_folds() if run.fold(k).best.exists()]
     if not folds:
-        raise ConfigError(f"{run}: no fold has a checkpoint_best.pt; train first (brats-swap train)")
+        raise ConfigError(f"{run.root}: no fold has a {BEST}; train first (brats-swap train)")
     return folds
 
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from brats_swap.config.schema import Config
+from brats_swap.config.schema import Config, MemoryConfig
 from brats_swap.errors import ConfigError
 
 
@@ -31,8 +31,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
     config = from_dict(Config, raw)
+    _derive_unset(config, raw)
     validate_config(config)
     return config
+
+
+def _derive_unset(config: Config, raw: dict[str, Any]) -> None:
+    """Values that follow others unless set explicitly: the model's input channels are the modalities."""
+    model_raw = raw.get("model")
+    if not (isinstance(model_raw, dict) and "in_channels" in model_raw):
+        config.model.in_channels = len(config.data.modalities)
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
@@ -158,14 +166,35 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate_memory_config(memory: MemoryConfig) -> None:
+    """The `memory:` section's impossible values, each named by its dotted key: the one check of a memory
+    policy, for a whole config and for a policy given to `brats_swap.memory` as a dict or mode name."""
+    require = _require
+    require(memory.budget_gib is None or (memory.budget_gib > 0 and math.isfinite(memory.budget_gib)),
+            "memory.budget_gib", f"must be a positive finite number, got {memory.budget_gib}")
+    require(memory.mode != "auto" or memory.budget_gib is not None, "memory.budget_gib",
+            "memory.mode=auto needs a budget (e.g. --set memory.budget_gib=16)")
+    require(memory.bandwidth_gbs is None or memory.bandwidth_gbs > 0, "memory.bandwidth_gbs", "must be positive")
+    require(memory.swap.tensors == -1 or memory.swap.tensors >= 0, "memory.swap.tensors", "must be -1 (all) or >= 0")
+    require(memory.swap.lookahead >= 0, "memory.swap.lookahead", "must be 0 or more")
+    require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")
+    require(memory.swap.max_inflight_bytes > 0, "memory.swap.max_inflight_bytes", "must be positive")
+    gbs = memory.swap.emulate_gbs
+    require(gbs is None or (gbs > 0 and math.isfinite(gbs)), "memory.swap.emulate_gbs",
+            f"must be a positive finite GB/s or null, got {gbs}")
+    require(0 <= memory.swap.copy_delay_s <= 10, "memory.swap.copy_delay_s",
+            f"must be between 0 and 10 seconds, got {memory.swap.copy_delay_s}")
+
+
 def validate_config(config: Config) -> None:
     """Impossible values, each named by its dotted key."""
-
-    def require(ok: bool, key: str, message: str) -> None:
-        if not ok:
-            raise ConfigError(f"{key}: {message}")
-
-    data, train, model, memory = config.data, config.train, config.model, config.memory
+    require = _require
+    data, train, model = config.data, config.train, config.model
     require(len(data.cube) == 3 and all(s > 0 for s in data.cube), "data.cube", f"expected 3 positive sizes, got {data.cube}")
     factor = 2 ** (model.depth - 1)
     require(all(s % factor == 0 for s in data.cube), "data.cube",
@@ -200,13 +229,7 @@ def validate_config(config: Config) -> None:
     require(0 <= model.dropout < 1, "model.dropout", "must be in [0, 1)")
     require(1 <= model.segmentation_levels <= model.depth - 1, "model.segmentation_levels",
             f"must be between 1 and model.depth-1 ({model.depth - 1})")
-    require(memory.budget_gib is None or memory.budget_gib > 0, "memory.budget_gib", "must be positive")
-    require(memory.mode != "auto" or memory.budget_gib is not None, "memory.budget_gib",
-            "memory.mode=auto needs a budget (e.g. --set memory.budget_gib=16)")
-    require(memory.bandwidth_gbs is None or memory.bandwidth_gbs > 0, "memory.bandwidth_gbs", "must be positive")
-    require(memory.swap.tensors == -1 or memory.swap.tensors >= 0, "memory.swap.tensors", "must be -1 (all) or >= 0")
-    require(memory.swap.lookahead >= 0, "memory.swap.lookahead", "must be 0 or more")
-    require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")
+    validate_memory_config(config.memory)
     require(0 <= config.evaluate.sw_overlap < 1, "evaluate.sw_overlap", "must be in [0, 1)")
     require(0 < config.evaluate.threshold < 1, "evaluate.threshold", "must be between 0 and 1")
     require(config.cv.folds >= 2, "cv.folds", "must be at least 2")
@@ -219,6 +242,9 @@ def validate_config(config: Config) -> None:
             if unknown else "")
     require(len(set(data.modalities)) == len(data.modalities), "data.modalities",
             f"each modality at most once, got {data.modalities}")
+    require(bool(data.modalities), "data.modalities", "needs at least one modality")
+    require(data.challenge == "auto" or data.edition in ("auto", "2023"), "data.challenge",
+            f"the 2023+ challenge {data.challenge} contradicts data.edition={data.edition}; set data.edition=auto")
     require(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", train.device) is not None, "train.device",
             f"expected auto, cpu, cuda or cuda:N, got {train.device!r}")
     require(train.threads is None or train.threads >= 1, "train.threads", "must be at least 1")
@@ -229,9 +255,8 @@ def validate_config(config: Config) -> None:
     require(model.norm_eps > 0, "model.norm_eps", "must be positive")
     require(model.leaky_slope >= 0, "model.leaky_slope", "must be 0 or more")
     require(config.evaluate.sw_batch_size >= 1, "evaluate.sw_batch_size", "must be at least 1")
-    require(memory.swap.max_inflight_bytes > 0, "memory.swap.max_inflight_bytes", "must be positive")
     for key, value in (("train.lr", train.lr), ("train.weight_decay", train.weight_decay),
-                       ("memory.budget_gib", memory.budget_gib), ("cv.max_hours", config.cv.max_hours)):
+                       ("cv.max_hours", config.cv.max_hours)):
         require(value is None or math.isfinite(value), key, f"must be a finite number, got {value}")
     require(config.cv.max_hours is None or config.cv.max_hours > 0, "cv.max_hours", "must be positive")
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Edition = Literal["auto", "2017", "2018", "2019", "2020", "2021", "2023"]
+# The 2023+ challenges of the label table `brats_swap.data.challenges.CHALLENGES` (a test keeps them equal).
+Challenge = Literal["auto", "gli", "gli-post", "met", "men", "men-rt", "ped", "ssa", "goat"]
 
 
 @dataclass
@@ -28,6 +30,7 @@ class DataConfig:
     root: str = "data/phantoms"  # dataset folder (BraTS download or phantoms)
     cache: str = "data/cache/phantoms-192"  # prepared-cache folder (`brats-swap data prepare`)
     edition: Edition = "auto"  # label convention and file names; `auto` detects from file names
+    challenge: Challenge = "auto"  # 2023+ challenge (labels, names, groups); `auto` detects from case ids
     modalities: list[str] = field(default_factory=lambda: ["t1", "t1ce", "t2", "flair"])
     cube: list[int] = field(default_factory=lambda: [192, 192, 192])  # network input size (D, H, W)
     fit: Literal["resample", "pad_crop"] = "resample"  # resample = Ellis/IBM; pad_crop keeps 1 mm
@@ -41,14 +44,15 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: Literal["isensee2017"] = "isensee2017"
-    in_channels: int = 4
+    in_channels: int = 4  # when not set: the number of data.modalities (the loader derives it)
     base_filters: int = 16
     depth: int = 5
     dropout: float = 0.3  # channel dropout inside context modules
     segmentation_levels: int = 3  # deep-supervision levels summed into the output
     leaky_slope: float = 0.3  # Keras default used by Ellis/IBM; Isensee's own code used 0.01
     seg_layer: Literal["norm_act", "conv"] = "norm_act"  # IBM fork (8,269,579 params) or plain 1³ conv (8,269,561)
-    outputs: Literal["labels", "regions"] = "labels"  # sigmoid channels: BraTS labels (paper) or WT/TC/ET
+    outputs: Literal["labels", "regions"] = "labels"  # sigmoid channels: BraTS labels (paper) or regions
+    regions: list[str] = field(default_factory=list)  # region outputs (groups of the table); [] = its default
     norm_eps: float = 1e-3  # keras_contrib InstanceNormalization adds eps to the std
 
 
@@ -64,6 +68,8 @@ class SwapConfig:
     compress: Literal["none", "bf16"] = "none"  # bf16 is lossy; off by default
     sync: bool = False  # debug: synchronize after every copy
     max_inflight_bytes: int = 4 << 30  # cap on device bytes held by unfinished device-to-host copies
+    emulate_gbs: float | None = None  # CPU only: asynchronous copies over an emulated link of this GB/s
+    copy_delay_s: float = 0.0  # test knob: each copy first waits a random 0..copy_delay_s (widens races)
 
 
 @dataclass

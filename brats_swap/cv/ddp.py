@@ -1,6 +1,7 @@
 """`brats-swap cv` under torchrun: every fold trains data-parallel on all ranks; rank 0 runs the cv runner.
 
-Rank 0 does everything `run_cv` does (the run lock, splits.json, deciding which folds to train or resume,
+`run_cv` (cv/runner.py) comes here when torchrun started the process. Rank 0 does everything the
+sequential runner does (the run lock, splits.json, deciding which folds to train or resume,
 `--max-hours` and SIGTERM, evaluation, fold_<k>/state.json, the summary, cv.log). The other ranks only
 train: each time rank 0's runner is about to train a fold, it tells them which one (and whether it resumes)
 over a control channel, and all ranks enter `train_fold` together, where DDP and the loop's own agreement
@@ -16,25 +17,27 @@ from __future__ import annotations
 
 import datetime
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from brats_swap.config import Config
-from brats_swap.cv.runner import CVOutcome, run_cv
+from brats_swap.cv.runner import CVOutcome, run_sequential
 from brats_swap.distributed import init_distributed
 from brats_swap.train.loop import train_fold
 
 CONTROL_TIMEOUT = datetime.timedelta(days=7)
 
 
-def run_cv_distributed(config: Config, run_dir: Path, folds: Any = "all", max_hours: float | None = None, *,
-                       console=None) -> CVOutcome | None:
-    """`run_cv` on every rank of a torchrun job; returns rank 0's outcome, None on the other ranks."""
+def run_distributed(config: Config, run_dir: Path, folds: Any = "all", max_hours: float | None = None, *,
+                    console=None, clock: Callable[[], float] = time.monotonic) -> CVOutcome | None:
+    """The cv run on every rank of a torchrun job; returns rank 0's outcome, None on the other ranks."""
     ctx = init_distributed(config.train.device)
     if not ctx.is_distributed:
-        return run_cv(config, run_dir, folds, max_hours, console=console)
+        return run_sequential(config, run_dir, folds, max_hours, console=console, clock=clock)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # collective: every rank creates it
     if not ctx.is_main:
         _follow(config, Path(run_dir), control)
@@ -45,7 +48,8 @@ def run_cv_distributed(config: Config, run_dir: Path, folds: Any = "all", max_ho
         return train_fold(config, run_dir, fold, resume=resume, stop_requested=stop_requested)
 
     try:
-        return run_cv(config, run_dir, folds, max_hours, console=console, train=train_on_every_rank)
+        return run_sequential(config, run_dir, folds, max_hours, console=console, clock=clock,
+                              train=train_on_every_rank)
     finally:
         _send(control, ("done",))  # also after an error (locked run, bad data), so the others exit too
 
@@ -80,4 +84,4 @@ def _receive(group) -> tuple:
     return box[0]
 
 
-__all__ = ["CONTROL_TIMEOUT", "run_cv_distributed"]
+__all__ = ["CONTROL_TIMEOUT", "run_distributed"]

@@ -1,6 +1,6 @@
 """What makes a run folder safe under cron: an exclusive lock and a clean way to stop.
 
-`run_lock` takes `fcntl.flock(LOCK_EX | LOCK_NB)` on `run_dir/.lock` before anything in the run is
+`run_lock` takes `fcntl.flock(LOCK_EX | LOCK_NB)` on the run folder's `.lock` before anything in the run is
 written, so a second invocation (tonight's cron job while last night's is still running) fails at once
 with `RunLockedError` (exit 75, EX_TEMPFAIL) and leaves the run untouched. The kernel drops the lock when
 the process dies, even by SIGKILL, so there is never a stale lock to clean up by hand.
@@ -22,33 +22,31 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from brats_swap.errors import RunLockedError
-
-LOCK_FILE = ".lock"
+from brats_swap.run.folder import RunFolder
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path) -> Iterator[Path]:
+def run_lock(run_dir: RunFolder | Path) -> Iterator[Path]:
     """Hold the run folder's exclusive lock for the duration of the block (non-blocking)."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_FILE
+    run = RunFolder.of(run_dir)
+    run.root.mkdir(parents=True, exist_ok=True)
     # No O_TRUNC: the file may belong to the process that holds the lock. O_CLOEXEC keeps programs we
     # exec from inheriting (and so prolonging) the lock.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(run.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _read_holder(fd)
         os.close(fd)
         raise RunLockedError(
-            f"{run_dir}: another brats-swap process{holder} is working on this run (lock {path}); "
+            f"{run.root}: another brats-swap process{holder} is working on this run (lock {run.lock}); "
             "nothing was changed, try again when it has finished"
         ) from None
     try:
         # Only the lock holder writes its pid, so the message above can name it.
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield path
+        yield run.lock
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

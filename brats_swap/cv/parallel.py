@@ -1,7 +1,8 @@
-"""`brats-swap cv --parallel-folds N`: the same cross-validation as `run_cv`, N folds at a time.
+"""`brats-swap cv --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
 
-The parent process does what `run_cv` does (takes the run lock first, makes splits.json once, writes the
-summary and the cv.log line at the end) and, while it holds the lock, hands the unfinished folds to a pool
+`run_cv` (cv/runner.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
+runner does (the same `cv_invocation`: run lock first, `--max-hours`, SIGTERM, the cv.log line; splits.json
+made once; the summary at the end) and, while it holds the lock, hands the unfinished folds to a pool
 of N worker processes (`concurrent.futures.ProcessPoolExecutor` with the `spawn` start method: fresh
 interpreters, no CUDA state copied by fork). Each worker advances one fold exactly as the sequential runner
 does, through the same `FoldRunner.advance` (resume from checkpoint_latest.pt, train, write
@@ -34,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from brats_swap.config import Config
-from brats_swap.cv.lock import StopControl, run_lock
-from brats_swap.cv.runner import CVOutcome, FoldRunner, logged_invocation, resolve_folds
-from brats_swap.cv.state import fold_dir, read_fold_state
+from brats_swap.cv.invocation import cv_invocation
+from brats_swap.cv.lock import StopControl
+from brats_swap.cv.runner import CVOutcome, FoldRunner, resolve_folds
+from brats_swap.cv.state import read_fold_state
 from brats_swap.errors import ConfigError
-
-WORKER_LOG = "cv_worker.log"
+from brats_swap.run.folder import CV_WORKER_LOG, RunFolder
 
 
 @dataclass
@@ -64,9 +65,9 @@ def worker_devices(config: Config, parallel: int) -> list[str]:
     return [f"cuda:{i % count}" for i in range(parallel)]
 
 
-def run_cv_parallel(config: Config, run_dir: Path, folds: str | int | list[int] = "all",
-                    max_hours: float | None = None, *, parallel: int = 2, console=None) -> ParallelCVOutcome:
-    """`run_cv` with up to `parallel` folds training at once (see the module docstring).
+def run_parallel_folds(config: Config, run_dir: Path, folds: str | int | list[int] = "all",
+                       max_hours: float | None = None, *, parallel: int = 2, console=None) -> ParallelCVOutcome:
+    """The sequential runner with up to `parallel` folds training at once (see the module docstring).
 
     Same guarantees: RunLockedError (exit 75) at once if another process holds the run; a planned stop
     (--max-hours, SIGTERM) is exit 0 with every running fold checkpointed at an epoch boundary; the summary
@@ -75,24 +76,17 @@ def run_cv_parallel(config: Config, run_dir: Path, folds: str | int | list[int] 
     if parallel < 1:
         raise ConfigError(f"--parallel-folds {parallel}: must be at least 1")
     run_dir = Path(run_dir)
-    max_hours = max_hours if max_hours is not None else config.cv.max_hours
-    if max_hours is not None and max_hours <= 0:
-        raise ConfigError(f"--max-hours {max_hours}: must be positive")
-    with run_lock(run_dir):
-        # time.monotonic is system-wide on Linux, so the workers can share the parent's deadline.
-        stop = StopControl(max_hours, clock=time.monotonic)
-        outcome = ParallelCVOutcome(run_dir=run_dir, folds=[], parallel=parallel)
-        try:
-            with logged_invocation(run_dir, stop, outcome.describe_or_not_started), stop.on_sigterm():
-                runner = FoldRunner(config, run_dir, stop, console=console)  # splits.json, made under the lock
-                outcome.folds = resolve_folds(folds, runner.n_folds)
-                pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
-                if pending:
-                    _run_folds(config, run_dir, pending, stop, outcome, parallel, console)
-                runner.finish(outcome)
-        finally:
-            outcome.seconds = stop.elapsed_seconds
-        return outcome
+    outcome = ParallelCVOutcome(run_dir=run_dir, folds=[], parallel=parallel)
+    # time.monotonic is system-wide on Linux, so the workers can share the parent's deadline.
+    with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started,
+                       clock=time.monotonic) as stop:
+        runner = FoldRunner(config, run_dir, stop, console=console)  # splits.json, made under the lock
+        outcome.folds = resolve_folds(folds, runner.n_folds)
+        pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
+        if pending:
+            _run_folds(config, run_dir, pending, stop, outcome, parallel, console)
+        runner.finish(outcome)
+    return outcome
 
 
 def _run_folds(config: Config, run_dir: Path, pending: list[int], stop: StopControl, outcome: ParallelCVOutcome,
@@ -116,7 +110,7 @@ def _run_folds(config: Config, run_dir: Path, pending: list[int], stop: StopCont
             pool.submit(_advance_fold, config, run_dir, k, stop.deadline): k for k in pending
         }
         say(f"[{config.name}] {len(pending)} fold(s) to advance, {n_workers} at a time; worker logs in "
-            f"fold_<k>/{WORKER_LOG}")
+            f"each fold's {CV_WORKER_LOG}")
         waiting = set(futures)
         try:
             while waiting:
@@ -224,7 +218,7 @@ def _advance_fold(config: Config, run_dir: Path, fold: int, deadline: float | No
     if config.train.threads is None:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, threads=_WORKER["threads"]))
     part = CVOutcome(run_dir=Path(run_dir), folds=[fold])
-    log_path = fold_dir(run_dir, fold) / WORKER_LOG
+    log_path = RunFolder(run_dir).fold(fold).cv_worker_log
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with _redirect_output(log_path):
         runner = FoldRunner(config, run_dir, stop, console=None)
@@ -268,4 +262,4 @@ class _redirect_output:
         self.file.close()
 
 
-__all__ = ["ParallelCVOutcome", "WORKER_LOG", "WorkerStop", "run_cv_parallel", "worker_devices"]
+__all__ = ["ParallelCVOutcome", "WorkerStop", "run_parallel_folds", "worker_devices"]

@@ -1,6 +1,12 @@
-"""`run_cv`: train and evaluate every fold of a run, resumably, one cron invocation at a time.
+"""`run_cv`: the one entry of `brats-swap cv`. It trains and evaluates every fold of a run, resumably,
+one cron invocation at a time, and picks how the folds are trained:
 
-One invocation:
+- under torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK` set): every fold data-parallel on all ranks, rank 0
+  orchestrating (cv/ddp.py);
+- `parallel_folds > 1`: that many folds at once in worker processes (cv/parallel.py);
+- otherwise: one fold after the other in this process (`run_sequential`, below).
+
+Each way, one invocation:
 
 1. takes the run folder's lock (before writing anything; a second invocation gets exit 75);
 2. reads (or makes, once) `splits.json`;
@@ -11,6 +17,8 @@ One invocation:
 5. rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
 6. appends one line to `cv.log` saying what it did, how long it took and how it ended.
 
+Steps 1, 4 (the window and SIGTERM) and 6 are set up once, by `cv_invocation` (cv/invocation.py).
+
 Exit status: 0 whenever the run is consistent, whether complete or stopped by the window/SIGTERM: under
 cron a planned stop is success (a non-zero status would send an error mail every night). Whether the run
 is complete is in the message, `cv.log` and `cv_summary.json["complete"]`. 75 = locked, try later.
@@ -18,25 +26,24 @@ is complete is in the message, `cv.log` and `cv_summary.json["complete"]`. 75 = 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from brats_swap.config import Config
-from brats_swap.cv.lock import StopControl, run_lock
-from brats_swap.cv.state import FoldState, fold_dir, read_fold_state
-from brats_swap.cv.summary import SUMMARY_JSON, utc_now, write_cv_summary
+from brats_swap.cv.invocation import cv_invocation
+from brats_swap.cv.lock import StopControl
+from brats_swap.cv.state import FoldState, read_fold_state
+from brats_swap.cv.summary import utc_now, write_cv_summary
 from brats_swap.data.cache import list_prepared
-from brats_swap.errors import BratsSwapError, ConfigError, DataError
+from brats_swap.distributed import launched_by_torchrun
+from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.run import evaluate_fold
+from brats_swap.run.folder import RunFolder
 from brats_swap.splits import fold_cases, load_or_create_splits
-from brats_swap.train.checkpoint import LATEST, PREVIOUS
 from brats_swap.train.loop import train_fold
 
-CV_LOG = "cv.log"
 FoldSelection = str | int | Iterable[int]
 
 
@@ -105,51 +112,23 @@ def resolve_folds(selection: FoldSelection, n_folds: int) -> list[int]:
     return sorted(set(folds))
 
 
-def load_run_splits(config: Config, run_dir: Path) -> dict:
+def load_run_splits(config: Config, run_dir: RunFolder | Path) -> dict:
     """The run's splits.json (made once from the prepared cache's case ids, seeded by config.seed)."""
     cache = Path(config.data.cache)
     case_ids = list_prepared(cache) if cache.exists() else []
     if not case_ids:
         raise DataError(f"{cache}: no prepared cases (data.cache); run `brats-swap data prepare` first")
-    return load_or_create_splits(run_dir, case_ids, config.cv.folds, config.seed)
-
-
-def append_cv_log(run_dir: Path, line: str) -> None:
-    # One short O_APPEND write per invocation: a crash can lose the line but never corrupt earlier ones.
-    with open(Path(run_dir) / CV_LOG, "a", encoding="utf-8") as handle:
-        handle.write(line.rstrip("\n") + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-@contextlib.contextmanager
-def logged_invocation(run_dir: Path, stop: StopControl, describe: Callable[[], str]) -> Iterator[None]:
-    """Append one `cv.log` line when the block ends: how long, how it ended (exit code) and what it did.
-
-    Shared by the sequential runner, the parallel-folds runner and `compare`, so every invocation of any
-    of them leaves the same kind of line, also when it fails or is interrupted.
-    """
-    status = "error"
-    try:
-        yield
-        status = "exit 0"
-    except BratsSwapError as exc:
-        status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
-        raise
-    except KeyboardInterrupt:
-        status = "exit 130 (interrupted)"
-        raise
-    finally:
-        append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {stop.elapsed_seconds:.1f}s {status}: {describe()}")
+    return load_or_create_splits(RunFolder.of(run_dir).root, case_ids, config.cv.folds, config.seed)
 
 
 class FoldRunner:
     """Advances the folds of one run folder; the caller holds the lock. Used by `run_cv` and `compare`."""
 
-    def __init__(self, config: Config, run_dir: Path, stop: StopControl, console=None, train=None) -> None:
+    def __init__(self, config: Config, run_dir: RunFolder | Path, stop: StopControl, console=None, train=None) -> None:
         self.config = config
         self.train = train  # None = train_fold; cv under torchrun passes one that brings the other ranks along
-        self.run_dir = Path(run_dir)
+        self.run = RunFolder.of(run_dir)
+        self.run_dir = self.run.root
         self.stop = stop
         self.console = console
         self.splits = load_run_splits(config, self.run_dir)
@@ -171,7 +150,8 @@ class FoldRunner:
         if not state.trained:
             if self.stop.time_is_up():
                 return False
-            resume = any((fold_dir(self.run_dir, fold) / name).exists() for name in (LATEST, PREVIOUS))
+            checkpoints = self.run.fold(fold)
+            resume = checkpoints.latest.exists() or checkpoints.previous.exists()
             self._say(f"[{self.config.name}] fold {fold}: {'resuming' if resume else 'training'}")
             self.stop.fold_started()
             train = self.train or train_fold
@@ -207,30 +187,47 @@ class FoldRunner:
         outcome.summary = self.write_summary(outcome.folds)
 
 
-def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None,
-           *, console=None, clock=time.monotonic, train=None) -> CVOutcome:
+def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None, *,
+           parallel_folds: int = 1, console=None, clock: Callable[[], float] = time.monotonic) -> CVOutcome | None:
     """Continue the run's cross-validation where the last invocation stopped (see the module docstring).
 
-    Raises RunLockedError (exit 75) at once, touching nothing, when another process holds the run.
+    `folds`: "all", a fold number or fold numbers. `max_hours`: the window (default `cv.max_hours`).
+    `parallel_folds`: folds trained at once, each in a worker process (not under torchrun, where every
+    fold already uses all ranks). `console`: a rich console for progress lines (None = quiet). `clock`:
+    the window's clock; the parallel runner's workers share `time.monotonic`, so only that one goes there.
+
+    Returns the invocation's outcome (`ParallelCVOutcome` with parallel folds); None on torchrun ranks > 0,
+    which only follow rank 0's folds. Raises RunLockedError (exit 75) at once, touching nothing, when
+    another process holds the run.
     """
-    run_dir = Path(run_dir)
-    max_hours = max_hours if max_hours is not None else config.cv.max_hours
-    if max_hours is not None and max_hours <= 0:
-        raise ConfigError(f"--max-hours {max_hours}: must be positive")
-    with run_lock(run_dir):
-        stop = StopControl(max_hours, clock=clock)
-        outcome = CVOutcome(run_dir=run_dir, folds=[])
-        try:
-            with logged_invocation(run_dir, stop, outcome.describe_or_not_started), stop.on_sigterm():
-                runner = FoldRunner(config, run_dir, stop, console=console, train=train)
-                outcome.folds = resolve_folds(folds, runner.n_folds)
-                for k in outcome.folds:
-                    if not runner.advance(k, outcome):
-                        break
-                runner.finish(outcome)
-        finally:
-            outcome.seconds = stop.elapsed_seconds
-        return outcome
+    if launched_by_torchrun():
+        if parallel_folds != 1:
+            raise ConfigError("--parallel-folds: not under torchrun (there every fold already uses all ranks); "
+                              "run it as a plain command")
+        from brats_swap.cv.ddp import run_distributed
+
+        return run_distributed(config, run_dir, folds, max_hours, console=console, clock=clock)
+    if parallel_folds != 1:
+        if clock is not time.monotonic:
+            raise ValueError("clock: parallel folds share time.monotonic's deadline with their workers")
+        from brats_swap.cv.parallel import run_parallel_folds
+
+        return run_parallel_folds(config, run_dir, folds, max_hours, parallel=parallel_folds, console=console)
+    return run_sequential(config, run_dir, folds, max_hours, console=console, clock=clock)
 
 
-__all__ = ["CVOutcome", "CV_LOG", "FoldRunner", "SUMMARY_JSON", "load_run_splits", "resolve_folds", "run_cv"]
+def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None,
+                   *, console=None, clock: Callable[[], float] = time.monotonic, train=None) -> CVOutcome:
+    """`run_cv` in this process, one fold after the other; `train` replaces `train_fold` (see FoldRunner)."""
+    outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
+    with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started, clock=clock) as stop:
+        runner = FoldRunner(config, run_dir, stop, console=console, train=train)
+        outcome.folds = resolve_folds(folds, runner.n_folds)
+        for k in outcome.folds:
+            if not runner.advance(k, outcome):
+                break
+        runner.finish(outcome)
+    return outcome
+
+
+__all__ = ["CVOutcome", "FoldRunner", "load_run_splits", "resolve_folds", "run_cv", "run_sequential"]

@@ -14,12 +14,7 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json
 from brats_swap.errors import DataError
-
-STATE_FILE = "state.json"
-
-
-def fold_dir(run_dir: Path, fold: int) -> Path:
-    return Path(run_dir) / f"fold_{fold}"
+from brats_swap.run.folder import RunFolder
 
 
 @dataclass
@@ -63,12 +58,12 @@ class FoldState:
         if epochs_this_call:
             self.invocations += 1
 
-    def write(self, run_dir: Path) -> None:
-        atomic_write_json(fold_dir(run_dir, self.fold) / STATE_FILE, asdict(self))
+    def write(self, run_dir: RunFolder | Path) -> None:
+        atomic_write_json(RunFolder.of(run_dir).fold(self.fold).state, asdict(self))
 
 
-def read_fold_state(run_dir: Path, fold: int) -> FoldState:
-    path = fold_dir(run_dir, fold) / STATE_FILE
+def read_fold_state(run_dir: RunFolder | Path, fold: int) -> FoldState:
+    path = RunFolder.of(run_dir).fold(fold).state
     if not path.exists():
         return FoldState(fold=fold)
     try:

@@ -16,15 +16,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
-from brats_swap.cv.state import FoldState, fold_dir
+from brats_swap.cv.state import FoldState
 from brats_swap.data.editions import REGIONS
 from brats_swap.errors import DataError
+from brats_swap.run.folder import RunFolder
 
 METRICS = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
-SUMMARY_JSON = "cv_summary.json"
-SUMMARY_MD = "cv_summary.md"
-BOXPLOT_PNG = "figures/dice_boxplot.png"
 CASE_COLUMNS = ("case_id", "case", "subject")
 _REGION_KEYS = tuple(region.lower() for region in REGIONS)
 
@@ -37,9 +35,9 @@ def metric_columns() -> list[str]:
     return [f"{m}_{r.lower()}" for m in METRICS for r in REGIONS]
 
 
-def read_case_rows(run_dir: Path, fold: int) -> list[dict]:
+def read_case_rows(run_dir: RunFolder | Path, fold: int) -> list[dict]:
     """The fold's per-case metrics as dicts: `case`, `fold`, and a float per metric column present."""
-    path = fold_dir(run_dir, fold) / "metrics.csv"
+    path = RunFolder.of(run_dir).fold(fold).metrics_csv
     try:
         with open(path, newline="", encoding="utf-8") as handle:
             raw_rows = list(csv.DictReader(handle))
@@ -63,12 +61,12 @@ def read_case_rows(run_dir: Path, fold: int) -> list[dict]:
     return rows
 
 
-def _finite(values: list[float]) -> list[float]:
+def finite_values(values: list[float]) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
 
-def _mean_std(values: list[float]) -> dict:
-    finite = _finite(values)
+def mean_std(values: list[float]) -> dict:
+    finite = finite_values(values)
     if not finite:
         return {"mean": None, "std": None, "n": 0}
     std = statistics.stdev(finite) if len(finite) > 1 else None
@@ -79,7 +77,7 @@ def fold_means(rows: list[dict]) -> dict[str, float | None]:
     """Mean over the fold's cases per metric column (non-finite values, e.g. an undefined HD95, skipped)."""
     out = {}
     for column in metric_columns():
-        finite = _finite([r[column] for r in rows if column in r])
+        finite = finite_values([r[column] for r in rows if column in r])
         out[column] = statistics.fmean(finite) if finite else None
     return out
 
@@ -94,8 +92,8 @@ def aggregate(case_rows_by_fold: dict[int, list[dict]]) -> dict:
             fold_values = [per_fold[k][column] for k in sorted(per_fold)]
             if all(v is None for v in fold_values):
                 continue
-            over_folds = _mean_std([v for v in fold_values if v is not None])
-            over_cases = _mean_std([r[column] for rows in case_rows_by_fold.values() for r in rows if column in r])
+            over_folds = mean_std([v for v in fold_values if v is not None])
+            over_cases = mean_std([r[column] for rows in case_rows_by_fold.values() for r in rows if column in r])
             table.setdefault(metric, {})[region] = {
                 **over_folds,
                 "per_fold": fold_values,
@@ -143,7 +141,8 @@ def fold_record(state: FoldState, rows: list[dict] | None, split_sizes: tuple[in
     }
 
 
-def render_cv_markdown(summary: dict) -> str:
+def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
+    """cv_summary.md; `boxplot_link` is the box plot's path relative to the run folder."""
     done, total = len(summary["folds_done"]), len(summary["folds"])
     lines = [
         f"# Cross-validation: {summary['name']}",
@@ -175,7 +174,7 @@ def render_cv_markdown(summary: dict) -> str:
         )
     lines += ["", f"Total training time: {summary['total_train_hours']:.3f} h.", ""]
     if summary["table"]:
-        lines += [f"![per-case Dice]({BOXPLOT_PNG})", ""]
+        lines += [f"![per-case Dice]({boxplot_link})", ""]
     return "\n".join(lines)
 
 
@@ -185,13 +184,19 @@ def savefig_deterministic(figure, path: Path) -> None:
         figure.savefig(tmp, format="png", dpi=110, metadata={"Software": None})
 
 
-def dice_boxplot(case_rows: list[dict], path: Path, title: str) -> None:
-    """Per-case Dice per region over all folds (one box per region, every case drawn as a dot)."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def dice_boxplot(case_rows: list[dict], path: Path, title: str) -> None:
+    """Per-case Dice per region over all folds (one box per region, every case drawn as a dot)."""
+    plt = pyplot()
     data = [[r[f"dice_{region.lower()}"] for r in case_rows if f"dice_{region.lower()}" in r] for region in REGIONS]
     figure, axis = plt.subplots(figsize=(5, 4))
     axis.boxplot(data, showfliers=False)
@@ -209,7 +214,7 @@ def dice_boxplot(case_rows: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def build_cv_summary(name: str, run_dir: Path, splits: dict, folds: list[int],
+def build_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: list[int],
                      states: dict[int, FoldState]) -> tuple[dict, dict[int, list[dict]]]:
     rows_by_fold = {k: read_case_rows(run_dir, k) for k in folds if states[k].evaluated}
     records = []
@@ -228,14 +233,14 @@ def build_cv_summary(name: str, run_dir: Path, splits: dict, folds: list[int],
     return summary, rows_by_fold
 
 
-def write_cv_summary(name: str, run_dir: Path, splits: dict, folds: list[int],
+def write_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: list[int],
                      states: dict[int, FoldState]) -> dict:
     """Write cv_summary.json, cv_summary.md and figures/dice_boxplot.png (atomically); return the summary."""
-    run_dir = Path(run_dir)
-    summary, rows_by_fold = build_cv_summary(name, run_dir, splits, folds, states)
-    atomic_write_json(run_dir / SUMMARY_JSON, summary)
-    atomic_write_text(run_dir / SUMMARY_MD, render_cv_markdown(summary))
+    run = RunFolder.of(run_dir)
+    summary, rows_by_fold = build_cv_summary(name, run, splits, folds, states)
+    atomic_write_json(run.cv_summary_json, summary)
+    atomic_write_text(run.cv_summary_md, render_cv_markdown(summary, run.relative(run.cv_boxplot)))
     all_rows = [r for k in sorted(rows_by_fold) for r in rows_by_fold[k]]
     if all_rows:
-        dice_boxplot(all_rows, run_dir / BOXPLOT_PNG, f"{name}: per-case Dice, {len(rows_by_fold)} fold(s)")
+        dice_boxplot(all_rows, run.cv_boxplot, f"{name}: per-case Dice, {len(rows_by_fold)} fold(s)")
     return summary

@@ -4,8 +4,11 @@ Layout (stable, documented in data/README.md):
 
     CACHE/index.json                 settings + the prepared cases of the last `prepare` (+ failures)
     CACHE/<case_id>/image.npy        (C, D, H, W) float16/float32 (`data.cache_dtype`), memory-mappable
-    CACHE/<case_id>/label.npy        (D, H, W) uint8 with the edition's raw label values (absent: no seg)
+    CACHE/<case_id>/label.npy        (D, H, W) uint8, raw label values of meta["edition"]'s table (absent: no seg)
     CACHE/<case_id>/meta.json        what `to_original_grid` needs + sources' fingerprints + settings
+
+`prepare_missing(data_cfg)` is what train/cv/compare call: it prepares whatever cases of `data.root` the
+cache lacks (or holds stale) before they read it, so one command goes from a download to a run.
 
 Incremental: a case is redone only if its source files changed (name, size, mtime) or the preprocessing
 settings did. Atomic: each case is written into `CACHE/.tmp-<case>-<pid>-<nonce>/` and renamed into place,
@@ -82,7 +85,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
     started = time.perf_counter()
     cache_dir = Path(cache)
     settings = preprocess_settings(data_cfg)
-    cases = discover_cases(root, data_cfg.edition, tuple(data_cfg.modalities))
+    cases = discover_cases(root, data_cfg.edition, tuple(data_cfg.modalities), data_cfg.challenge)
     report = PrepareReport(cache=cache_dir)
     _make_cache_dir(cache_dir)
     report.removed_temp = clean_stale_temp(cache_dir)
@@ -132,6 +135,27 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
 
     report.prepared.sort()
     report.seconds = time.perf_counter() - started
+    return report
+
+
+def prepare_missing(data_cfg, workers: int | None = None, progress: bool = True) -> PrepareReport:
+    """Bring `data_cfg.cache` up to date with `data_cfg.root` before a run reads it: new cases, changed
+    files and changed settings are prepared (with a progress bar), the rest is left as it is.
+
+    Without a `data.root` folder the cache is used as it stands (a cache copied from elsewhere is enough to
+    train). Bad cases are skipped and listed in `report.failed`; DataError if no case is usable at all.
+    """
+    root, cache = Path(data_cfg.root), Path(data_cfg.cache)
+    if not root.is_dir():
+        prepared = list_prepared(cache) if cache.is_dir() else []
+        if not prepared:
+            raise DataError(f"{cache}: no prepared cases (data.cache), and data.root {root} is not a folder "
+                            "to prepare them from")
+        return PrepareReport(cache=cache, up_to_date=prepared)
+    report = prepare_dataset(root, cache, data_cfg, workers=workers, progress=progress)
+    if not report.cases:
+        first = next(iter(report.failed.values()), "no case found")
+        raise DataError(f"{root}: no usable case to prepare into {cache} ({first})")
     return report
 
 
@@ -344,5 +368,5 @@ def _progress_bar(enabled: bool) -> Progress:
 
 __all__ = [
     "CacheWriteError", "INDEX_FILE", "PrepareReport", "PreparedCase", "clean_stale_temp", "estimate_case_bytes",
-    "list_prepared", "load_prepared", "prepare_dataset", "prepare_one", "source_fingerprints", "write_entry",
+    "list_prepared", "load_prepared", "prepare_dataset", "prepare_missing", "prepare_one", "source_fingerprints", "write_entry",
 ]

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from rich.progress import Progress
 
+from brats_swap.data.challenges import CANONICAL_MODALITIES, get_challenge
 from brats_swap.data.discovery import discover_cases
-from brats_swap.data.editions import CANONICAL_MODALITIES, get_edition
 from brats_swap.data.nifti import load_case
 from brats_swap.errors import DataError
 
@@ -17,7 +17,7 @@ from brats_swap.errors import DataError
 @dataclass
 class CaseCheck:
     case_id: str
-    edition: str
+    edition: str  # the key of the table the case was checked against ("2021", "gli", "ped", ...)
     shape: tuple[int, ...] | None = None
     spacing: tuple[float, ...] | None = None
     label_counts: dict[str, int] | None = None  # label abbreviation -> voxels; None without a segmentation
@@ -31,9 +31,9 @@ class CaseCheck:
 
 def check_dataset(root: str | os.PathLike, edition: str = "auto",
                   modalities: tuple[str, ...] | list[str] = CANONICAL_MODALITIES,
-                  progress: bool = True) -> list[CaseCheck]:
+                  progress: bool = True, challenge: str = "auto") -> list[CaseCheck]:
     """One CaseCheck per discovered case. Folder-level problems (missing, empty, duplicates) raise."""
-    cases = discover_cases(root, edition, tuple(modalities))
+    cases = discover_cases(root, edition, tuple(modalities), challenge)
     results = []
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("check", total=len(cases))
@@ -49,7 +49,7 @@ def check_dataset(root: str | os.PathLike, edition: str = "auto",
                 result.spacing = loaded.spacing
                 result.notes.extend(loaded.warnings)
                 if loaded.seg is not None:
-                    spec = get_edition(case.edition)
+                    spec = get_challenge(case.edition)
                     counts = np.bincount(loaded.seg.ravel(), minlength=max(spec.label_values) + 1)
                     result.label_counts = {spec.labels[v]: int(counts[v]) for v in spec.label_values}
             results.append(result)

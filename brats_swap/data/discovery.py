@@ -1,28 +1,42 @@
-"""Find BraTS cases on disk, whatever the edition's naming scheme.
+"""Find BraTS cases on disk, whatever the edition's or challenge's naming scheme.
 
-A BraTS file is `<case id><sep><suffix>.nii[.gz]`: `sep` is "_" up to 2021 and "-" from 2023, and the
-suffix names the modality or the segmentation (`t1`, `t1ce`, `t2`, `flair`, `seg`; 2023+: `t1n`, `t1c`,
-`t2w`, `t2f`, `seg`; the TCIA 2017 release: `t1Gd`, `GlistrBoost_ManuallyCorrected`). Cases may sit one
+A BraTS file is `<case id><sep><suffix>.nii[.gz]`: `sep` is "_" up to 2021 (and in MEN-RT's release) and
+"-" from 2023 (either is accepted), and the suffix names the modality or the segmentation (`t1`, `t1ce`,
+`t2`, `flair`, `seg`; 2023+: `t1n`, `t1c`, `t2w`, `t2f`, `seg`; MEN-RT: `t1c` and `gtv` only; the TCIA
+2017 release: `t1Gd`, `GlistrBoost_ManuallyCorrected`). Cases may sit one
 folder per case (HGG/ and LGG/ sub-folders included) or all in one flat folder; we walk the whole tree and
 group files by case id, so both layouts work the same way.
 
-The edition (label convention) comes from the case-id prefix:
+Each case gets one key of the label-convention table (`brats_swap.data.challenges`), stored as
+`Case.edition`: a year 2017–2021 for the legacy releases, else the 2023+ challenge. The rule:
 
-    Brats17_*          -> 2017        BraTS2021_*   -> 2021
-    BraTS18_/19_/20_*  -> 2018/19/20  BraTS-GLI-*   -> 2023 (also -MEN-, -MET-, -PED-, -SSA-)
+1. `data.challenge` (`challenge=`) other than "auto" forces that challenge for every case;
+2. else `data.edition` (`edition=`) other than "auto" forces that edition ("2023" = the GLI pre-op table);
+3. else the case id: `Brats17_*` -> 2017, `BraTS18_/19_/20_*` -> 2018/19/20, `BraTS2021_*` -> 2021,
+   `BraTS-GLI-*` -> gli, or gli-post when the id's timepoint is 100 or more (how the 2024+
+   post-treatment release numbers its scans), `BraTS-MET-*` -> met, `BraTS-MEN-*` -> men,
+   `BraTS-MEN-RT-*` -> men-rt, `BraTS-PED-*` -> ped, `BraTS-SSA-*` -> ssa, `BraTS-GoAT-*` -> goat;
+4. else (e.g. the TCIA release's `TCGA-02-0006`) the suffix family: a `gtv` file means men-rt, 2023-style
+   suffixes gli, the older ones 2017 (all of 2017-2021 share one label table).
 
-A prefix we do not know (e.g. the TCIA release's `TCGA-02-0006`) falls back on the suffix family: 2023-style
-suffixes mean "2023", the older ones "2017" (all of 2017-2021 share one label table). `edition=` forces one.
+GLI pre-operative and post-treatment scans share their names; a pre-op case whose segmentation holds the
+resection cavity label 4 is refused by `load_case` with a message that names `data.challenge=gli-post`.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from brats_swap.data.editions import CANONICAL_MODALITIES, EDITIONS, get_edition
+from brats_swap.data.challenges import (
+    CANONICAL_MODALITIES,
+    CHALLENGES,
+    MODERN_CHALLENGES,
+    challenge_of_case_id,
+    get_challenge,
+)
+from brats_swap.data.editions import EDITIONS
 from brats_swap.errors import DataError
 
 NIFTI_EXTENSIONS = (".nii.gz", ".nii")
@@ -31,10 +45,10 @@ SEG = "seg"  # role name of the segmentation file
 
 @dataclass
 class Case:
-    """One case: its id, edition and the files of each canonical modality (and the segmentation)."""
+    """One case: its id, label convention and the files of each canonical modality (and the segmentation)."""
 
     case_id: str
-    edition: str
+    edition: str  # key of the case's entry in the challenge table: "2017" ... "2021", "gli", "ped", ...
     images: dict[str, Path]  # canonical modality -> file; a missing modality is simply absent
     seg: Path | None  # None for validation/test cases that ship without labels
     ignored: list[Path] = field(default_factory=list)  # files of this case that no role claims
@@ -48,18 +62,19 @@ class Case:
         return roles
 
     def expected_name(self, role: str) -> str:
-        """The file name this case's edition uses for `role` (a canonical modality or "seg")."""
-        spec = get_edition(self.edition)
-        suffix = spec.seg_suffix if role == SEG else spec.modality_suffixes[role]
-        return f"{self.case_id}{_separator(self.edition)}{suffix}.nii.gz"
+        """The file name this case's convention uses for `role` (a canonical modality or "seg")."""
+        spec = get_challenge(self.edition)
+        suffix = spec.seg_suffix if role == SEG else spec.modality_suffixes.get(role, role)
+        return f"{self.case_id}{spec.separator}{suffix}.nii.gz"
 
 
 def discover_cases(
     root: str | os.PathLike,
     edition: str = "auto",
     modalities: tuple[str, ...] | list[str] = CANONICAL_MODALITIES,
+    challenge: str = "auto",
 ) -> list[Case]:
-    """All cases under `root`, sorted by case id.
+    """All cases under `root`, sorted by case id; `edition` and `challenge` force a convention (see above).
 
     Raises DataError when the folder is missing, unreadable or holds no BraTS-named NIfTI file, and when a
     case has two files for one role (e.g. in HGG/ and LGG/, or as both .nii and .nii.gz), naming both.
@@ -70,8 +85,7 @@ def discover_cases(
         raise DataError(f"{folder}: dataset folder not found")
     if not folder.is_dir():
         raise DataError(f"{folder}: not a folder")
-    if edition != "auto" and edition not in EDITIONS:
-        raise DataError(f"{folder}: unknown edition {edition!r} (known: auto, {', '.join(EDITIONS)})")
+    check_forced_convention(edition, challenge)
     unknown = [m for m in modalities if m not in CANONICAL_MODALITIES]
     if unknown:
         raise DataError(f"unknown modality {unknown[0]!r} (known: {', '.join(CANONICAL_MODALITIES)})")
@@ -98,25 +112,44 @@ def discover_cases(
 
     cases = []
     for case_id in sorted(grouped):
-        case_edition = edition if edition != "auto" else detect_edition(case_id, grouped[case_id])
+        case_edition = resolve_convention(case_id, grouped[case_id], edition, challenge)
         cases.append(_assemble_case(case_id, case_edition, grouped[case_id], tuple(modalities)))
     return cases
 
 
+def check_forced_convention(edition: str, challenge: str) -> None:
+    """DataError naming the key when `data.edition` / `data.challenge` is unknown or they contradict."""
+    if edition != "auto" and edition not in EDITIONS:
+        raise DataError(f"data.edition: unknown edition {edition!r} (known: auto, {', '.join(EDITIONS)})")
+    if challenge != "auto" and challenge not in MODERN_CHALLENGES:
+        raise DataError(f"data.challenge: unknown challenge {challenge!r} "
+                        f"(known: auto, {', '.join(MODERN_CHALLENGES)})")
+    if challenge != "auto" and edition != "auto" and get_challenge(edition).legacy:
+        raise DataError(f"data.challenge: the {challenge} challenge (2023+) contradicts data.edition={edition}; "
+                        "set data.edition=auto")
+
+
+def resolve_convention(case_id: str, tokens: dict[str, list[Path]] | None = None, edition: str = "auto",
+                       challenge: str = "auto") -> str:
+    """The table key of one case by the rule of the module docstring."""
+    if challenge != "auto":
+        return challenge
+    if edition != "auto":
+        return get_challenge(edition).key
+    return detect_edition(case_id, tokens)
+
+
 def detect_edition(case_id: str, tokens: dict[str, list[Path]] | None = None) -> str:
-    """The edition key of a case from its id prefix (see the module docstring), else its suffixes."""
-    lowered = case_id.lower()
-    match = re.match(r"brats(\d{2})_", lowered)
-    if match and f"20{match.group(1)}" in EDITIONS:
-        return f"20{match.group(1)}"
-    match = re.match(r"brats(20\d{2})_", lowered)
-    if match and match.group(1) in EDITIONS:
-        return match.group(1)
-    if lowered.startswith("brats-"):
-        return "2023"
-    modern = {s.lower() for s in get_edition("2023").modality_suffixes.values()}
-    if tokens and modern & set(tokens):
-        return "2023"
+    """The table key of a case from its id (see the module docstring), else from its file suffixes."""
+    key = challenge_of_case_id(case_id)
+    if key is not None:
+        return key
+    found = set(tokens or ())
+    if get_challenge("men-rt").seg_suffix in found:
+        return "men-rt"
+    modern = {s.lower() for s in get_challenge("gli").modality_suffixes.values()}
+    if modern & found:
+        return "gli"
     return "2017"
 
 
@@ -137,9 +170,11 @@ def parse_file_name(name: str) -> tuple[str, str] | None:
 
 
 def _assemble_case(case_id: str, edition: str, tokens: dict[str, list[Path]], modalities: tuple[str, ...]) -> Case:
-    spec = get_edition(edition)
+    spec = get_challenge(edition)
     images: dict[str, Path] = {}
     for modality in modalities:
+        if modality not in spec.modality_suffixes:
+            continue  # not shipped by this challenge (MEN-RT: t1c only); load_case says so if it is asked for
         spellings = (spec.modality_suffixes[modality], *spec.alt_suffixes.get(modality, ()))
         images_found = _pick(case_id, modality, tokens, spellings, prefer_first=False)
         if images_found is not None:
@@ -185,13 +220,9 @@ def _walk_nifti(folder: Path) -> list[Path]:
     return found
 
 
-def _separator(edition: str) -> str:
-    return "-" if edition == "2023" else "_"
-
-
 def _all_tokens() -> tuple[str, ...]:
     tokens = set()
-    for spec in EDITIONS.values():
+    for spec in CHALLENGES.values():
         tokens.update(spec.modality_suffixes.values())
         for spellings in spec.alt_suffixes.values():
             tokens.update(spellings)

@@ -5,6 +5,15 @@ Channel order. `load_case` stacks the modalities in the order asked for, by defa
 2 is T2 (t2 / t2w), 3 is FLAIR (flair / t2f), in every edition. Voxel order is the file's own (X, Y, Z);
 nothing is reoriented, so a prediction written with the case's affine lands back on the same voxels.
 
+Integrity. A file is read once into memory; a `.nii.gz` is inflated with zlib in gzip mode, which checks
+the trailer's CRC-32 and length (ISIZE) of every member while it decompresses (one pass over the bytes),
+and nibabel parses the checked bytes. nibabel on its own reads the voxels without looking at the trailer,
+so a flipped bit in the compressed stream would decode silently to different voxels; here it is a
+`DataError` ("damaged gzip data") and the file is never used.
+
+Labels. A segmentation may hold only the values of its case's table (`brats_swap.data.challenges`);
+anything else is refused with the values, the table checked and the config keys that choose another.
+
 Every problem is a `DataError` whose one-line message names the case, the file and what is wrong.
 """
 
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +30,8 @@ import nibabel as nib
 import numpy as np
 
 from brats_swap.atomic import atomic_write_bytes
+from brats_swap.data.challenges import CANONICAL_MODALITIES, MODERN_CHALLENGES, ChallengeSpec, get_challenge
 from brats_swap.data.discovery import SEG, Case
-from brats_swap.data.editions import CANONICAL_MODALITIES, get_edition
 from brats_swap.errors import DataError
 
 # Affines of one case's files may differ by float noise from resampling tools; more than this is a
@@ -29,6 +39,11 @@ from brats_swap.errors import DataError
 AFFINE_TOLERANCE = 1e-3
 # A BraTS volume is ~9 M voxels (35 MB as float32); a header declaring more than this is damaged.
 MAX_VOLUME_BYTES = 4 * 2**30
+GZIP_MAGIC = b"\x1f\x8b"
+_GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's gzip mode: header, deflate stream, CRC-32 and ISIZE checked
+# What nibabel raises on bytes that are not a usable image (damaged header fields, short data, ...).
+_NIBABEL_ERRORS = (OSError, EOFError, zlib.error, ValueError, OverflowError, MemoryError, struct.error,
+                   gzip.BadGzipFile, nib.spatialimages.HeaderDataError, nib.filebasedimages.ImageFileError)
 
 
 @dataclass
@@ -36,7 +51,7 @@ class LoadedCase:
     case_id: str
     edition: str
     image: np.ndarray  # float32 (C, X, Y, Z), channels in the order of `modalities`
-    seg: np.ndarray | None  # uint8 (X, Y, Z) with the edition's raw label values
+    seg: np.ndarray | None  # uint8 (X, Y, Z) with the raw label values of the case's table
     affine: np.ndarray  # 4x4 voxel -> world (mm) of the first modality
     header: nib.Nifti1Header  # header of the first modality (dtype, qform/sform codes, units)
     modalities: tuple[str, ...] = CANONICAL_MODALITIES
@@ -54,12 +69,17 @@ class LoadedCase:
 def load_case(case: Case, modalities: tuple[str, ...] | list[str] = CANONICAL_MODALITIES) -> LoadedCase:
     """Load and validate one case; raise DataError on the first problem found."""
     modalities = tuple(modalities)
+    spec = get_challenge(case.edition)
+    not_shipped = [m for m in modalities if m not in spec.modality_suffixes]
+    if not_shipped:
+        shipped = list(spec.modality_suffixes)
+        raise DataError(f"case {case.case_id}: the {spec.key} challenge ships no {not_shipped[0]} image (only "
+                        f"{', '.join(shipped)}): set data.modalities=[{','.join(shipped)}]")
     missing = [m for m in modalities if m not in case.images]
     if missing:
         raise DataError(
             f"case {case.case_id}: missing modality {missing[0]} (expected file {case.expected_name(missing[0])})"
         )
-    spec = get_edition(case.edition)
 
     channels = []
     reference_path = case.images[modalities[0]]
@@ -84,7 +104,7 @@ def load_case(case: Case, modalities: tuple[str, ...] | list[str] = CANONICAL_MO
                 f"case {case.case_id}: file {case.seg.name}: segmentation shape {_fmt(raw.shape)} differs from "
                 f"{reference_path.name} {_fmt(shape)}"
             )
-        seg = _labels_as_uint8(case.case_id, case.seg, raw, spec.label_values, spec.name)
+        seg = labels_as_uint8(f"case {case.case_id}: file {case.seg.name}", raw, spec, case.case_id)
         difference = float(np.abs(seg_affine - affine).max())
         if difference > AFFINE_TOLERANCE:
             # Some releases write the truth with another origin (Ellis copied the image's origin onto it);
@@ -95,47 +115,91 @@ def load_case(case: Case, modalities: tuple[str, ...] | list[str] = CANONICAL_MO
 
 
 def read_volume(case_id: str, path: Path, as_float: bool = True) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
-    """One 3D volume (float32, or the stored dtype), its affine and header; DataError if unusable."""
+    """One 3D volume (float32, or the stored dtype), its affine and header; DataError if unusable.
+
+    The file is read once; a `.nii.gz` must pass `gunzip_checked` (CRC-32 and length) before any voxel is
+    looked at."""
     where = f"case {case_id}: file {path.name}"
     if not os.access(path, os.R_OK):
         reason = "permission denied" if path.exists() else "file not found"
         raise DataError(f"{where}: {reason}")
     try:
-        img = nib.load(str(path), mmap=False)
-    except nib.filebasedimages.ImageFileError as exc:
-        raise DataError(f"{where}: not a NIfTI file ({_short(exc)})") from exc
-    except (OSError, EOFError, zlib.error, ValueError, OverflowError, nib.spatialimages.HeaderDataError) as exc:
+        stored = _read_bytes(path)
+    except OSError as exc:
         raise DataError(f"{where}: unreadable ({_short(exc)})") from exc
-    if not isinstance(img, (nib.Nifti1Image, nib.Nifti2Image)):
-        raise DataError(f"{where}: not a NIfTI file ({type(img).__name__})")
+    payload = gunzip_checked(where, stored) if path.name.endswith(".gz") else stored
+    img = _image_from_bytes(where, payload)
     shape = img.shape
     if len(shape) > 3 and all(s == 1 for s in shape[3:]):
         shape = shape[:3]
     if len(shape) != 3:
         raise DataError(f"{where}: {len(img.shape)}D image of shape {_fmt(img.shape)}, expected one 3D volume")
-    _check_declared_size(where, path, img)
+    _check_declared_size(where, len(payload), img)
     if np.issubdtype(img.get_data_dtype(), np.complexfloating):
         raise DataError(f"{where}: complex-valued voxels ({img.get_data_dtype()}), expected a real-valued volume")
     try:
         data = img.get_fdata(dtype=np.float32) if as_float else np.asanyarray(img.dataobj)
-    except (OSError, EOFError, zlib.error, ValueError, OverflowError, MemoryError, gzip.BadGzipFile,
-            nib.spatialimages.HeaderDataError) as exc:
+    except _NIBABEL_ERRORS as exc:
         raise DataError(f"{where}: unreadable or truncated ({_short(exc)})") from exc
     return data.reshape(shape), np.asarray(img.affine, dtype=np.float64), img.header
 
 
-def _check_declared_size(where: str, path: Path, img) -> None:
+def gunzip_checked(where: str, stored: bytes) -> bytes:
+    """The decompressed bytes of a gzip file, every member's CRC-32 and length verified; DataError naming
+    `where` for anything else: no gzip header, a truncated or damaged stream, more than MAX_VOLUME_BYTES."""
+    if not stored.startswith(GZIP_MAGIC):
+        raise DataError(f"{where}: not a NIfTI file (no gzip header in a .gz file)")
+    members: list[bytes] = []
+    size, rest = 0, stored
+    while rest:
+        inflater = zlib.decompressobj(_GZIP_WBITS)
+        try:
+            member = inflater.decompress(rest, MAX_VOLUME_BYTES + 1 - size)
+        except zlib.error as exc:  # a damaged deflate stream, or a CRC-32 / length that does not match
+            raise DataError(f"{where}: damaged gzip data ({exc}): the file is corrupt and is not read") from exc
+        if inflater.unconsumed_tail:
+            raise DataError(f"{where}: decompresses to more than {MAX_VOLUME_BYTES} bytes, far larger than any "
+                            "MRI volume; the file is damaged")
+        if not inflater.eof:
+            raise DataError(f"{where}: unreadable or truncated (the gzip stream ends before its CRC trailer)")
+        members.append(member)
+        size += len(member)
+        rest = inflater.unused_data
+        if rest and not rest.startswith(GZIP_MAGIC):
+            if rest.strip(b"\0"):  # zero padding after the last member is what some tools write
+                raise DataError(f"{where}: damaged gzip data ({len(rest)} bytes of garbage after the stream)")
+            break
+    return b"".join(members)
+
+
+def _read_bytes(path: Path) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def _image_from_bytes(where: str, payload: bytes):
+    """A NIfTI-1 or NIfTI-2 image parsed from a single-file (.nii) byte string."""
+    for image_class in (nib.Nifti2Image, nib.Nifti1Image):
+        header_class = image_class.header_class
+        if header_class.may_contain_header(payload[: header_class.template_dtype.itemsize]):
+            try:
+                return image_class.from_bytes(payload)
+            except _NIBABEL_ERRORS as exc:
+                raise DataError(f"{where}: unreadable ({_short(exc)})") from exc
+    raise DataError(f"{where}: not a NIfTI file (no NIfTI-1 or NIfTI-2 header)")
+
+
+def _check_declared_size(where: str, available_bytes: int, img) -> None:
     # nibabel allocates the size the header declares before reading: a damaged header could make it
     # claim gigabytes (or terabytes) for a file of a few hundred bytes.
     declared = int(np.prod([int(s) for s in img.shape], dtype=object)) * img.get_data_dtype().itemsize
     if declared > MAX_VOLUME_BYTES:
         raise DataError(f"{where}: header declares a {_fmt(img.shape)} image ({declared / 2**30:.3g} GiB), "
                         "far larger than any MRI volume; the header is damaged")
-    if not path.name.endswith(".gz"):
-        available = path.stat().st_size - int(img.header.get_data_offset())
-        if declared > available:
-            raise DataError(f"{where}: truncated: the header declares {declared} bytes of voxels, "
-                            f"the file holds {max(available, 0)}")
+    available = available_bytes - int(img.header.get_data_offset())
+    if declared > available:
+        raise DataError(f"{where}: truncated: the header declares {declared} bytes of voxels, "
+                        f"the file holds {max(available, 0)}")
 
 
 def save_label_nifti(label: np.ndarray, affine: np.ndarray, path: str | os.PathLike,
@@ -183,8 +247,9 @@ def _check_intensities(case_id: str, path: Path, volume: np.ndarray) -> None:
         raise DataError(f"case {case_id}: file {path.name}: every voxel is zero")
 
 
-def _labels_as_uint8(case_id: str, path: Path, raw: np.ndarray, allowed: tuple[int, ...], edition: str) -> np.ndarray:
-    where = f"case {case_id}: file {path.name}"
+def labels_as_uint8(where: str, raw: np.ndarray, spec: ChallengeSpec, case_id: str = "") -> np.ndarray:
+    """A segmentation as uint8 raw label values, refused (DataError naming `where`, the unexpected values,
+    the table checked and the keys that choose another) if it holds anything outside `spec`'s table."""
     if not (np.issubdtype(raw.dtype, np.integer) or np.issubdtype(raw.dtype, np.floating) or raw.dtype == bool):
         raise DataError(f"{where}: segmentation of type {raw.dtype}, expected integer labels")
     if np.issubdtype(raw.dtype, np.floating):
@@ -193,12 +258,26 @@ def _labels_as_uint8(case_id: str, path: Path, raw: np.ndarray, allowed: tuple[i
         if not np.array_equal(raw, np.round(raw)):
             raise DataError(f"{where}: non-integer values in the segmentation")
     values = np.unique(raw)
-    unexpected = [v for v in values.tolist() if int(v) != 0 and int(v) not in allowed]
+    unexpected = [int(v) for v in values.tolist() if int(v) != 0 and int(v) not in spec.labels]
     if unexpected:
-        shown = ", ".join(str(int(v)) for v in unexpected[:5])
-        raise DataError(f"{where}: labels {{{shown}}} not in the {edition} edition's table "
-                        f"{{0, {', '.join(map(str, allowed))}}}")
+        shown = ", ".join(str(v) for v in unexpected[:5])
+        kind = "edition" if spec.legacy else "challenge"
+        table = ", ".join(map(str, (0, *spec.label_values)))
+        raise DataError(f"{where}: labels {{{shown}}} not in the {spec.key} {kind}'s table {{{table}}} "
+                        f"({spec.title}); {_other_tables_hint(spec, unexpected, case_id)}")
     return raw.astype(np.uint8)
+
+
+def _other_tables_hint(spec: ChallengeSpec, unexpected: list[int], case_id: str) -> str:
+    """Which key forces another table, and which challenges' tables hold the unexpected values (the one
+    whose case ids look like this case's first)."""
+    if spec.legacy:
+        return "set data.edition or data.challenge to check it against another table"
+    fitting = [key for key in MODERN_CHALLENGES if set(unexpected) <= set(get_challenge(key).labels)]
+    fitting.sort(key=lambda key: not get_challenge(key).matches(case_id))
+    suggestion = f"set data.challenge={fitting[0]}" if fitting else "set data.challenge"
+    others = f" (tables with these labels: {', '.join(fitting)})" if len(fitting) > 1 else ""
+    return f"{suggestion} to check it against another table{others}"
 
 
 def _fmt(shape) -> str:
@@ -209,4 +288,5 @@ def _short(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:160] or type(exc).__name__
 
 
-__all__ = ["AFFINE_TOLERANCE", "SEG", "LoadedCase", "load_case", "read_volume", "save_label_nifti", "save_nifti"]
+__all__ = ["AFFINE_TOLERANCE", "SEG", "LoadedCase", "gunzip_checked", "labels_as_uint8", "load_case", "read_volume",
+           "save_label_nifti", "save_nifti"]

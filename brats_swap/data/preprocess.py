@@ -47,6 +47,8 @@ def preprocess_settings(data_cfg) -> dict[str, Any]:
     return {
         "version": PREPROCESS_VERSION,
         "edition": str(data_cfg.edition),
+        # Absent while auto, so caches prepared before the key existed stay valid.
+        **({"challenge": str(data_cfg.challenge)} if data_cfg.challenge != "auto" else {}),
         "modalities": list(data_cfg.modalities),
         "cube": [int(s) for s in data_cfg.cube],
         "fit": str(data_cfg.fit),

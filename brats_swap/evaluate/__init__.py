@@ -1,1 +1,1 @@
-"""Evaluation: cube and sliding-window inference, mapping back to the original grid, BraTS metrics."""
+"""Evaluation: trained folds and any tool's predictions scored with the BraTS metrics, prediction of new cases."""

@@ -28,6 +28,7 @@ import numpy as np
 
 from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
 from brats_swap.data.editions import REGIONS, EditionSpec, get_edition, region_masks
+from brats_swap.run.dice import dice_sensitivity_specificity
 
 METRICS: tuple[str, ...] = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
@@ -42,27 +43,6 @@ def metric_keys(hd95: bool = True) -> list[str]:
 # --------------------------------------------------------------------------------------------------------
 # Binary-mask metrics
 # --------------------------------------------------------------------------------------------------------
-
-
-def dice_sensitivity_specificity(pred: np.ndarray, truth: np.ndarray) -> tuple[float, float, float]:
-    """Dice, sensitivity and specificity of two boolean masks of the same shape, with the CaPTk empty rules."""
-    pred = np.asarray(pred, dtype=bool)
-    truth = np.asarray(truth, dtype=bool)
-    if pred.shape != truth.shape:
-        raise ValueError(f"prediction {pred.shape} and truth {truth.shape} masks differ in shape")
-    true_pos = int(np.count_nonzero(pred & truth))
-    pred_pos = int(np.count_nonzero(pred))
-    truth_pos = int(np.count_nonzero(truth))
-    false_pos = pred_pos - true_pos
-    true_neg = truth.size - truth_pos - false_pos
-
-    if pred_pos + truth_pos == 0:
-        return 1.0, 1.0, 1.0
-    dice = 2.0 * true_pos / (pred_pos + truth_pos)
-    sensitivity = true_pos / truth_pos if truth_pos else 0.0  # empty truth, non-empty prediction
-    negatives = true_neg + false_pos
-    specificity = true_neg / negatives if negatives else 1.0
-    return dice, sensitivity, specificity
 
 
 def grid_diagonal_mm(shape: Sequence[int], spacing: Sequence[float]) -> float:

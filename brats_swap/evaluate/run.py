@@ -16,78 +16,38 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
-from rich.console import Console
 from rich.progress import Progress
 
-from brats_swap.config import Config, config_from_saved
+from brats_swap.config import Config
 from brats_swap.data.cache import load_prepared
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.editions import get_edition
 from brats_swap.data.nifti import read_volume, save_label_nifti
 from brats_swap.data.preprocess import header_from_meta, probabilities_to_original_grid
-from brats_swap.errors import CheckpointError, ConfigError, DataError
-from brats_swap.evaluate.inference import predict_cube
+from brats_swap.errors import DataError
 from brats_swap.evaluate.metrics import case_metrics, write_metrics_report
-from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs
 from brats_swap.progress import progress_bar
-from brats_swap.splits import SPLITS_FILE, fold_cases, read_splits
-from brats_swap.train.checkpoint import BEST, LATEST, load_checkpoint, load_latest
-
-console = Console(stderr=True, highlight=False)
-
-PREDICTIONS = "predictions"
+from brats_swap.run.console import console, warn
+from brats_swap.run.folder import RunFolder
+from brats_swap.run.inference import predict_cube
+from brats_swap.run.trained import load_for_inference, load_run_config
+from brats_swap.splits import fold_cases, read_splits
 
 
 def _progress(show: bool) -> Progress:
     return progress_bar(console=console, transient=True, disable=not show)
 
 
-def _warn(message: str) -> None:
-    console.print(f"[bold yellow]warning:[/] {message}", markup=True, highlight=False, soft_wrap=True)
-
-
-def _device(config: Config) -> torch.device:
-    from brats_swap.train.loop import resolve_device
-
-    return resolve_device(config.train.device)
-
-
-def load_run_config(run_dir: Path) -> Config:
-    """The resolved config a run was trained with (`run_dir/config.yaml`)."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found; is {run_dir} a brats-swap run folder?")
-    return config_from_saved(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
-
-
-def load_trained_model(run_dir: Path, fold: int, checkpoint: str = "best",
-                       device: torch.device | None = None) -> tuple[torch.nn.Module, Config, dict]:
-    """The model of `fold_<k>/checkpoint_<best|latest>.pt` (or a checkpoint file path), in eval mode.
-
-    The architecture comes from the checkpoint's own config, so a run whose config.yaml was edited
-    afterwards still loads. Returns (model, checkpoint config, checkpoint state).
-    """
-    fold_dir = Path(run_dir) / f"fold_{fold}"
-    if checkpoint == "best":
-        state = load_checkpoint(fold_dir / BEST)
-    elif checkpoint == "latest":
-        loaded = load_latest(fold_dir, warn=_warn)
-        if loaded is None:
-            raise CheckpointError(f"{fold_dir / LATEST}: checkpoint not found; train the fold first")
-        state = loaded[0]
-    else:
-        state = load_checkpoint(Path(checkpoint))
-    trained_config = config_from_saved(state["config"])
-    model = build_model(trained_config.model, out_channels=3)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        raise CheckpointError(f"{fold_dir}: checkpoint weights do not match model {trained_config.model.name} "
-                              f"({str(exc).splitlines()[0]})") from exc
-    model.to(device or torch.device("cpu")).eval()
-    return model, trained_config, state
+def _segment(model: torch.nn.Module, image, meta: dict, edition: str, config: Config,
+             device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+    """One case: the probabilities in the network's cube, and the labels (uint8, the edition's convention)
+    on the original grid described by `meta`."""
+    cube = torch.from_numpy(np.asarray(image, dtype=np.float32))[None]
+    probs = predict_cube(model, cube, config, device)[0].numpy()
+    original_probs = probabilities_to_original_grid(probs, meta)
+    labels = labels_from_probs(original_probs, edition, config.model.outputs, config.evaluate.threshold)
+    return probs, np.asarray(labels, dtype=np.uint8)
 
 
 def _read_label(case_id: str, path: Path, edition: str) -> tuple[np.ndarray, np.ndarray, object]:
@@ -106,7 +66,7 @@ def _spacing(header) -> tuple[float, float, float]:
     return tuple(float(z) for z in header.get_zooms()[:3])  # type: ignore[return-value]
 
 
-def evaluate_fold(config: Config, run_dir: Path, fold: int, *, checkpoint: str = "best",
+def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, checkpoint: str = "best",
                   data_root: Path | None = None, progress: bool = True) -> dict:
     """Predict and score the validation cases of one fold (see the module docstring).
 
@@ -122,12 +82,11 @@ def evaluate_fold(config: Config, run_dir: Path, fold: int, *, checkpoint: str =
     Returns:
         The summary written to `fold_<k>/summary.json` by `write_metrics_report`.
     """
-    run_dir = Path(run_dir)
-    fold_dir = run_dir / f"fold_{fold}"
-    _, val_ids = fold_cases(read_splits(run_dir / SPLITS_FILE), fold)
-    device = _device(config)
-    model, trained_config, _ = load_trained_model(run_dir, fold, checkpoint, device)
-    outputs = trained_config.model.outputs
+    run = RunFolder.of(run_dir)
+    folder = run.fold(fold)
+    _, val_ids = fold_cases(read_splits(run.splits), fold)
+    model, predict_config, device = load_for_inference(run, fold, checkpoint, config)
+    outputs = predict_config.model.outputs
     cache = Path(config.data.cache)
     on_original_grid = config.evaluate.grid == "original"
     root = Path(data_root) if data_root is not None else Path(config.data.root)
@@ -143,11 +102,7 @@ def evaluate_fold(config: Config, run_dir: Path, fold: int, *, checkpoint: str =
         for case_id in val_ids:
             prepared = load_prepared(cache, case_id, mmap=True)
             edition = prepared.meta["edition"]
-            image = torch.from_numpy(np.asarray(prepared.image, dtype=np.float32))[None]
-            probs = predict_cube(model, image, trained_config_with_eval(trained_config, config), device)[0].numpy()
-            original_probs = probabilities_to_original_grid(probs, prepared.meta)
-            prediction = np.asarray(labels_from_probs(original_probs, edition, outputs, config.evaluate.threshold),
-                                    dtype=np.uint8)
+            probs, prediction = _segment(model, prepared.image, prepared.meta, edition, predict_config, device)
             truth, truth_affine, truth_header = _read_label(case_id, cases[case_id].seg, edition)
             # The prediction takes the image's grid (affine and header of the first modality, as prepared).
             if prediction.shape != truth.shape:
@@ -156,7 +111,7 @@ def evaluate_fold(config: Config, run_dir: Path, fold: int, *, checkpoint: str =
             affine = np.asarray(prepared.meta.get("affine", truth_affine), dtype=np.float64)
             if config.evaluate.save_predictions:
                 header = header_from_meta(prepared.meta) if "header" in prepared.meta else truth_header
-                save_label_nifti(prediction, affine, fold_dir / PREDICTIONS / f"{case_id}.nii.gz", header=header)
+                save_label_nifti(prediction, affine, folder.prediction(case_id), header=header)
             if on_original_grid:
                 metrics = case_metrics(prediction, truth, edition, spacing=_spacing(truth_header),
                                        hd95=config.evaluate.hd95)
@@ -166,15 +121,7 @@ def evaluate_fold(config: Config, run_dir: Path, fold: int, *, checkpoint: str =
             rows.append({"case": case_id, **metrics})
             bar.advance(task)
     title = f"{config.name} fold {fold} ({checkpoint} checkpoint, {config.evaluate.grid} grid)"
-    return write_metrics_report(rows, fold_dir, title)
-
-
-def trained_config_with_eval(trained: Config, current: Config) -> Config:
-    """Inference settings: the trained model's mode/patch/amp, the current evaluate.* section and device."""
-    from dataclasses import replace
-
-    return replace(trained, evaluate=current.evaluate,
-                   train=replace(trained.train, device=current.train.device, amp=current.train.amp))
+    return write_metrics_report(rows, folder.root, title)
 
 
 def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition: str = "auto",
@@ -202,7 +149,7 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
                         f"(e.g. expected {cases[0].case_id}.nii.gz)")
     unscored = [c.case_id for c in cases if c.case_id not in predictions]
     if unscored:
-        _warn(f"{pred_dir}: no prediction for {len(unscored)} of {len(cases)} cases (e.g. {unscored[0]}); "
+        warn(f"{pred_dir}: no prediction for {len(unscored)} of {len(cases)} cases (e.g. {unscored[0]}); "
               "they are left out of the scores")
 
     rows = []
@@ -220,7 +167,7 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
     return write_metrics_report(rows, out_dir, f"{pred_dir.name} vs {Path(data_root).name}")
 
 
-def predict(run_dir: Path, input_path: Path, out_dir: Path, fold: int = 0, checkpoint: str = "best",
+def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, fold: int = 0, checkpoint: str = "best",
             *, progress: bool = True) -> list[Path]:
     """Segment new cases with a trained fold; returns the written `<out_dir>/<case id>.nii.gz` paths.
 
@@ -231,9 +178,7 @@ def predict(run_dir: Path, input_path: Path, out_dir: Path, fold: int = 0, check
     from brats_swap.data.preprocess import preprocess_case, preprocess_settings
 
     config = load_run_config(run_dir)
-    device = _device(config)
-    model, trained_config, _ = load_trained_model(run_dir, fold, checkpoint, device)
-    inference_config = trained_config_with_eval(trained_config, config)
+    model, predict_config, device = load_for_inference(run_dir, fold, checkpoint, config)
     cases = discover_cases(input_path, config.data.edition, config.data.modalities)
     out_dir = Path(out_dir)
     written = []
@@ -242,11 +187,7 @@ def predict(run_dir: Path, input_path: Path, out_dir: Path, fold: int = 0, check
         for case in cases:
             loaded = load_case(case, config.data.modalities)
             cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
-            image = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
-            probs = predict_cube(model, image, inference_config, device)[0].numpy()
-            original_probs = probabilities_to_original_grid(probs, meta)
-            label = np.asarray(labels_from_probs(original_probs, loaded.edition, trained_config.model.outputs,
-                                                 config.evaluate.threshold), dtype=np.uint8)
+            _, label = _segment(model, cube_image, meta, loaded.edition, predict_config, device)
             written.append(save_label_nifti(label, loaded.affine, out_dir / f"{case.case_id}.nii.gz",
                                             header=loaded.header))
             bar.advance(task)

@@ -8,22 +8,24 @@ Public API (see `engine.memory_policy` for a complete example):
     loss.backward()
     engine.last_stats().as_dict()
 
-`policy.select_swapped(records, swap_cfg)` is the engine's swap decision as a pure function, for planners.
+`rulebook` holds the policy's rules (the decision per saved storage, when it is released and reloaded);
+`select_swapped(records, swap_cfg)` is its swap decision as a pure function, for planners.
+`presets.named_policies(base)` gives the named policies (the paper's swap configurations, recompute,
+norm_act, hybrid) as `MemoryConfig`s; `planner` prices them for any model, given its loss.
+`register_norm(cls)` declares a norm class replayable by `recompute.norm_act` (see `recompute`).
+
+The package depends on torch, the standard library and `brats_swap.config` only.
 """
 
 from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from, memory_policy
-from brats_swap.memory.policy import (
-    SavedRecord,
-    SwapSelector,
-    effective_memory_config,
-    module_matches,
-    select_swapped,
-)
+from brats_swap.memory.policy import SavedRecord, effective_memory_config, module_matches
+from brats_swap.memory.recompute import register_norm
+from brats_swap.memory.rulebook import Decider, Decision, Rulebook, select_swapped
 from brats_swap.memory.stats import StepStats
 from brats_swap.memory.swap import SavedTensorModifiedError, StaleSavedTensorError
 
 __all__ = [
-    "MemoryEngine", "SavedRecord", "SavedTensorModifiedError", "StaleSavedTensorError", "StepStats",
-    "SwapSelector", "discover_blocks", "effective_memory_config", "memory_config_from", "memory_policy", "module_matches",
-    "select_swapped",
+    "Decider", "Decision", "MemoryEngine", "Rulebook", "SavedRecord", "SavedTensorModifiedError",
+    "StaleSavedTensorError", "StepStats", "discover_blocks", "effective_memory_config", "memory_config_from", "memory_policy", "module_matches",
+    "register_norm", "select_swapped",
 ]

@@ -1,81 +1,175 @@
-"""One host buffer that holds every swapped storage of a step, allocated once and reused every step.
+"""One host buffer for every storage a step swaps out, sized from the plan, reused every step.
 
-Why our own arena instead of `torch.empty(..., pin_memory=True)` per tensor: PyTorch's caching host
-allocator rounds every pinned request up to a power of two (a 453 MB activation takes 512 MB), each new
-`cudaHostAlloc` costs milliseconds under a global driver lock, and freeing pinned memory synchronizes the
-device (reference/swap.md §6.6). A bump allocator over one slab avoids all three.
+Why our own arena instead of `torch.empty(..., pin_memory=True)` per tensor (or per slab): PyTorch's
+caching host allocator rounds every pinned request up to a power of two and caches what is freed, so a
+swap-all step at 192³ batch 2 (24.4 GiB swapped) ends up holding about 73 GiB pinned; each new
+`cudaHostAlloc` also costs milliseconds under a global driver lock, and freeing pinned memory
+synchronizes the device. Here one slab of exactly the step's swapped bytes (every slice rounded up to
+512 bytes, for DMA and for any dtype view) is allocated as ordinary host memory and page-locked with
+`cudaHostRegister`, which pins exactly the pages asked for. A bump allocator hands out slices.
 
-Sizing: the first step runs with whatever capacity exists and spills into extra chunks when it needs
-more; the next `reset` replaces everything by one slab of the largest step seen so far (plus a margin).
-After the first step the arena therefore never grows again for a fixed model and input size.
-Pinned slabs come from PyTorch's caching host allocator (`pin_memory=True`), which rounds the one slab
-up to a power of two; that is paid once, not per tensor.
+Sizing:
+- from the plan: `HostArena(capacity_bytes=arena_bytes(...))` with the swapped storages' sizes the
+  planner predicts (they equal what the engine swaps, byte for byte): one slab, allocated before
+  training starts, never grown;
+- without a plan: the first step places each swapped storage in a chunk of its own (exact size), and the
+  next `reset` replaces the chunks by one slab of the largest step seen (freeing the chunks first, so
+  host memory never holds both). A later step that swaps more grows the slab once more the same way.
+Either way the pinned bytes stay within 1.2x of a step's swapped bytes (the slice rounding only).
+
+Host memory is checked before each slab or chunk is allocated (`check_host_memory`): an arena larger
+than the host's available memory is a one-line `ConfigError` instead of a swapping, then killed, host.
+`close()` unregisters and frees everything (after the link's copies have finished).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
+
 import torch
 
+from brats_swap.config import ConfigError
+
 ALIGN = 512  # bytes; keeps every slice aligned for fast DMA and for any dtype view
+PAGE = 4096  # page-locking works on whole pages; a pinned slab owns every page it touches
+GIB = float(1 << 30)
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def arena_bytes(storage_bytes: Iterable[int]) -> int:
+    """Capacity that holds the swapped storages of one step exactly (each slice aligned as `alloc` does)."""
+    return sum(_align(max(int(n), 1)) for n in storage_bytes)
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available to new allocations without swapping: Linux's MemAvailable, else the free
+    physical pages (`os.sysconf`); None when neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(nbytes: int, available: int | None = None) -> None:
+    """Raise a one-line `ConfigError` when the host cannot hold `nbytes` more of swapped activations."""
+    available = available_host_bytes() if available is None else available
+    if available is not None and nbytes > available:
+        raise ConfigError(
+            f"memory.swap: the host arena needs {nbytes / GIB:.2f} GiB for one step's swapped activations but "
+            f"the host has {available / GIB:.2f} GiB available; swap less (memory.swap.tensors, "
+            "memory.swap.exclude), recompute instead (memory.mode=recompute), or free host memory")
+
+
+class _Slab:
+    """`nbytes` of host memory, page-locked with `cudaHostRegister` when `pin` is true."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes = nbytes
+        self.pinned = False
+        # Pinned: register whole pages that belong to this block alone (a page shared with a neighbouring
+        # allocation could be registered twice, which CUDA refuses). Otherwise slices need ALIGN only.
+        boundary = PAGE if pin else ALIGN
+        self._block = torch.empty(nbytes + 2 * boundary, dtype=torch.uint8)
+        start = _align(self._block.data_ptr(), boundary) - self._block.data_ptr()
+        self.data = self._block[start:start + nbytes]
+        if not pin:
+            return
+        error = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), _align(nbytes, PAGE), 0))
+        if error != 0:
+            raise RuntimeError(f"host arena: cudaHostRegister of {nbytes} bytes failed with CUDA error {error}")
+        self.pinned = True
+
+    def free(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self.pinned = False
+        self.data = self._block = None
 
 
 class HostArena:
-    """Bump allocator of uint8 slices over host slabs (pinned when `pin` is true, i.e. CUDA training)."""
+    """Bump allocator of uint8 slices over host memory (page-locked when `pin` is true: CUDA training)."""
 
-    def __init__(self, initial_bytes: int = 0, pin: bool = False, margin: float = 0.05):
+    def __init__(self, capacity_bytes: int = 0, pin: bool = False):
         self.pin = pin
-        self.margin = margin
-        self._slabs: list[torch.Tensor] = []
+        self._slabs: list[_Slab] = []
         self._slab_index = 0
         self._offset = 0
         self._step_bytes = 0
         self._largest_step = 0
-        if initial_bytes > 0:
-            self._slabs.append(self._new_slab(_align(initial_bytes)))
+        self.peak_capacity = 0  # most host bytes this arena ever held at once
+        if capacity_bytes > 0:
+            self._add_slab(_align(capacity_bytes))
 
     @property
     def capacity(self) -> int:
-        return sum(slab.numel() for slab in self._slabs)
+        """Host bytes held now."""
+        return sum(slab.nbytes for slab in self._slabs)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(slab.nbytes for slab in self._slabs if slab.pinned)
 
     @property
     def used(self) -> int:
+        """Bytes handed out since the last `reset` (slices rounded to `ALIGN`)."""
         return self._step_bytes
 
-    def _new_slab(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+    def _add_slab(self, nbytes: int) -> _Slab:
+        check_host_memory(nbytes)
+        slab = _Slab(nbytes, self.pin)
+        self._slabs.append(slab)
+        self.peak_capacity = max(self.peak_capacity, self.capacity)
+        return slab
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        """A uint8 slice of `nbytes` valid until the next `reset`."""
+        """A uint8 slice of `nbytes`, valid until the next `reset`."""
         size = _align(max(nbytes, 1))
         while self._slab_index < len(self._slabs):
             slab = self._slabs[self._slab_index]
-            if self._offset + size <= slab.numel():
-                out = slab[self._offset:self._offset + nbytes]
+            if self._offset + size <= slab.nbytes:
+                out = slab.data[self._offset:self._offset + nbytes]
                 self._offset += size
                 self._step_bytes += size
                 return out
             self._slab_index += 1
             self._offset = 0
-        # Spill: a chunk for this request (and some room after it); merged into one slab at `reset`.
-        slab = self._new_slab(max(size, _align(int(self._step_bytes * 0.25))))
-        self._slabs.append(slab)
+        # Past the capacity (no plan, or a step that swaps more than planned): a chunk of exactly this
+        # size, merged with the rest into one slab at the next `reset`.
+        slab = self._add_slab(size)
         self._slab_index = len(self._slabs) - 1
         self._offset = size
         self._step_bytes += size
-        return slab[:nbytes]
+        return slab.data[:nbytes]
 
     def reset(self) -> None:
-        """Forget every slice (the caller guarantees no copy still reads or writes them)."""
+        """Forget every slice; the caller guarantees no copy still reads or writes them."""
         self._largest_step = max(self._largest_step, self._step_bytes)
         if len(self._slabs) > 1:
-            # More than one chunk: the previous capacity was too small. Replace it by one slab, freeing
-            # the old chunks first so host memory never holds both.
-            self._slabs = []
-            self._slabs = [self._new_slab(_align(int(self._largest_step * (1 + self.margin))))]
+            # The step spilled past the capacity: one slab of the largest step replaces the chunks,
+            # freed first so that host memory never holds both.
+            self._free_all()
+            self._add_slab(self._largest_step)
         self._slab_index = 0
         self._offset = 0
         self._step_bytes = 0
+
+    def _free_all(self) -> None:
+        for slab in self._slabs:
+            slab.free()
+        self._slabs = []
+
+    def close(self) -> None:
+        """Return every byte to the host (the caller guarantees no copy is still in flight)."""
+        self._free_all()
+        self._slab_index = self._offset = self._step_bytes = 0

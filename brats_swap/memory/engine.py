@@ -1,28 +1,18 @@
 """`MemoryEngine`: applies a memory policy (swap / recompute / hybrid) to any `nn.Module`.
 
 The engine installs, reversibly:
-- a forward pre/post hook on every module, so each saved tensor is attributed to the innermost running
-  module's qualified name (what `swap.include` / `swap.exclude` globs match);
-- block markers on the blocks (`discover_blocks`, or the `blocks` argument): a forward pre-hook numbers
-  each block call and releases the device copies of tensors swapped before it; a prehook on the
-  `grad_fn` of each block output fires when backward reaches that block and issues the reloads needed
-  within `swap.lookahead` blocks (TransformerEngine's approach: no extra autograd node, no changed
-  outputs);
+- a forward pre/post hook on every module, reported to the step's `rulebook.Rulebook` (which module
+  runs, which block runs; a module start is where finished copies are released); the root module's
+  pre-hook also reports the model's forward arguments, which are never swapped (the caller holds them);
+- on the blocks (`discover_blocks`, or the `blocks` argument) the same hooks number each block call, and
+  a prehook on the `grad_fn` of each block output fires when backward reaches that block, where the
+  rulebook issues the reloads needed within `swap.lookahead` blocks (TransformerEngine's approach: no
+  extra autograd node, no changed outputs);
 - for `recompute` / `hybrid`: checkpoint wrappers and norm_act recipes (`recompute.py`).
 
 Saved tensors themselves are handled by `swap.SavedTensorEngine` through `saved_tensors_hooks`, active
-only inside `engine.step()` (the forward and the loss); backward runs outside it.
-
-When swapped memory leaves and comes back:
-- release (forward): at every module start, swapped storages whose copy has finished are dropped (CUDA:
-  `event.query()`, never waits); at every block start all earlier ones are dropped (the compute stream
-  waits for their copies); `swap.max_inflight_bytes` forces the oldest out earlier.
-- reload (backward), `swap.lookahead = L >= 1`: when backward reaches block b, every storage first used
-  in blocks >= b - L is reloaded (so up to L + 1 blocks of swapped tensors are resident). The tail saved
-  in the last module of the forward is never released.
-- `swap.lookahead = 0`: the smallest footprint. Finished copies are released at the end of forward too,
-  and exactly one swapped tensor is kept reloaded ahead of backward, following the first-unpack order
-  learned in the previous step (first step: reverse forward order; its misses are counted).
+only inside `engine.step()` (the forward and the loss); backward runs outside it. When swapped memory
+leaves and comes back is the rulebook's business: see `brats_swap.memory.rulebook`.
 """
 
 from __future__ import annotations
@@ -35,12 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from brats_swap.config.schema import MemoryConfig
-from brats_swap.errors import ConfigError
+from brats_swap.config import ConfigError, MemoryConfig, validate_memory_config
+from brats_swap.config.loader import from_dict
 from brats_swap.memory.policy import RECOMPUTE_MODES, SavedRecord, effective_memory_config
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
+from brats_swap.memory.rulebook import SWAP
 from brats_swap.memory.stats import StepStats
-from brats_swap.memory.swap import SavedTensorEngine, _Where
+from brats_swap.memory.swap import SavedTensorEngine, tensors_in
 
 COMPUTE_TYPES: tuple[type[nn.Module], ...] = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
@@ -97,27 +88,13 @@ def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]
     return resolved
 
 
-def _validate(cfg: MemoryConfig) -> None:
-    if cfg.mode == "auto":
-        raise ConfigError("memory.mode=auto must be resolved by brats_swap.memory.planner.choose_policy "
-                          "before the engine is built")
-    if cfg.mode not in ("none", "swap", "recompute", "hybrid"):
-        raise ConfigError(f"memory.mode: unknown mode {cfg.mode!r} (none, swap, recompute, hybrid, auto)")
-    swap = cfg.swap
-    if swap.tensors < -1:
-        raise ConfigError(f"memory.swap.tensors: must be -1 (all) or >= 0, got {swap.tensors}")
-    if swap.lookahead < 0:
-        raise ConfigError(f"memory.swap.lookahead: must be 0 or more, got {swap.lookahead}")
-    if swap.min_bytes < 0:
-        raise ConfigError(f"memory.swap.min_bytes: must be 0 or more, got {swap.min_bytes}")
-    if swap.max_inflight_bytes <= 0:
-        raise ConfigError(f"memory.swap.max_inflight_bytes: must be positive, got {swap.max_inflight_bytes}")
-    if swap.compress not in ("none", "bf16"):
-        raise ConfigError(f"memory.swap.compress: must be none or bf16, got {swap.compress!r}")
-
-
 def memory_config_from(policy: MemoryConfig | dict | str | None) -> MemoryConfig:
-    """A `MemoryConfig` from a config object, a dict shaped like the YAML `memory:` section, or a mode name."""
+    """A `MemoryConfig` from a config object, a dict shaped like the YAML `memory:` section, or a mode name.
+
+    A dict or a mode name is read and checked exactly as the YAML section is (`brats_swap.config`), so a
+    bad key or value is a `ConfigError` naming it. A `MemoryConfig` is taken as it is: it comes from the
+    config loader or from this function, both of which validated it.
+    """
     if policy is None:
         return MemoryConfig()
     if isinstance(policy, MemoryConfig):
@@ -126,9 +103,9 @@ def memory_config_from(policy: MemoryConfig | dict | str | None) -> MemoryConfig
         policy = {"mode": policy}
     if not isinstance(policy, dict):
         raise ConfigError(f"memory policy: expected a MemoryConfig, a dict or a mode name, got {type(policy).__name__}")
-    from brats_swap.config.loader import from_dict
-
-    return from_dict(MemoryConfig, policy, prefix="memory")
+    cfg = from_dict(MemoryConfig, policy, prefix="memory")
+    validate_memory_config(cfg)
+    return cfg
 
 
 class MemoryEngine:
@@ -144,17 +121,26 @@ class MemoryEngine:
         ...
         engine.close()                  # removes every hook and wrapper
 
+    `memory_cfg` is a concrete policy: mode `auto` must have been resolved by the planner
+    (`planner.choose_policy`) before the engine is built. `self.cfg` is the policy the engine runs:
+    `policy.effective_memory_config` of the argument, which is the argument itself when the caller
+    resolved it already (as training does, so that the engine, the checkpoint and the run record hold one
+    and the same policy).
+
     Arguments beyond the contract: `blocks` (module names, modules or (name, module) pairs used as
     prefetch blocks; default `discover_blocks`), `measure` (install the hooks in mode none to report
     saved bytes), `prefetch=False` (every reload is a synchronous miss; for tests), `arena_bytes`
-    (pre-size the host arena, e.g. from the planner's prediction).
+    (pre-size the host arena, e.g. from the planner's prediction), `log` (a list that receives the
+    rulebook's per-tensor event sequence of every step; tests compare it with the simulator's).
     """
 
     def __init__(self, model: nn.Module, memory_cfg: MemoryConfig | dict | str | None = None,
                  device: torch.device | str | None = None, *, blocks: Sequence | None = None,
-                 measure: bool = False, prefetch: bool = True, arena_bytes: int = 0):
+                 measure: bool = False, prefetch: bool = True, arena_bytes: int = 0, log: list | None = None):
         cfg = memory_config_from(memory_cfg)
-        _validate(cfg)
+        if cfg.mode == "auto":
+            raise ConfigError("memory.mode=auto: the planner (brats_swap.memory.planner.choose_policy) must "
+                              "resolve it to a concrete policy before the engine is built")
         cfg = effective_memory_config(cfg)
         self.model = model
         self.cfg = cfg
@@ -170,16 +156,16 @@ class MemoryEngine:
         if not self.enabled:
             return
 
-        self.core = SavedTensorEngine(cfg, param_storages=self._param_storages, where=self._where,
-                                      prefetch=prefetch, arena_bytes=arena_bytes)
-        self._reset_forward_state()
-        for name, module in model.named_modules():
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._module_start, name)))
-            self._hooks.append(module.register_forward_hook(self._module_end, always_call=True))
+        self.core = SavedTensorEngine(cfg, param_storages=self._param_storages, prefetch=prefetch,
+                                      arena_bytes=arena_bytes, log=log)
         self.blocks = _resolve_blocks(model, blocks)
-        for _name, module in self.blocks:
-            self._hooks.append(module.register_forward_pre_hook(self._block_start))
-            self._hooks.append(module.register_forward_hook(self._block_end, always_call=True))
+        block_ids = {id(module) for _name, module in self.blocks}
+        for name, module in model.named_modules():
+            is_block = id(module) in block_ids
+            self._hooks.append(module.register_forward_pre_hook(
+                functools.partial(self._module_start, name, is_block), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(
+                functools.partial(self._module_end, is_block), always_call=True))
         if cfg.mode in RECOMPUTE_MODES:
             if cfg.recompute.modules:
                 self._checkpointed = CheckpointedModules(model, cfg.recompute.modules, self._count_checkpoint,
@@ -201,7 +187,6 @@ class MemoryEngine:
         if self._in_forward:
             raise RuntimeError("MemoryEngine.step() is not re-entrant")
         self.core.begin_step()
-        self._reset_forward_state()
         self._in_forward = True
         if self.recipes is not None:
             self.recipes.active = True
@@ -212,8 +197,9 @@ class MemoryEngine:
             self._in_forward = False
             if self.recipes is not None:
                 self.recipes.active = False
+                self.core.rulebook.stats.norm_act_skipped = dict(self.recipes.skipped)
                 self.recipes.reset()
-            self.core.finish_forward(self._last_block)
+            self.core.finish_forward()
 
     def last_stats(self) -> StepStats:
         """Statistics of the latest step (complete once its backward has run)."""
@@ -223,20 +209,26 @@ class MemoryEngine:
 
     def last_records(self) -> list[SavedRecord]:
         """Every storage saved in the latest forward, as `policy.SavedRecord`s (what a planner predicts)."""
-        return list(self.core.records) if self.core is not None else []
+        return self.core.rulebook.records if self.core is not None else []
 
     def last_swapped(self) -> set[int]:
         """Indices (into `last_records()`) of the storages the latest step swapped."""
         if self.core is None:
             return set()
-        return {i for i, decision in enumerate(self.core.decisions) if decision == "swap"}
+        return {entry.index for entry in self.core.rulebook.entries if entry.decision == SWAP}
+
+    def last_decisions(self) -> list[tuple[str, str]]:
+        """(decision, reason) of every storage of `last_records()`, e.g. ("keep", "smaller than ...")."""
+        if self.core is None:
+            return []
+        return [(entry.decision, entry.reason) for entry in self.core.rulebook.entries]
 
     @property
     def checkpointed_modules(self) -> list[str]:
         return list(self._checkpointed.names) if self._checkpointed is not None else []
 
     def close(self) -> None:
-        """Remove every hook and wrapper; the model is exactly as before."""
+        """Remove every hook and wrapper (the model is exactly as before) and return the host memory."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -247,8 +239,8 @@ class MemoryEngine:
             self.recipes.remove()
             self.recipes = None
             self.core.recipes = None
-
-    remove = close
+        if self.core is not None:
+            self.core.close()
 
     def __enter__(self) -> MemoryEngine:
         return self
@@ -256,76 +248,40 @@ class MemoryEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ forward bookkeeping
-    def _reset_forward_state(self) -> None:
-        self._module_stack: list[str] = []
-        self._block_stack: list[int] = []
-        self._blocks_started = 0
-        self._last_block = -1
-
+    # ------------------------------------------------------------------ forward events
     def _param_storages(self) -> set[int]:
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
-        return {t.untyped_storage().data_ptr() for t in tensors if t.untyped_storage().data_ptr() != 0}
+        return {t.untyped_storage()._cdata for t in list(self.model.parameters()) + list(self.model.buffers())}
 
-    def _where(self) -> _Where:
-        module = self._module_stack[-1] if self._module_stack else ""
-        if self._block_stack:
-            return _Where(module, self._block_stack[-1], self._block_stack[-1])
-        return _Where(module, self._last_block, self._last_block + 1)
+    def _module_start(self, name: str, is_block: bool, module: nn.Module, args, kwargs) -> None:
+        if not self._in_forward:
+            return
+        if module is self.model:
+            self.core.set_inputs(tensors_in((args, kwargs)))
+        self.core.rulebook.module_start(name, is_block)
 
-    def _module_start(self, name: str, module: nn.Module, args) -> None:
-        if self._in_forward:
-            self._module_stack.append(name)
-            self.core.release_completed()
-
-    def _module_end(self, module: nn.Module, args, output) -> None:
-        if self._in_forward and self._module_stack:
-            self._module_stack.pop()
+    def _module_end(self, is_block: bool, module: nn.Module, args, output) -> None:
+        if not self._in_forward:
+            return
+        ordinal = self.core.rulebook.module_end(is_block)
+        if ordinal is None:
+            return
+        marker = functools.partial(self._block_backward, self.core.step_id, ordinal)
+        for tensor in tensors_in(output):
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(marker)
 
     def _count_checkpoint(self) -> None:
         if self._in_forward:
-            self.core.stats.recomputed_modules += 1
+            self.core.rulebook.stats.recomputed_modules += 1
 
     def _checkpoint_done(self, args: tuple) -> None:
-        """The region's saved inputs are first used when backward recomputes it, i.e. in its last block."""
-        if not self._in_forward:
-            return
-        for tensor in _tensors_in(list(args)):
-            record = self.core.lookup(tensor)
-            if record is not None:
-                self.core.raise_use_marker(record, self._last_block)
-
-    def _block_start(self, module: nn.Module, args) -> None:
-        if not self._in_forward:
-            return
-        self.core.release_pending()
-        ordinal = self._blocks_started
-        self._blocks_started += 1
-        self._block_stack.append(ordinal)
-        self._last_block = ordinal
-
-    def _block_end(self, module: nn.Module, args, output) -> None:
-        if not self._in_forward or not self._block_stack:
-            return
-        ordinal = self._block_stack.pop()
-        marker = functools.partial(self._block_backward, self.core.step_id, ordinal)
-        for tensor in _tensors_in(output):
-            if tensor.grad_fn is not None:
-                tensor.grad_fn.register_prehook(marker)
+        """The region's saved inputs are first used when backward recomputes it."""
+        if self._in_forward:
+            self.core.rulebook.region_done(self.core.lookup(t) for t in tensors_in(list(args)))
 
     def _block_backward(self, step_id: int, ordinal: int, grad_outputs) -> None:
         if self.core is not None and step_id == self.core.step_id:
             self.core.on_block_backward(ordinal)
-
-
-def _tensors_in(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors_in(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors_in(item)]
-    return []
 
 
 @contextlib.contextmanager

@@ -1,117 +1,91 @@
 """The planner: predict the device memory and step time of any memory policy, and auto-tune to a budget.
 
-    trace (meta device, real size)  ->  placement of each saved record under a policy
-        ->  simulate_memory (liveness walk: peak bytes)  +  simulate_time (copy-engine timeline: step s)
+    trace (meta device, real size; one per recompute variant)
+        ->  replay through the rulebook (`simulate.replay`: the engine's own schedule, on a clock)
+        ->  peak bytes (liveness walk)  +  step seconds (compute stream and two copy queues)
 
 `choose_policy` is what training calls for `memory.mode: auto`; `plan_report` is what `brats-swap plan`
-prints. Both search the policy space the engine can run (the knobs of `MemoryConfig`):
+prints. Both are reached through `brats_swap.train.planning`, which knows the project's model and
+configs; this package plans any model, given its loss and the dtype its activations are saved in.
 
-1. recompute variant: none, `recompute.norm_act` (rebuild instance norm + LeakyReLU outputs, no conv
-   re-run), block checkpointing (`recompute.modules`);
-2. swap: `swap.tensors = N` first eligible storages in forward order, which in a U-Net is "earliest
-   produced, longest unused first" (the encoder's full-resolution tensors come first in forward and are
-   needed last in backward), with and without the synthesis path (`swap.exclude: [decoder.*]`);
-3. `swap.lookahead` (how many blocks ahead a reload is issued: the prefetch distance measured in
-   accumulated backward time, which the time simulation prices) and, only when allowed, bf16 transport.
+`Planner.auto` searches the policies the engine can run (the knobs of `MemoryConfig`) for the fastest
+whose predicted peak fits `budget x BUDGET_HEADROOM`:
 
-For each variant the smallest N that fits is found by bisection (memory falls as N grows), then the time
-simulation ranks what fits. Nothing fits -> `ConfigError` naming `memory.budget_gib` and the floor.
+1. the named policies (`presets.py`);
+2. recompute variants, each with its own trace: none, `recompute.norm_act`, and checkpointing
+   (`recompute.modules`) of the blocks that free the most saved bytes per second of recomputation
+   (measured on the plain trace: a block's forward time against the bytes saved inside it), in a few
+   amounts sized to what swapping cannot hide;
+3. per variant, what to swap, decided per module by whether its copy can hide: on the timeline of
+   keeping everything, a module's saved storages matter during the ops over the limit; its copy hides
+   when the link (a FIFO queue of the copies chosen before it) finishes it before the first of those
+   ops. Candidates are the modules that matter, the hiding ones first in forward order, then the others
+   least late first; the shortest prefix that fits (bisection, with the leanest schedule) becomes
+   `swap.include`, mixed with the variant's recomputation;
+4. per swap set, the in-flight budget (`swap.max_inflight_bytes`: how many swapped bytes may wait on
+   the device for their copy), the reload distance (`swap.lookahead`) and, only when allowed, bf16
+   transport, priced by the replay: the fastest that fits wins.
+
+Nothing fits -> `ConfigError` naming `memory.budget_gib` and the floor.
 """
 
 from __future__ import annotations
 
 import copy
+import glob
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from itertools import accumulate
 
+import numpy as np
 import torch
 from torch import nn
 
-from brats_swap.config.schema import MemoryConfig, RecomputeConfig, SwapConfig
-from brats_swap.errors import ConfigError
-from brats_swap.memory.policy import RECOMPUTE_MODES, SWAP_MODES, SavedRecord, select_swapped
+from brats_swap.config import ConfigError, MemoryConfig, RecomputeConfig
+from brats_swap.memory.policy import RECOMPUTE_MODES, SWAP_MODES, SavedRecord
+from brats_swap.memory.presets import named_policies
+from brats_swap.memory.rulebook import select_swapped, transfer_bytes
 from brats_swap.memory.simulate import (
     GIB,
     MemoryResult,
     OpCostModel,
-    Placement,
+    Schedule,
     TimeResult,
     floor_bytes,
     phase_compute_seconds,
-    schedule,
+    replay,
     simulate_memory,
 )
-from brats_swap.memory.trace import Trace, trace_step
+from brats_swap.memory.trace import MODULE_END, MODULE_START, SAVE, UNPACK_BEGIN, Trace, trace_step
 
 # Fraction of the budget a plan may use: the rest is allocator slack (block rounding, fragmentation) and
 # cuDNN workspace the trace does not see. TFLMS's simulator uses 0.9 for the same reason.
 BUDGET_HEADROOM = 0.92
-DEFAULT_BANDWIDTH_GBS = 25.0  # pinned PCIe 4 x16, per direction (reference/swap.md §7.1)
-LOOKAHEADS = (1, 2, 3, 4, 6)
+# Pinned host<->device copies over PCIe 5 x16 measure about 50-55 GB/s per direction (PCIe 4 x16: about
+# 22-25 GB/s); `--bandwidth` / `memory.bandwidth_gbs` set another link, a CUDA profile measures it.
+DEFAULT_BANDWIDTH_GBS = 50.0
+LOOKAHEADS = (0, 1, 2, 4, 8, 16, 32)
+INFLIGHT_BUDGETS = tuple(mib << 20 for mib in (64, 256, 1024, 2048, 4096, 8192, 16384))
+LEANEST_INFLIGHT = INFLIGHT_BUDGETS[0]
+# Checkpointing amounts tried, as shares of the bytes the link cannot hide before the peak.
+CHECKPOINT_SHARES = (0.6, 1.0, 1.4)
 
 # Roofline constants when nothing was measured. CPU: this project's CI machine at 32³-48³ (about 60
-# GFLOP/s per step for the U-Net). GPU: an H200-class card in fp32 (TF32 convolutions) and bf16.
+# GFLOP/s per step for the U-Net). GPU: an H200-class card in fp32 (TF32 convolutions) and in half
+# precision (bf16 and fp16 run on the same tensor cores at the same rate), on a PCIe 5 x16 link.
+_GPU_LINK = f"PCIe 5 link {DEFAULT_BANDWIDTH_GBS:g} GB/s"
 DEFAULT_COSTS = {
     "cpu": OpCostModel(name="cpu (assumed)", flops_per_s=60e9, bytes_per_s=20e9, launch_s=20e-6,
-                       h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True),
-    "gpu-float32": OpCostModel(name="H200-class GPU, fp32/TF32 (assumed)", flops_per_s=60e12,
-                               bytes_per_s=3.0e12, launch_s=6e-6),
-    "gpu-bfloat16": OpCostModel(name="H200-class GPU, bf16 (assumed)", flops_per_s=150e12,
-                                bytes_per_s=3.0e12, launch_s=6e-6),
+                       h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True, host_lead_kernels=0),
+    "gpu-float32": OpCostModel(name=f"H200-class GPU, fp32/TF32, {_GPU_LINK} (assumed)", flops_per_s=60e12,
+                               bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
+                               d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9),
+    "gpu-half": OpCostModel(name=f"H200-class GPU, bf16/fp16, {_GPU_LINK} (assumed)", flops_per_s=150e12,
+                            bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
+                            d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9),
 }
-
-
-# --------------------------------------------------------------------------------------------------------
-# The named policies of the table (the presets in configs/ mirror these)
-# --------------------------------------------------------------------------------------------------------
-
-
-PRESET_NAMES = ("swap_all", "swap_first_n", "swap_no_decoder", "swap_no_decoder_lookahead", "recompute",
-                "norm_act", "hybrid")
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"  # the repository's preset YAML files
-
-# The same presets when the configs/ folder is not there (an installed package): the paper's four swap
-# configurations, block checkpointing, norm_act and hybrid.
-_BUILTIN_PRESETS: dict[str, dict] = {
-    "swap_all": {"mode": "swap", "swap": {"tensors": -1, "lookahead": 1}},
-    "swap_first_n": {"mode": "swap", "swap": {"tensors": 18, "lookahead": 1}},
-    "swap_no_decoder": {"mode": "swap", "swap": {"tensors": -1, "exclude": ["decoder.*"], "lookahead": 1}},
-    "swap_no_decoder_lookahead": {"mode": "swap", "swap": {"tensors": -1, "exclude": ["decoder.*"],
-                                                           "lookahead": 3}},
-    "recompute": {"mode": "recompute", "recompute": {"modules": ["encoder.level*", "decoder.level*"]}},
-    "norm_act": {"mode": "recompute", "recompute": {"norm_act": True}},
-    "hybrid": {"mode": "hybrid", "swap": {"include": ["encoder.level0", "encoder.level1"], "lookahead": 2},
-               "recompute": {"norm_act": True}},
-}
-
-
-def _merged(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def named_policies(base: MemoryConfig | None = None, presets_dir: Path | None = PRESETS_DIR) -> dict[str, MemoryConfig]:
-    """none and the presets of configs/ (their `memory:` section laid over `base`), in table order."""
-    from brats_swap.config.loader import from_dict, read_yaml_mapping
-
-    base = base or MemoryConfig()
-    plain = asdict(base)
-    plain["swap"], plain["recompute"] = asdict(base.swap), asdict(base.recompute)
-    policies = {"none": from_dict(MemoryConfig, {**plain, "mode": "none"}, prefix="memory")}
-    for name in PRESET_NAMES:
-        file = presets_dir / f"{name}.yaml" if presets_dir is not None else None
-        section = _BUILTIN_PRESETS[name]
-        if file is not None and file.is_file():
-            section = read_yaml_mapping(file).get("memory", {}) or {}
-        fresh = {**plain, "swap": asdict(SwapConfig(min_bytes=base.swap.min_bytes,
-                                                    max_inflight_bytes=base.swap.max_inflight_bytes)),
-                 "recompute": asdict(RecomputeConfig())}
-        policies[name] = from_dict(MemoryConfig, _merged(fresh, section), prefix="memory")
-    return policies
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -201,19 +175,27 @@ def memory_config_dict(cfg: MemoryConfig) -> dict:
 
 
 class Planner:
-    """Traces once per recompute variant, then prices any MemoryConfig in milliseconds."""
+    """Traces once per recompute variant, then prices any MemoryConfig in milliseconds.
 
-    def __init__(self, model: nn.Module, input_shape: Sequence[int], *, dtype: torch.dtype | str = torch.float32,
-                 cost: OpCostModel | None = None, loss_fn: Callable | None = None, optimizer_state_factor: int = 2):
+    `loss_fn(output, target)` is the training loss (part of the traced step); a model with another
+    calling convention passes `step(model, x) -> loss` instead (see `trace.trace_step`). `dtype` is the
+    dtype the activations are computed and saved in (float32, or bfloat16 / float16 under autocast).
+    """
+
+    def __init__(self, model: nn.Module, input_shape: Sequence[int], *, loss_fn: Callable | None = None,
+                 dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
+                 optimizer_state_factor: int = 2, step: Callable | None = None):
         self.model = model
         self.input_shape = tuple(int(v) for v in input_shape)
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.cost = cost or default_cost_model("cpu", self.dtype)
         self.loss_fn = loss_fn
+        self.step = step
         self.optimizer_state_factor = optimizer_state_factor
         self.budget_gib: float | None = None  # set by plan_report; drawn in the timeline figure
         self._traces: dict[tuple, Trace] = {}
-        self._durations: dict[tuple, object] = {}
+        self._durations: dict[tuple, list[float]] = {}
+        self._schedules: dict[str, Schedule] = {}
 
     # ---- traces --------------------------------------------------------------------------------------
     @staticmethod
@@ -228,47 +210,41 @@ class Planner:
         if key not in self._traces:
             recompute = RecomputeConfig(modules=list(key[0]), norm_act=key[1]) if key != ((), False) else None
             self._traces[key] = trace_step(self.model, self.input_shape, dtype=self.dtype, loss_fn=self.loss_fn,
-                                           recompute=recompute)
+                                           recompute=recompute, step=self.step)
         return self._traces[key]
+
+    def durations(self, cfg: MemoryConfig | None = None) -> list[float]:
+        key = self.variant_key(cfg) if cfg is not None else ((), False)
+        if key not in self._durations:
+            self._durations[key] = self.cost.durations(self.trace(cfg))
+        return self._durations[key]
 
     def records(self, cfg: MemoryConfig) -> list[SavedRecord]:
         """The records the engine will see under `cfg` (`MemoryEngine.last_records()` predicted)."""
         return self.trace(cfg).saved_records()
 
-    def placement(self, cfg: MemoryConfig) -> Placement:
-        trace = self.trace(cfg)
-        records = trace.saved_records()
-        swapped = select_swapped(records, cfg.swap) if cfg.mode in SWAP_MODES else set()
-        return Placement(swapped=swapped, recomputed={r.index for r in records if r.recompute},
-                         lookahead=cfg.swap.lookahead, compress_bf16=cfg.swap.compress == "bf16")
-
-    @staticmethod
-    def _inflight(cfg: MemoryConfig) -> int | None:
-        return cfg.swap.max_inflight_bytes if cfg.mode in SWAP_MODES else None
+    def swapped(self, cfg: MemoryConfig) -> set[int]:
+        """Indices of the records the engine swaps under `cfg` (`MemoryEngine.last_swapped()` predicted)."""
+        return select_swapped(self.records(cfg), cfg.swap) if cfg.mode in SWAP_MODES else set()
 
     # ---- pricing -------------------------------------------------------------------------------------
-    def _schedule(self, cfg: MemoryConfig, keep_lanes: bool = False):
-        trace = self.trace(cfg)
-        key = self.variant_key(cfg)
-        if key not in self._durations:
-            self._durations[key] = self.cost.durations(trace)
-        return schedule(trace, self.placement(cfg), durations=self._durations[key],
-                        d2h_bytes_per_s=self.cost.d2h_bytes_per_s, h2d_bytes_per_s=self.cost.h2d_bytes_per_s,
-                        max_inflight_bytes=self._inflight(cfg), keep_lanes=keep_lanes,
-                        sync_copies=self.cost.sync_copies)
+    def schedule(self, cfg: MemoryConfig, keep_lanes: bool = False) -> Schedule:
+        """The rulebook's replay of `cfg` on this planner's clock (cached per policy)."""
+        key = repr((self.variant_key(cfg), cfg.mode, cfg.swap))
+        if keep_lanes or key not in self._schedules:
+            schedule = replay(self.trace(cfg), cfg, cost=self.cost, durations=self.durations(cfg),
+                              keep_lanes=keep_lanes)
+            if keep_lanes:
+                return schedule
+            self._schedules[key] = schedule
+        return self._schedules[key]
 
     def memory(self, cfg: MemoryConfig, keep_timeline: bool = False) -> MemoryResult:
-        """Predicted memory; on a GPU the release points come from the timed schedule."""
-        trace = self.trace(cfg)
-        placement = self.placement(cfg)
-        plans = None
-        if not self.cost.sync_copies and placement.swapped:
-            plans = self._schedule(cfg)[0]
-        return simulate_memory(trace, placement, max_inflight_bytes=self._inflight(cfg), plans=plans,
-                               optimizer_state_factor=self.optimizer_state_factor, keep_timeline=keep_timeline)
+        return simulate_memory(self.trace(cfg), schedule=self.schedule(cfg), keep_timeline=keep_timeline,
+                               optimizer_state_factor=self.optimizer_state_factor)
 
     def time(self, cfg: MemoryConfig, keep_lanes: bool = False) -> TimeResult:
-        return self._schedule(cfg, keep_lanes)[1]
+        return self.schedule(cfg, keep_lanes).timing
 
     def recompute_flops(self, cfg: MemoryConfig) -> float:
         """FLOPs run again in backward (checkpointed modules re-run; norm_act recipes)."""
@@ -289,62 +265,211 @@ class Planner:
         return floor_bytes(self.trace(), optimizer_state_factor=self.optimizer_state_factor)
 
     # ---- search --------------------------------------------------------------------------------------
-    def candidates(self, base: MemoryConfig, allow_compress: bool) -> list[MemoryConfig]:
-        """Every policy worth pricing; swap counts are narrowed by bisection on memory in `auto`."""
-        out = []
-        recompute_variants = [RecomputeConfig(), RecomputeConfig(norm_act=True)]
-        for recompute in recompute_variants:
-            mode = "hybrid" if recompute.norm_act else "swap"
-            for exclude in ([], ["decoder.*"], ["decoder.level0"]):
-                for lookahead in LOOKAHEADS:
-                    for compress in (("none", "bf16") if allow_compress else ("none",)):
-                        cfg = copy.deepcopy(base)
-                        cfg.mode = mode
-                        cfg.recompute = copy.deepcopy(recompute)
-                        cfg.swap = copy.deepcopy(base.swap)
-                        cfg.swap.include = list(base.swap.include)
-                        cfg.swap.exclude = list(exclude)
-                        cfg.swap.lookahead = lookahead
-                        cfg.swap.compress = compress
-                        cfg.swap.tensors = -1
-                        out.append(cfg)
-        return out
-
     def auto(self, budget_bytes: float, base: MemoryConfig | None = None,
              allow_compress: bool | None = None) -> tuple[PolicyPrediction | None, list[PolicyPrediction]]:
-        """The fastest policy whose predicted peak fits `budget_bytes * BUDGET_HEADROOM` (None if none)."""
+        """The fastest policy whose predicted peak fits `budget_bytes * BUDGET_HEADROOM` (None if none),
+        and every fitting policy priced on the way (module docstring)."""
         base = copy.deepcopy(base or MemoryConfig())
         if allow_compress is None:
             allow_compress = base.swap.compress == "bf16"
         limit = budget_bytes * BUDGET_HEADROOM
-        fitting: list[PolicyPrediction] = []
-        for name, cfg in named_policies(base).items():  # the simple policies first: often one is enough
-            prediction = self.predict(name, cfg, budget_bytes)
-            if prediction.fits:
-                fitting.append(prediction)
-        for cfg in self.candidates(base, allow_compress):
-            eligible = len(select_swapped(self.records(cfg), cfg.swap))
-            cfg.swap.tensors = -1
-            if self.memory(cfg).peak_bytes > limit:
-                continue  # even swapping every eligible storage does not fit
-            low, high = 0, eligible  # smallest N that fits (memory is non-increasing in N)
-            while low < high:
-                mid = (low + high) // 2
-                cfg.swap.tensors = mid
-                if self.memory(cfg).peak_bytes <= limit:
-                    high = mid
-                else:
-                    low = mid + 1
-            cfg.swap.tensors = low if low < eligible else -1
-            if low == 0:
-                cfg.mode = "recompute" if cfg.recompute.norm_act else "none"
-            fitting.append(self.predict("auto", copy.deepcopy(cfg), budget_bytes))
+        fitting = [p for p in (self.predict(name, cfg, budget_bytes) for name, cfg in named_policies(base).items())
+                   if p.fits]
+        for variant in self._variants(base, limit):
+            fitting += _SwapSearch(self, variant, limit, allow_compress).plans(budget_bytes)
         if not fitting:
             return None, []
-        best = min(fitting, key=lambda p: (p.step_s, p.peak_bytes))
-        best = copy.copy(best)
+        best = copy.copy(min(fitting, key=lambda p: (p.step_s, p.peak_bytes)))
         best.name = "auto"
         return best, fitting
+
+    def _variants(self, base: MemoryConfig, limit: float) -> list[MemoryConfig]:
+        """The recompute variants `auto` tries: none, norm_act, and checkpointing of the cheapest blocks in
+        amounts sized to the bytes the link cannot hide before the peak (module docstring)."""
+        plain = _variant(base, RecomputeConfig())
+        variants = [plain, _variant(base, RecomputeConfig(norm_act=True))]
+        keep_all = self.memory(plain, keep_timeline=True)
+        deficit = keep_all.peak_bytes - limit
+        if deficit <= 0:
+            return variants
+        starts = list(accumulate(self.durations(plain), initial=0.0))
+        hideable = self.cost.d2h_bytes_per_s * starts[keep_all.peak_op]
+        needed = max(deficit - hideable, deficit * 0.25)
+        ranking = checkpoint_ranking(self.trace(plain), self.durations(plain),
+                                     resident_records(self.trace(plain), self.schedule(plain), keep_all.peak_op))
+        chosen: list[tuple[str, ...]] = []
+        for share in CHECKPOINT_SHARES:
+            names, freed = [], 0
+            for name, _seconds, nbytes in ranking:
+                if freed >= share * needed:
+                    break
+                names.append(name)
+                freed += nbytes
+            if names and tuple(names) not in chosen:
+                chosen.append(tuple(names))
+        variants += [_variant(base, RecomputeConfig(modules=list(names))) for names in chosen]
+        return variants
+
+
+def _variant(base: MemoryConfig, recompute: RecomputeConfig) -> MemoryConfig:
+    """`base` with this recomputation and nothing swapped (mode none or recompute)."""
+    cfg = copy.deepcopy(base)
+    cfg.recompute = recompute
+    cfg.mode = "recompute" if recompute.modules or recompute.norm_act else "none"
+    cfg.budget_gib, cfg.bandwidth_gbs = base.budget_gib, base.bandwidth_gbs
+    return cfg
+
+
+def checkpoint_ranking(trace: Trace, durations: list[float], at_peak: set[int]) -> list[tuple[str, float, int]]:
+    """Blocks by recompute seconds per byte freed at the peak, cheapest first: (name, seconds, bytes).
+
+    Checkpointing a block stores only its inputs; what it frees are the storages saved inside it that
+    were also allocated inside it (the storages saved for its own backward), and what counts of those
+    are the ones resident at the peak (`at_peak`, record indices). The cost is its forward, run again
+    in backward. Both are summed over every call of the block.
+    """
+    pack_op = {a: op for op, kind, a, _ in trace.events if kind == SAVE}
+    stack: list[tuple[str, int]] = []
+    seconds: dict[str, float] = {}
+    freed: dict[str, int] = {}
+    cum = list(accumulate(durations, initial=0.0))
+    for op, kind, a, b in trace.events:
+        if kind == MODULE_START and b:
+            stack.append((trace.module_names[a], op))
+        elif kind == MODULE_END and b and stack:
+            name, start = stack.pop()
+            seconds[name] = seconds.get(name, 0.0) + cum[op] - cum[start]
+            prefix = name + "."
+            inside = [r for r in trace.records if not r.record.is_param and r.sid >= 0
+                      and r.record.index in at_peak and start <= pack_op[r.record.index] <= op
+                      and trace.storages[r.sid].alloc_op >= start
+                      and (r.record.module == name or r.record.module.startswith(prefix))]
+            freed[name] = freed.get(name, 0) + sum(r.record.nbytes for r in inside)
+    ranked = [(name, seconds[name], freed[name]) for name in seconds if freed[name] > 0]
+    return sorted(ranked, key=lambda item: item[1] / item[2])
+
+
+def resident_records(trace: Trace, schedule: Schedule, op: int) -> set[int]:
+    """Records whose storage occupies the device at `op` in this replay (the program or the engine
+    holds it)."""
+    out = set()
+    for traced in trace.records:
+        if traced.sid < 0:
+            continue
+        storage = trace.storages[traced.sid]
+        index = traced.record.index
+        end = max(storage.free_op if storage.free_op >= 0 else trace.n_ops,
+                  schedule.hold_end.get(index, 0), schedule.use_end.get(index, 0))
+        if storage.alloc_op <= op < end:
+            out.add(index)
+    return out
+
+
+@dataclass
+class _Unit:
+    """The saved storages of one module that the engine may swap, as one swap candidate."""
+
+    module: str
+    nbytes: int = 0
+    seconds: float = 0.0  # link time of its copy out
+    pack_op: int = 1 << 62
+    free_op: int = -1  # the program itself drops the storages here; before it, swapping frees nothing
+    first_use: int = -1
+
+
+class _SwapSearch:
+    """What to swap on top of one recompute variant, and how (module docstring, steps 3 and 4)."""
+
+    def __init__(self, planner: Planner, variant: MemoryConfig, limit: float, allow_compress: bool):
+        self.planner = planner
+        self.variant = variant
+        self.limit = limit
+        self.allow_compress = allow_compress
+
+    def plans(self, budget_bytes: float) -> list[PolicyPrediction]:
+        planner = self.planner
+        keep_all = planner.memory(self.variant, keep_timeline=True)
+        if keep_all.peak_bytes <= self.limit:
+            return [planner.predict("auto", self.variant, budget_bytes)]
+        order = self._candidates(keep_all)
+        if not order or not self._fits(len(order), LEANEST_INFLIGHT, 0):
+            return []
+        low, high = 1, len(order)  # the shortest prefix that fits with the leanest schedule
+        while low < high:
+            mid = (low + high) // 2
+            if self._fits(mid, LEANEST_INFLIGHT, 0):
+                high = mid
+            else:
+                low = mid + 1
+        self.order = order
+        out = []
+        for count in sorted({low, min(len(order), low + max(1, low // 4))}):
+            for compress in ("none", "bf16") if self.allow_compress else ("none",):
+                for inflight in INFLIGHT_BUDGETS:
+                    for lookahead in LOOKAHEADS:
+                        cfg = self._config(count, inflight, lookahead, compress)
+                        prediction = planner.predict("auto", cfg, budget_bytes)
+                        if prediction.fits:
+                            out.append(prediction)
+        return out
+
+    def _candidates(self, keep_all: MemoryResult) -> list[_Unit]:
+        """Modules whose storages are resident during an op over the limit: those whose copy hides before
+        the first such op (link as a FIFO of the ones chosen before) in forward order, then the rest,
+        least late first."""
+        planner, trace = self.planner, self.planner.trace(self.variant)
+        starts = list(accumulate(planner.durations(self.variant), initial=0.0))
+        over = np.flatnonzero(np.asarray(keep_all.timeline) + keep_all.persistent_bytes > self.limit)
+        hiding, late, link_free = [], [], 0.0
+        for unit in sorted(self._units(trace), key=lambda u: u.pack_op):
+            k = int(np.searchsorted(over, max(unit.pack_op, unit.free_op)))
+            if k == len(over) or over[k] >= unit.first_use:
+                continue  # not resident while memory is over the limit: swapping it gains nothing
+            finish = max(link_free, starts[unit.pack_op]) + unit.seconds
+            needed = starts[int(over[k])]
+            if finish <= needed:
+                hiding.append(unit)
+                link_free = finish
+            else:
+                late.append((finish - needed, unit.pack_op, unit))
+        self.order = hiding + [unit for *_, unit in sorted(late, key=lambda item: item[:2])]
+        return self.order
+
+    def _units(self, trace: Trace) -> list[_Unit]:
+        swap_cfg = copy.deepcopy(self.variant.swap)
+        swap_cfg.tensors = -1
+        eligible = select_swapped(trace.saved_records(), swap_cfg)
+        pack_op, first_use = {}, {}
+        for op, kind, a, _ in trace.events:
+            if kind == SAVE:
+                pack_op[a] = op
+            elif kind == UNPACK_BEGIN:
+                first_use.setdefault(a, op)
+        units: dict[str, _Unit] = {}
+        for index in eligible:
+            record = trace.records[index].record
+            unit = units.setdefault(record.module, _Unit(record.module))
+            unit.nbytes += record.nbytes
+            unit.seconds += transfer_bytes(record, swap_cfg) / self.planner.cost.d2h_bytes_per_s
+            unit.pack_op = min(unit.pack_op, pack_op[index])
+            free = trace.storages[trace.records[index].sid].free_op
+            unit.free_op = max(unit.free_op, free if free >= 0 else trace.n_ops)
+            unit.first_use = max(unit.first_use, first_use.get(index, trace.n_ops))
+        return list(units.values())
+
+    def _config(self, count: int, inflight: int, lookahead: int, compress: str = "none") -> MemoryConfig:
+        cfg = copy.deepcopy(self.variant)
+        recomputes = bool(cfg.recompute.modules or cfg.recompute.norm_act)
+        cfg.mode = "hybrid" if recomputes else "swap"
+        cfg.swap.include = [glob.escape(unit.module) for unit in self.order[:count]]
+        cfg.swap.tensors = -1
+        cfg.swap.max_inflight_bytes = inflight
+        cfg.swap.lookahead = lookahead
+        cfg.swap.compress = compress
+        return cfg
+
+    def _fits(self, count: int, inflight: int, lookahead: int) -> bool:
+        return self.planner.memory(self._config(count, inflight, lookahead)).peak_bytes <= self.limit
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -357,11 +482,15 @@ def default_cost_model(device: str | torch.device, dtype: torch.dtype = torch.fl
     kind = device.type if isinstance(device, torch.device) else str(device)
     if kind == "cpu":
         return copy.deepcopy(DEFAULT_COSTS["cpu"])
-    return copy.deepcopy(DEFAULT_COSTS["gpu-bfloat16" if dtype == torch.bfloat16 else "gpu-float32"])
+    return copy.deepcopy(DEFAULT_COSTS["gpu-half" if dtype in HALF_DTYPES else "gpu-float32"])
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float]:
-    """(host->device, device->host) bytes/s of pinned copies on CUDA (reference/swap.md §8.3 warm start)."""
+    """(host->device, device->host) bytes/s of pinned copies on CUDA.
+
+    One unmeasured copy first (it pays for the lazy setup of the pinned path), then `repeats` copies of a
+    256 MiB buffer timed with events on `device`'s stream: large enough to reach the link's sustained rate.
+    """
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     rates = []
@@ -379,26 +508,22 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: in
     return rates[0], rates[1]
 
 
-def profile_device(model: nn.Module, device: torch.device, *, cube: int | None = None, batch: int = 1,
-                   dtype: torch.dtype = torch.float32, loss_fn: Callable | None = None,
-                   steps: int = 3) -> OpCostModel:
+def profile_device(model: nn.Module, device: torch.device, *, loss_fn: Callable, cube: int | None = None,
+                   batch: int = 1, dtype: torch.dtype = torch.float32, steps: int = 3) -> OpCostModel:
     """Time forward and backward of `model` on `device` at a small cube and fit the roofline's per-phase
     scale so the trace of the same cube predicts the measured times (then scaled by FLOPs and bytes)."""
-    from brats_swap.memory.trace import default_loss
-
     device = torch.device(device)
     cost = default_cost_model(device.type, dtype)
     cube = cube or (96 if device.type == "cuda" else 32)
     in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv3d)).in_channels
     shape = (batch, in_channels, cube, cube, cube)
-    loss_fn = loss_fn or default_loss()
     trace = trace_step(model, shape, dtype=dtype, loss_fn=loss_fn)
     raw_fwd, raw_bwd = phase_compute_seconds(trace, cost)
 
     work = copy.deepcopy(model).to(device).train()
     x = torch.randn(shape, device=device)
     fwd_times, bwd_times = [], []
-    autocast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    autocast = device.type == "cuda" and dtype in HALF_DTYPES
     for step in range(steps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -427,26 +552,23 @@ def profile_device(model: nn.Module, device: torch.device, *, cube: int | None =
     return cost
 
 
-def resolve_cost_model(model: nn.Module, memory_cfg: MemoryConfig, device: torch.device | str,
-                       dtype: torch.dtype, *, profile: dict | None = None, measure: bool | None = None,
-                       bandwidth_gbs: float | None = None) -> OpCostModel:
-    """Saved profile > measurement (default on CUDA) > constants. The link rate: the argument, then
-    `memory.bandwidth_gbs`, then the measured or saved rate, then 25 GB/s (PCIe 4) for a GPU."""
-    device = torch.device(device)
-    measure = device.type == "cuda" if measure is None else measure
+def resolve_cost_model(model: nn.Module, device: torch.device | str, dtype: torch.dtype, *, loss_fn: Callable,
+                       profile: dict | None = None, bandwidth_gbs: float | None = None) -> OpCostModel:
+    """The time model for `device`: a saved profile, else a short measurement on a CUDA device, else
+    constants ("cpu"; "gpu" or any other device: an assumed H200-class card on a 50 GB/s PCIe 5 link).
+    `bandwidth_gbs`, when given, replaces the link rate (measured, saved or assumed), and the model's
+    name says so."""
+    kind = str(device)
     if profile is not None:
         cost = OpCostModel.from_dict(profile)
-    elif measure:
-        cost = profile_device(model, device, dtype=dtype)
+    elif kind.startswith("cuda"):
+        cost = profile_device(model, torch.device(kind), loss_fn=loss_fn, dtype=dtype)
     else:
-        cost = default_cost_model(device, dtype)
-    rate = bandwidth_gbs if bandwidth_gbs is not None else memory_cfg.bandwidth_gbs
-    if rate is None and profile is None and not measure and device.type != "cpu":
-        rate = DEFAULT_BANDWIDTH_GBS
-    if rate is not None:
-        if rate <= 0:
-            raise ConfigError(f"memory.bandwidth_gbs: must be positive, got {rate}")
-        cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = float(rate) * 1e9
+        cost = default_cost_model(kind, dtype)
+    if bandwidth_gbs is not None:
+        cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = float(bandwidth_gbs) * 1e9
+        cost.name = cost.name.replace(f", {_GPU_LINK} (assumed)", " (assumed)")
+        cost.name += f"; link {float(bandwidth_gbs):g} GB/s (given)"
     return cost
 
 
@@ -455,14 +577,15 @@ def resolve_cost_model(model: nn.Module, memory_cfg: MemoryConfig, device: torch
 # --------------------------------------------------------------------------------------------------------
 
 
-def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int], *,
+def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int], *, loss_fn: Callable,
                 dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
-                budget_gib: float | None = None, loss_fn: Callable | None = None) -> tuple[PlanReport, Planner]:
-    """Price every named policy and, with a budget, auto-tune; never raises when nothing fits."""
+                ) -> tuple[PlanReport, Planner]:
+    """Price every named policy over `memory_cfg` and, with `memory_cfg.budget_gib`, auto-tune; never
+    raises when nothing fits."""
     started = time.perf_counter()
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     planner = Planner(model, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn)
-    budget_gib = budget_gib if budget_gib is not None else memory_cfg.budget_gib
+    budget_gib = memory_cfg.budget_gib
     planner.budget_gib = budget_gib
     budget_bytes = budget_gib * GIB if budget_gib is not None else None
     report = PlanReport(
@@ -492,72 +615,21 @@ def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequenc
 
 def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int],
                   dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-                  *, loss_fn: Callable | None = None, cost: OpCostModel | None = None,
+                  *, loss_fn: Callable, cost: OpCostModel | None = None,
                   ) -> tuple[MemoryConfig, PlanReport]:
     """`memory.mode: auto`: the fastest concrete policy predicted to fit `memory.budget_gib`.
 
-    Returns the MemoryConfig to hand to the engine (mode none/swap/recompute/hybrid, knobs filled, the
-    budget and bandwidth carried over) and the report to save with the run. Raises ConfigError when no
-    budget is set or nothing fits.
+    `memory_cfg` is a validated memory section with a budget (the config loader requires one for mode
+    auto). Returns the MemoryConfig to hand to the engine (mode none/swap/recompute/hybrid, knobs filled,
+    the budget and bandwidth carried over from `memory_cfg`) and the report to save with the run. Raises
+    ConfigError naming `memory.budget_gib` and the floor when nothing fits.
     """
     if memory_cfg.budget_gib is None:
-        raise ConfigError("memory.budget_gib: memory.mode 'auto' needs a device-memory budget in GiB")
-    if memory_cfg.budget_gib <= 0:
-        raise ConfigError(f"memory.budget_gib: must be positive, got {memory_cfg.budget_gib}")
+        raise ValueError("choose_policy needs memory_cfg.budget_gib (a validated config with mode auto has one)")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if cost is None:
-        cost = resolve_cost_model(model, memory_cfg, device, dtype)
+        cost = resolve_cost_model(model, device, dtype, loss_fn=loss_fn, bandwidth_gbs=memory_cfg.bandwidth_gbs)
     report, _ = plan_report(model, memory_cfg, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn)
     if report.chosen is None:
         raise ConfigError(report.reason)
-    chosen = copy.deepcopy(report.chosen.policy)
-    chosen.budget_gib = memory_cfg.budget_gib
-    chosen.bandwidth_gbs = memory_cfg.bandwidth_gbs
-    return chosen, report
-
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-def plan_for_config(config, *, size: int | None = None, batch: int | None = None,
-                    budget_gib: float | None = None, dtype: str | None = None,
-                    bandwidth_gbs: float | None = None, device: str = "auto",
-                    profile: dict | None = None) -> tuple[PlanReport, Planner]:
-    """`brats-swap plan`: the run's model at its cube (or `size`³) and batch, every policy priced.
-
-    `device` picks the time model: "cuda" measures this machine's GPU (a short profile and a pinned
-    copy loop), "cpu" uses CPU constants, "gpu" uses H200-class constants without measuring, and
-    "auto" measures when CUDA is available and otherwise assumes an H200-class GPU.
-    """
-    from brats_swap.model import build_model
-
-    cube = [size] * 3 if size is not None else list(config.data.cube)
-    batch = batch if batch is not None else config.train.batch_size
-    if batch < 1 or any(v < 1 for v in cube):
-        raise ConfigError(f"plan: batch {batch} and size {cube} must be positive")
-    dtype_name = dtype or ("bf16" if config.train.amp == "bf16" else "fp32")
-    if dtype_name not in DTYPES:
-        raise ConfigError(f"plan --dtype: {dtype_name!r} is not one of fp32, bf16")
-    torch_dtype = DTYPES[dtype_name]
-    model = build_model(config.model)
-    input_shape = (batch, config.model.in_channels, *cube)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "gpu"
-    if device not in ("cpu", "cuda", "gpu") and not device.startswith("cuda:"):
-        raise ConfigError(f"plan --device: {device!r} is not one of auto, cpu, cuda, gpu")
-    if profile is not None:
-        cost = OpCostModel.from_dict(profile)
-    elif device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("plan --device cuda: CUDA is not available on this machine")
-        cost = profile_device(model, torch.device(device), dtype=torch_dtype)
-    else:
-        cost = default_cost_model(device, torch_dtype)
-    rate = bandwidth_gbs if bandwidth_gbs is not None else config.memory.bandwidth_gbs
-    if rate is None and not device.startswith("cuda") and profile is None:
-        rate = DEFAULT_BANDWIDTH_GBS if device == "gpu" else None
-    if rate is not None:
-        if rate <= 0:
-            raise ConfigError(f"plan --bandwidth / memory.bandwidth_gbs: must be positive, got {rate}")
-        cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = float(rate) * 1e9
-    return plan_report(model, config.memory, input_shape, dtype=torch_dtype, cost=cost, budget_gib=budget_gib)
+    return copy.deepcopy(report.chosen.policy), report

@@ -10,36 +10,64 @@ tensor saved inside is recomputed in backward, convolutions included.
 
 `NormActRecipes` (`recompute.norm_act`): SuperNeurons-style cost-aware recomputation that never re-runs a
 convolution. It works inside the engine's saved-tensor hooks instead of restructuring the model: when a
-recognised module produces a tensor, the engine learns a *recipe* for that storage, and a later save of
-it is packed as "recompute from the recipe" instead of being stored. The recipe's only stored input is
+recognised module call produces a tensor, the engine learns a *recipe* for that storage, and a later save
+of it is packed as "recompute from the recipe" instead of being stored. The recipe's only stored input is
 the norm's input (the conv output), which the norm saves for its own backward anyway, so recomputing
-adds no stored tensor. What it recognises, at run time, by data flow:
+adds no stored tensor. So in a Conv -> Norm -> Act (-> Dropout | Upsample) -> Conv chain only the first
+conv's output is stored.
 
-- a *norm* module (torch's `_NormBase` family, `GroupNorm`, `LayerNorm`, or any module whose class name
-  ends in "Norm", e.g. the U-Net's `KerasInstanceNorm`) whose input is a tensor the engine stores;
-  BatchNorm-style modules that update running statistics in training are skipped (re-running them would
-  update the statistics twice);
-- an *activation* module (`LeakyReLU`, `ReLU`, `ReLU6`, `ELU`, `CELU`, `SELU`, `GELU`, `SiLU`, `Mish`,
-  `Hardswish`, `Hardsigmoid`, `Sigmoid`, `Tanh`, `Softplus`; in place or not) whose input is a norm
-  output with a recipe;
-- a *dropout* module (`Dropout`, `Dropout1d/2d/3d`, `AlphaDropout`, `FeatureAlphaDropout`) whose input
-  has a recipe; its RNG state is captured before the forward and replayed, so the mask is identical;
-- an `nn.Upsample` whose input has a recipe (the decoder's resize of the previous level's activation).
+A recipe replays a module's class `forward` on the rebuilt input, under `no_grad` and the forward's
+autocast state, so it is only learned where that replay gives bitwise the tensor the forward produced:
 
-So in a Conv -> Norm -> Act (-> Dropout | Upsample) -> Conv chain only the first conv's output is stored: the
-norm's input save, the activation's input save and the next convolution's input save all share one
-stored storage. Recipes run the modules' own `forward` under `no_grad` (no hooks fire), and the result
-must have the layout the forward produced (checked), so rebuilt views are exact and gradients are
-bitwise equal to plain PyTorch on deterministic kernels.
+- a *norm*: a module whose class `forward` is one registered as replayable. Registered by default:
+  torch's `LayerNorm`, `GroupNorm`, `RMSNorm` and the `BatchNorm*` / `InstanceNorm*` families (not
+  `SyncBatchNorm`, which communicates). A class joins with `register_norm(cls)`, or by declaring
+  `replayable_norm = True` in its body (how `brats_swap.model.KerasInstanceNorm` joins: model/ does not
+  import memory/). Registering promises that `forward(x)` is a pure function of `x`, the parameters and
+  the buffers, using no RNG. A subclass that overrides `forward` is a different function and is not
+  registered by its parent; a class merely named `*Norm` is not a norm. BatchNorm / InstanceNorm in
+  train mode with running statistics are replayed on scratch copies of their buffers: their output
+  uses the batch statistics only, and the running statistics are updated once, by the forward;
+- a *follower* of a recipe: an activation (`LeakyReLU`, `ReLU`, `ReLU6`, `ELU`, `CELU`, `SELU`, `GELU`,
+  `SiLU`, `Mish`, `Hardswish`, `Hardsigmoid`, `Sigmoid`, `Tanh`, `Softplus`; in place or not), a dropout
+  (`Dropout*`, `AlphaDropout`, `FeatureAlphaDropout`; its RNG state at the call is replayed, so the mask
+  is identical) or an `nn.Upsample`, applied to the *whole* output of a norm or follower: same storage,
+  size, strides, offset and version. Functional calls (`F.gelu`) are not modules and are not seen. An
+  activation that saves its own output (`ReLU`, `Sigmoid`, `Tanh`) saves it inside its forward, before
+  its recipe exists, so that output is stored (in place, the save is caught and it is recomputed).
+
+Each call is guarded by four hooks of ours around the module's own: a first pre-hook (the call as the
+caller made it), a last pre-hook (the input `forward` receives), a first forward hook (the output
+`forward` returned) and a last forward hook (the output the caller receives). Everything else is not
+recomputed: its output is kept or swapped like any tensor, and the reason is recorded per module name in
+`NormActRecipes.skipped` (the engine reports it as `StepStats.norm_act_skipped`):
+
+- the call has other than exactly one positional tensor argument, or keyword arguments (a conditional
+  norm `norm(x, gamma)`): replaying `forward(x)` alone would drop them;
+- a pre-hook changed the input, or a forward hook replaced or modified the output: a replay of
+  `forward` does not run hooks;
+- hooks were added to the module after the engine was built (ours are then not first and last, so the
+  effect of the new ones cannot be checked), global module forward hooks are installed (they run before
+  ours), or `forward` is replaced on the instance;
+- a follower's input is a view of a recipe's output (`permute`, `chunk`, slicing), not all of it;
+- a norm's input is not a tensor the engine stores (the recipe would have to keep it alive), or its
+  output is written into its input;
+- a module that looks like a norm (a torch norm class or a class named `*Norm`) is not registered.
+
+A saved view of a recipe's storage is rebuilt on the replayed storage from the view's own size, strides
+and offset (the engine's handles), and the replayed tensor must have the layout the forward produced
+(checked), so gradients are bitwise equal to plain PyTorch on deterministic kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.modules.module as torch_module
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
@@ -54,11 +82,61 @@ DROPOUT_TYPES: tuple[type[nn.Module], ...] = (
     nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
 )
 RESIZE_TYPES: tuple[type[nn.Module], ...] = (nn.Upsample,)
+# What looks like a norm; one that is not registered is reported, never replayed.
+NORM_LOOKALIKE_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+REPLAYABLE_NORM_FLAG = "replayable_norm"  # `replayable_norm = True` in a class body registers that class
+
+# The registry holds `forward` functions, not classes: a module is a norm when the forward it runs is one
+# known to be replayable, so a subclass that overrides `forward` is never registered by its parent.
+_REPLAYABLE_NORM_FORWARDS: set[Callable] = {
+    nn.modules.batchnorm._BatchNorm.forward, nn.modules.instancenorm._InstanceNorm.forward,
+    nn.LayerNorm.forward, nn.GroupNorm.forward,
+    *((nn.RMSNorm.forward,) if hasattr(nn, "RMSNorm") else ()),
+}
+_FOLLOWER_FORWARDS: dict[Callable, str] = {
+    **{cls.forward: "act" for cls in ACTIVATION_TYPES},
+    **{cls.forward: "dropout" for cls in DROPOUT_TYPES},
+    **{cls.forward: "resize" for cls in RESIZE_TYPES},
+}
 
 
-def is_norm_module(module: nn.Module) -> bool:
-    return isinstance(module, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)) or \
-        type(module).__name__.endswith("Norm")
+def register_norm(cls: type[nn.Module]) -> type[nn.Module]:
+    """Declare `cls.forward(x)` a pure function of `x`, parameters and buffers, so norm_act may replay it.
+
+    Usable as a class decorator. What is registered is the forward function `cls` runs, so every class
+    running that same function (subclasses that do not override it) is registered with it. In train mode
+    with running statistics (`track_running_stats` and a `running_mean` buffer) the replay runs on
+    scratch copies of the buffers, as for torch's norms.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)) or cls.forward is nn.Module.forward:
+        raise TypeError(f"memory.recompute.register_norm: {cls!r} is not an nn.Module class with a forward")
+    _REPLAYABLE_NORM_FORWARDS.add(cls.forward)
+    return cls
+
+
+def _forward_owner(cls: type) -> type:
+    """The class in `cls`'s MRO that defines the `forward` its instances run."""
+    return next(klass for klass in cls.__mro__ if "forward" in vars(klass))
+
+
+def is_replayable_norm(module: nn.Module) -> bool:
+    """The module's class forward is a registered norm (by `register_norm` or `replayable_norm = True`)."""
+    cls = type(module)
+    return cls.forward in _REPLAYABLE_NORM_FORWARDS or vars(_forward_owner(cls)).get(REPLAYABLE_NORM_FLAG) is True
+
+
+def _kind_of(module: nn.Module) -> str | None:
+    """The kind of module a recipe may replay ("norm", "act", "dropout", "resize"), else None."""
+    if is_replayable_norm(module):
+        return "norm"
+    return _FOLLOWER_FORWARDS.get(type(module).forward)
+
+
+def _looks_like_norm(module: nn.Module) -> bool:
+    return isinstance(module, NORM_LOOKALIKE_TYPES) or type(module).__name__.endswith("Norm")
 
 
 def _updates_running_stats(module: nn.Module) -> bool:
@@ -127,7 +205,8 @@ class Recipe:
         self.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
 
     def materialize(self, engine) -> torch.Tensor:
-        args = [item.materialize(engine) if isinstance(item, Recipe) else engine.unpack(item)
+        # A nested recipe goes through the engine, which may hand back the result of a recent rebuild.
+        args = [engine.rebuild(item) if isinstance(item, Recipe) else engine.unpack(item)
                 for item in self.inputs]
         device_type, enabled, dtype = self.autocast
         with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
@@ -142,16 +221,66 @@ def _layout(t: torch.Tensor) -> tuple:
     return tuple(t.size()), t.stride(), t.storage_offset(), t.untyped_storage().nbytes(), t.dtype
 
 
-def _replay_rng(forward: Callable, cpu_state: torch.Tensor, device: torch.device, device_state):
-    """Run `forward` with the RNG state it saw in the forward pass, leaving the global RNG untouched."""
+def _data_signature(t: torch.Tensor) -> tuple:
+    """Equal for two tensor objects that show the same data: storage, layout and version."""
+    return t.untyped_storage()._cdata, _layout(t), t._version
 
-    def replay(x: torch.Tensor) -> torch.Tensor:
-        devices = [device] if device_state is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            torch.set_rng_state(cpu_state)
-            if device_state is not None:
-                torch.cuda.set_rng_state(device_state, device)
-            return forward(x)
+
+@contextlib.contextmanager
+def _training_as(module: nn.Module, training: bool) -> Iterator[None]:
+    previous = module.training
+    module.training = training
+    try:
+        yield
+    finally:
+        module.training = previous
+
+
+@contextlib.contextmanager
+def _scratch_buffers(module: nn.Module) -> Iterator[None]:
+    """Run on copies of the module's buffers: a train-mode BatchNorm must not update its running
+    statistics a second time (its train-mode output depends on the batch statistics only)."""
+    originals = dict(module._buffers)
+    for key, buffer in originals.items():
+        if buffer is not None:
+            module._buffers[key] = buffer.clone()
+    try:
+        yield
+    finally:
+        module._buffers.update(originals)
+
+
+@contextlib.contextmanager
+def _rng_as(state: tuple, device: torch.device) -> Iterator[None]:
+    """The RNG state a call saw in the forward pass, leaving the global RNG untouched."""
+    cpu_state, device_state = state
+    devices = [device] if device_state is not None else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            torch.cuda.set_rng_state(device_state, device)
+        yield
+
+
+def _replay_as_in_forward(module: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's class `forward` as it is about to run on `x`: same training flag, same RNG state
+    (dropout), running statistics untouched."""
+    forward = type(module).forward
+    training = module.training
+    scratch = _updates_running_stats(module)
+    rng = None
+    if training and isinstance(module, DROPOUT_TYPES):
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None)
+    device = x.device
+
+    def replay(inp: torch.Tensor) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_training_as(module, training))
+            if scratch:
+                stack.enter_context(_scratch_buffers(module))
+            if rng is not None:
+                stack.enter_context(_rng_as(rng, device))
+            return forward(module, inp)
 
     return replay
 
@@ -172,44 +301,67 @@ class _InplacePending:
     make: Callable[[torch.Tensor], Recipe]
 
 
+@dataclass
+class _Call:
+    """One guarded call in flight, between its first pre-hook and its last forward hook."""
+
+    signature: tuple  # `_data_signature` of the input as the caller passed it
+    source: Recipe | None  # followers: the recipe of that input
+    replay: Callable | None = None  # set by the last pre-hook
+    raw: tuple | None = None  # `_data_signature` of what `forward` returned
+
+
 class NormActRecipes:
-    """Forward hooks that teach the engine recipes for norm / activation / dropout outputs."""
+    """Module hooks that teach the engine recipes for norm / activation / dropout / resize outputs.
+
+    `engine` answers `lookup(t)` (its record of `t`'s storage, with a `decision`), `pack(t)` (a handle)
+    and, for `Recipe.materialize`, `unpack(handle)` and `rebuild(recipe)`: `swap.SavedTensorEngine`, or the
+    tracer on `meta`.
+    `recognised` maps module names to their kind; `skipped` maps the module names whose output was not
+    made recomputable in the current forward to the reason (module docstring), until `reset()`.
+    """
 
     def __init__(self, model: nn.Module, engine):
-        self.engine = engine  # swap.SavedTensorEngine
+        self.engine = engine
         self.active = False  # only during the engine's forward
         self.registry: dict[int, _Entry] = {}
         self.pending: _InplacePending | None = None
         self.recognised: dict[str, str] = {}  # module name -> "norm" | "act" | "dropout" | "resize"
+        self.skipped: dict[str, str] = {}
+        self._calls: dict[int, _Call] = {}
+        self._guard_ids: dict[int, tuple[int, int, int, int]] = {}
         self._hooks = []
         for name, module in model.named_modules():
-            if is_norm_module(module):
-                kind = "norm"
-                self._hooks.append(module.register_forward_hook(functools.partial(self._norm_done, name)))
-            elif isinstance(module, ACTIVATION_TYPES):
-                kind = "act"
-                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._follower_start, name)))
-                self._hooks.append(module.register_forward_hook(functools.partial(self._follower_done, name)))
-            elif isinstance(module, DROPOUT_TYPES + RESIZE_TYPES):
-                kind = "dropout" if isinstance(module, DROPOUT_TYPES) else "resize"
-                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._follower_start, name)))
-                self._hooks.append(module.register_forward_hook(functools.partial(self._follower_done, name)))
-            else:
-                continue
-            self.recognised[name] = kind
-        self._starts: dict[int, tuple] = {}
+            kind = _kind_of(module)
+            if kind is not None:
+                self._guard(name, module, kind)
+                self.recognised[name] = kind
+            elif _looks_like_norm(module):
+                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._lookalike_call, name)))
+
+    def _guard(self, name: str, module: nn.Module, kind: str) -> None:
+        first_pre = module.register_forward_pre_hook(
+            functools.partial(self._call_start, name, kind), prepend=True, with_kwargs=True)
+        last_pre = module.register_forward_pre_hook(
+            functools.partial(self._call_ready, name, kind), with_kwargs=True)
+        first_post = module.register_forward_hook(self._call_output, prepend=True)
+        last_post = module.register_forward_hook(functools.partial(self._call_done, name, kind))
+        self._hooks += [first_pre, last_pre, first_post, last_post]
+        self._guard_ids[id(module)] = (first_pre.id, last_pre.id, first_post.id, last_post.id)
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._guard_ids = {}
         self.reset()
 
     def reset(self) -> None:
-        """Forget every recipe not referenced by a saved tensor (called at the end of each forward)."""
+        """Forget every recipe not referenced by a saved tensor and the reasons (at the end of each forward)."""
         self.registry = {}
         self.pending = None
-        self._starts = {}
+        self.skipped = {}
+        self._calls = {}
 
     # The engine asks this for every new storage it is about to save.
     def recipe_for(self, t: torch.Tensor) -> Recipe | None:
@@ -234,44 +386,95 @@ class NormActRecipes:
             return None
         return entry.recipe
 
+    def _skip(self, name: str, reason: str) -> None:
+        self.skipped.setdefault(name, reason)
+
+    # ---------------------------------------------------------------------------- checks
+    def _call_problem(self, module: nn.Module, args: tuple, kwargs: dict) -> str | None:
+        """Why a call of a recognised module cannot be replayed as `forward(x)`, from its first pre-hook."""
+        if "forward" in vars(module):
+            return "its forward is replaced on the instance"
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            return (f"called with {len(args)} positional and {len(kwargs)} keyword argument(s); "
+                    "only a call with one tensor is replayed")
+        first_pre, last_pre, first_post, last_post = self._guard_ids[id(module)]
+        pre, post = module._forward_pre_hooks, module._forward_hooks
+        if (next(iter(pre)), next(reversed(pre)), next(iter(post)), next(reversed(post))) != \
+                (first_pre, last_pre, first_post, last_post):
+            return "hooks were added to it after the memory engine was built; their effect cannot be checked"
+        if torch_module._global_forward_hooks:
+            return "global module forward hooks are installed; they run first and may replace its output"
+        return None
+
     # ---------------------------------------------------------------------------- hooks
-    def _norm_done(self, name: str, module: nn.Module, args, out) -> None:
-        if not self.active or not args or not isinstance(args[0], torch.Tensor) or not isinstance(out, torch.Tensor):
+    def _lookalike_call(self, name: str, module: nn.Module, args) -> None:
+        if self.active:
+            self._skip(name, f"{type(module).__name__} is not a registered norm (brats_swap.memory.register_norm)")
+
+    def _call_start(self, name: str, kind: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """First pre-hook: the call as the caller made it."""
+        self._calls.pop(id(module), None)
+        if not self.active:
             return
-        x = args[0]
-        if _updates_running_stats(module) or out.untyped_storage()._cdata == x.untyped_storage()._cdata:
+        x = args[0] if args else None
+        source = None
+        if kind != "norm":
+            source = self._lookup(x) if isinstance(x, torch.Tensor) else None
+            if source is None:
+                return  # not applied to a recipe's output: nothing to recompute, nothing to report
+        problem = self._call_problem(module, args, kwargs)
+        if problem is None and source is not None and _layout(x) != source.layout:
+            problem = f"its input is a view of the output of {source.name!r}, not that whole tensor"
+        if problem is not None:
+            self._skip(name, problem)
+            return
+        self._calls[id(module)] = _Call(_data_signature(x), source)
+
+    def _call_ready(self, name: str, kind: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Last pre-hook: the input `forward` receives must be the caller's."""
+        call = self._calls.get(id(module))
+        if call is None:
+            return
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if not isinstance(x, torch.Tensor) or _data_signature(x) != call.signature:
+            del self._calls[id(module)]
+            self._skip(name, "a forward pre-hook changed its input")
+            return
+        call.replay = _replay_as_in_forward(module, x)
+        if kind != "norm" and getattr(module, "inplace", False):
+            source, replay = call.source, call.replay
+            self.pending = _InplacePending(x.untyped_storage()._cdata, x._version,
+                                           lambda _saved: Recipe(replay, [source], x, name))
+
+    def _call_output(self, module: nn.Module, args: tuple, output) -> None:
+        """First forward hook: what `forward` itself returned."""
+        call = self._calls.get(id(module))
+        if call is not None:
+            call.raw = _data_signature(output) if isinstance(output, torch.Tensor) else None
+
+    def _call_done(self, name: str, kind: str, module: nn.Module, args: tuple, output) -> None:
+        """Last forward hook: the caller receives what `forward` returned, unchanged; learn the recipe."""
+        if kind != "norm":
+            self.pending = None
+        call = self._calls.pop(id(module), None)
+        if call is None:
+            return
+        if not isinstance(output, torch.Tensor) or call.raw is None or _data_signature(output) != call.raw:
+            self._skip(name, "a forward hook replaced or modified its output")
+            return
+        if kind == "norm":
+            self._learn_norm(name, args[0], output, call)
+        elif _data_signature(output) != call.signature and self._lookup(output) is None:
+            # (The same data is an identity, e.g. eval-mode dropout: the input's recipe covers it. An
+            # in-place follower whose save arrived already has its recipe.)
+            self._register(output, Recipe(call.replay, [call.source], output, name))
+
+    def _learn_norm(self, name: str, x: torch.Tensor, out: torch.Tensor, call: _Call) -> None:
+        if out.untyped_storage()._cdata == x.untyped_storage()._cdata:
+            self._skip(name, "it writes its output into its input's storage")
             return
         record = self.engine.lookup(x)
         if record is None or record.decision not in ("keep", "swap"):
-            return  # the input is not stored by the engine: a recipe would have to keep it alive
-        self._register(out, Recipe(module.forward, [self.engine.pack(x)], out, name))
-
-    def _follower_start(self, name: str, module: nn.Module, args) -> None:
-        if not self.active or not args or not isinstance(args[0], torch.Tensor):
+            self._skip(name, "its input is not a tensor the engine stores; a recipe would have to keep it alive")
             return
-        x = args[0]
-        source = self._lookup(x)
-        if source is None:
-            self._starts.pop(id(module), None)
-            return
-        forward = module.forward
-        if isinstance(module, DROPOUT_TYPES) and module.training:
-            device_state = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
-            forward = _replay_rng(module.forward, torch.get_rng_state(), x.device, device_state)
-        self._starts[id(module)] = (source, forward, x._version)
-        if getattr(module, "inplace", False):
-            layout_source = x
-            self.pending = _InplacePending(
-                x.untyped_storage()._cdata, x._version,
-                lambda _saved: Recipe(forward, [source], layout_source, name))
-
-    def _follower_done(self, name: str, module: nn.Module, args, out) -> None:
-        started = self._starts.pop(id(module), None)
-        self.pending = None
-        if not self.active or started is None or not isinstance(out, torch.Tensor):
-            return
-        source, forward, version_before = started
-        if args and out is args[0] and out._version == version_before:
-            return  # identity (eval-mode dropout): the input's recipe already covers it
-        if self._lookup(out) is None:
-            self._register(out, Recipe(forward, [source], out, name))
+        self._register(out, Recipe(call.replay, [self.engine.pack(x)], out, name))

@@ -1,69 +1,70 @@
-"""Replay a traced step under a memory policy: device-memory liveness and a copy-engine timeline.
+"""Replay a traced step under a memory policy: the rulebook's schedule, device memory and step time.
 
-Input: a `Trace` (brats_swap.memory.trace) and a `Placement` saying, for each saved record, whether it
-stays on the device, is swapped to host memory (released in forward, reloaded in backward), or is
-recomputed in backward. Output: the predicted peak device memory and step time of that policy.
+Input: a `Trace` (brats_swap.memory.trace), which recorded every event the engine reacts to, and a
+`MemoryConfig`. `replay` feeds the trace's events to a `rulebook.Rulebook` of that policy, exactly as the
+engine does at run time, with a clock as the rulebook's executor instead of real copies. The rulebook
+decides every save, release and reload, so the per-tensor event sequence, the swapped bytes and the
+engine's resident-bytes counter are the engine's own; the clock adds when each thing happens.
+
+Time (TFLMS-style): op durations come from a roofline model (`OpCostModel`: FLOPs / rate +
+bytes / bandwidth + launch), calibrated by a short profile; the host<->device link is two FIFO queues
+(device-to-host and host-to-device), as two copy engines are. A copy out starts when its storage is
+saved and the link is free; a reload starts when it is issued, the link is free and the copy out has
+landed. The compute stream waits (a stall) where the engine waits: a release forced by
+`swap.max_inflight_bytes` waits for that copy, every use waits for its reload.
+
+The host runs ahead of the device on a GPU: kernels are queued, not finished, when the host reaches a
+module start, so the engine finds a copy finished later than the device finished it. `host_lead_kernels`
+models that: when the host is at an op, the device may still be that many kernels behind (CUDA queues
+about a thousand launches before the host blocks), and a copy counts as found finished only when it
+finished before the device started that earlier kernel. With the queue's depth the prediction assumes
+the worst the queue allows, so the predicted peak is not lower than the real one; `None` means no bound
+(only the in-flight budget releases storages). The CPU engine (`sync_copies`) copies at once; on the
+emulated CPU link the host is the compute, so the lead is 0.
 
 Memory (a liveness walk, SuperNeurons-style): every storage of the step occupies the device from the op
-that allocates it to the op at which it dies. For a saved storage the death depends on the policy:
-kept, it dies when both the program and the last backward node that reads it are done with it; swapped,
-it dies when the program is done with it and the engine has released its reference (the block after the
-save), and a reload of the same size lives from its prefetch point to the end of its last use;
-recomputed, it is rebuilt at its first use in backward. Parameters, gradients (in the trace), Adam state
-(2 x parameters) and the batch persist. The peak is the maximum over ops of the running sum.
-
-Time (TFLMS-style simulation): op durations come from a roofline model (`OpCostModel`: FLOPs / rate +
-bytes / bandwidth + launch), calibrated by a short profile; the host<->device link is two FIFO queues
-(device-to-host and host-to-device), as two copy engines are. A swapped tensor's copy starts when it is
-saved; the compute stream waits for the copy where the engine releases the tensor (a stall if the
-copy is late); a reload is issued `lookahead` blocks ahead in backward and the compute stream waits for
-it at its first use (a miss when it was never issued, a stall when it is late).
+that allocates it to the op at which the program drops it, or later while the engine holds it (kept:
+until its record dies; swapped: until its release) or autograd uses a view of it; a reload occupies its
+size from its issue to its drop or the end of its last use; recomputed storages are real operators of
+the trace. Parameters, gradients (in the trace), Adam state (2 x parameters) and the batch persist. The
+peak is the maximum over ops of the running sum.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
-from brats_swap.memory.trace import BACKWARD, FORWARD, Trace
+from brats_swap.config.schema import MemoryConfig
+from brats_swap.memory.rulebook import RECOMPUTE, SWAP, Entry, Rulebook
+from brats_swap.memory.stats import StepStats
+from brats_swap.memory.trace import (
+    BACKWARD_END,
+    FORWARD,
+    FORWARD_END,
+    HANDLE_DIED,
+    MARKER,
+    MODULE_END,
+    MODULE_START,
+    REGION_DONE,
+    SAVE,
+    SAVE_AGAIN,
+    UNPACK_BEGIN,
+    UNPACK_END,
+    Trace,
+)
 
 GIB = float(1 << 30)
 ADAM_STATE_FACTOR = 2  # exp_avg and exp_avg_sq: two extra copies of the parameters
 
 
 @dataclass
-class Placement:
-    """Where each saved record lives under a policy (record indices from the trace)."""
-
-    swapped: set[int] = field(default_factory=set)
-    recomputed: set[int] = field(default_factory=set)
-    lookahead: int = 1
-    compress_bf16: bool = False  # swapped fp32 storages travel and wait on the host as bf16
-
-
-@dataclass
-class MemoryResult:
-    peak_bytes: int
-    peak_op: int
-    persistent_bytes: int
-    saved_bytes: int  # distinct non-parameter storages saved for backward
-    swapped_bytes: int  # device-to-host bytes of the swapped storages (halved by bf16 compression)
-    recomputed_bytes: int
-    peak_resident_saved_bytes: int
-    swapped_in_bytes: int = 0  # host-to-device bytes of the reloads (the engine's `swapped_in_bytes`)
-    prefetch_misses: int = 0  # reloads with no prefetch issued before the first use
-    timeline: np.ndarray | None = None  # bytes in use after each op (without the persistent part)
-
-    @property
-    def peak_gib(self) -> float:
-        return self.peak_bytes / GIB
-
-
-@dataclass
 class OpCostModel:
     """Roofline-ish op duration: flops / flops_per_s + bytes / bytes_per_s + launch_s, times a per-phase
-    scale fitted to a measured profile (see `brats_swap.memory.planner.profile_device`)."""
+    scale fitted to a measured profile (see `brats_swap.memory.planner.profile_device`), and the link."""
 
     name: str = "default"
     flops_per_s: float = 50e12
@@ -71,20 +72,32 @@ class OpCostModel:
     launch_s: float = 5e-6
     fwd_scale: float = 1.0
     bwd_scale: float = 1.0
-    h2d_bytes_per_s: float = 25e9
-    d2h_bytes_per_s: float = 25e9
-    # The engine's CPU path copies synchronously (a swapped storage can go at the next module start);
-    # on CUDA the copy streams run concurrently and release points depend on copy progress.
+    h2d_bytes_per_s: float = 50e9
+    d2h_bytes_per_s: float = 50e9
+    # The engine's synchronous CPU link copies at once (the compute waits for the whole copy); CUDA
+    # streams and the emulated link copy while the compute runs.
     sync_copies: bool = False
+    # How many kernels the device may lag behind the host when the host asks whether a copy finished
+    # (module docstring): CUDA's launch queue on a GPU; 0 on the CPU, whose host is the compute.
+    host_lead_kernels: int | None = 1024
 
-    def durations(self, trace: Trace) -> np.ndarray:
-        out = np.zeros(trace.n_ops)
+    def durations(self, trace: Trace) -> list[float]:
+        """Seconds of each op of `trace` (0 for ops that launch no kernel)."""
+        out = [0.0] * trace.n_ops
         for i, op in enumerate(trace.ops):
             if not op.kernel:
                 continue
             raw = op.flops / self.flops_per_s + op.bytes_accessed / self.bytes_per_s + self.launch_s
             out[i] = raw * (self.fwd_scale if op.phase == FORWARD else self.bwd_scale)
         return out
+
+    def copy_seconds(self, entry: Entry, rate: float) -> float:
+        """A copy of `entry` one way: its bytes on the link, plus the fp32<->bf16 conversion on the copy
+        stream (reads one, writes the other) when it travels compressed."""
+        seconds = entry.transfer_bytes / rate
+        if entry.transfer_bytes != entry.record.nbytes:
+            seconds += (entry.record.nbytes + entry.transfer_bytes) / self.bytes_per_s
+        return seconds
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -95,333 +108,27 @@ class OpCostModel:
         return cls(**known)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Shared geometry: the engine's release and reload points for each record
-# --------------------------------------------------------------------------------------------------------
+# The engine's synchronous CPU path with free copies: what the byte-exact tests replay.
+INSTANT = OpCostModel(name="instant synchronous copies", h2d_bytes_per_s=float("inf"),
+                      d2h_bytes_per_s=float("inf"), sync_copies=True, host_lead_kernels=0)
 
 
 @dataclass
-class RecordPlan:
-    """One non-parameter record under a placement, on the trace's op clock."""
+class MemoryResult:
+    peak_bytes: int
+    peak_op: int
+    persistent_bytes: int
+    saved_bytes: int  # distinct non-parameter storages saved for backward
+    swapped_bytes: int  # device bytes of the swapped storages (the engine's `swapped_out_bytes`)
+    recomputed_bytes: int
+    peak_resident_saved_bytes: int
+    swapped_in_bytes: int = 0  # bytes reloaded (the engine's `swapped_in_bytes`)
+    prefetch_misses: int = 0  # uses with no reload issued before them
+    timeline: list[int] | None = None  # bytes in use after each op (without the persistent part)
 
-    index: int
-    sid: int
-    nbytes: int
-    decision: str  # "keep", "swap" or "recompute"
-    pack_op: int
-    death_op: int  # all handles dead (autograd released the record)
-    first_use: int  # first unpack (n_ops when never unpacked)
-    pending_zero_op: int  # every handle unpacked once or dead: the engine drops its reload here
-    last_use_end: int  # the last unpacked view died
-    release_op: int | None = None  # swap: where the device reference is dropped (None: never, the tail)
-    fetch_op: int | None = None  # swap: where the reload is issued (None: never needed)
-    miss: bool = False  # swap: reloaded synchronously at first use
-    transfer_bytes: int = 0  # bytes on the link each way (halved by bf16 compression)
-    # The same points on the trace's event clock (saves, module starts, markers, unpacks, deaths), which
-    # orders events between the same two ops: the engine's resident-bytes counter is exact on it.
-    pack_seq: float = 0.0
-    death_seq: float = float(1 << 62)
-    pending_zero_seq: float = float(1 << 62)
-    release_seq: float | None = None
-    fetch_seq: float | None = None
-
-
-_INSTANT = float("inf")
-
-
-def schedule(trace: Trace, placement: Placement, *, durations: np.ndarray | None = None,
-             d2h_bytes_per_s: float = _INSTANT, h2d_bytes_per_s: float = _INSTANT,
-             max_inflight_bytes: int | None = None, keep_lanes: bool = False, sync_copies: bool = False,
-             ) -> tuple[list[RecordPlan], TimeResult]:
-    """Replay the engine (`swap.SavedTensorEngine` + `engine.MemoryEngine`) on one compute stream and two
-    FIFO copy queues, event by event in the trace's order:
-
-    - a swapped storage's device-to-host copy starts at its save (after the ops before it);
-    - at each module start in forward, swapped storages whose copy has finished are released (FIFO);
-      at each block start all are released, the compute stream waiting for unfinished copies; past
-      `swap.max_inflight_bytes` of unreleased storages the oldest is released at once (waiting too);
-      a storage saved after the last module start is never released (read from the device);
-    - at each backward block marker `m`, released storages still pending with `use_marker + lookahead
-      >= m` are reloaded (host-to-device queue); a first use with no reload issued reloads at once (a
-      miss); the compute stream waits for the reload at the first use.
-
-    With the default (instant) copies and no durations this is the engine's CPU path, whose copies are
-    synchronous; with a cost model it is the CUDA path and also returns the step time (`sync_copies`:
-    the CPU path's copies stall the compute stream for their whole duration).
-    """
-    n = trace.n_ops
-    durations = np.zeros(n) if durations is None else durations
-    plans: list[RecordPlan] = []
-    by_index: dict[int, RecordPlan] = {}
-    events: list[tuple[int, int, int, object]] = []  # (op, seq, kind, payload); kinds sorted by seq
-    PACK, MODULE, MARKER, USE = 0, 1, 2, 3
-    uses: dict[int, int] = {}
-    pending_seq: dict[int, int] = {}
-    death_seq: dict[int, int] = {}
-    for traced in trace.records:
-        record = traced.record
-        if record.is_param:
-            continue
-        ends = [trace.storages[s].free_op if trace.storages[s].free_op >= 0 else n for s in traced.artifact_sids]
-        decision = "swap" if record.index in placement.swapped else "recompute" if record.recompute else "keep"
-        death = traced.death_op if traced.death_op >= 0 else n
-        plan = RecordPlan(
-            index=record.index, sid=traced.sid, nbytes=record.nbytes, decision=decision, pack_op=traced.pack_op,
-            death_op=death, first_use=min(traced.unpack_ops) if traced.unpack_ops else n,
-            pending_zero_op=traced.pending_zero_op if traced.pending_zero_op >= 0 else n,
-            last_use_end=max(ends) if ends else death,
-            pack_seq=traced.pack_seq, death_seq=traced.death_seq, pending_zero_seq=traced.pending_zero_seq,
-        )
-        plans.append(plan)
-        by_index[plan.index] = plan
-        if decision != "swap":
-            continue
-        compressed = placement.compress_bf16 and record.dtype == "float32"
-        plan.transfer_bytes = record.nbytes // 2 if compressed else record.nbytes
-        uses[plan.index] = traced.use_marker
-        pending_seq[plan.index] = traced.pending_zero_seq
-        death_seq[plan.index] = traced.death_seq
-        events.append((traced.pack_op, traced.pack_seq, PACK, plan))
-        if traced.unpack_ops:
-            events.append((plan.first_use, traced.first_use_seq, USE, plan))
-    if any(p.decision == "swap" for p in plans):
-        events += [(op, seq, MODULE, is_block) for seq, op, is_block in trace.module_starts]
-        events += [(op, seq, MARKER, ordinal) for seq, op, ordinal in trace.markers]
-    events.sort(key=lambda e: (e[0], e[1]))
-
-    now = d2h_free = h2d_free = 0.0
-    exposed = d2h_busy = h2d_busy = forward_s = 0.0
-    misses = 0
-    d2h_done: dict[int, float] = {}
-    h2d_done: dict[int, float] = {}
-    unreleased: list[RecordPlan] = []
-    released: list[RecordPlan] = []
-    lanes = {"compute": [], "d2h": [], "h2d": [], "stall": []} if keep_lanes else None
-    op_start = np.zeros(n + 1) if keep_lanes else None
-
-    def wait_until(t: float) -> None:
-        nonlocal now, exposed
-        if t > now:
-            if lanes is not None:
-                lanes["stall"].append((now, t, "stall"))
-            exposed += t - now
-            now = t
-
-    def release(plan: RecordPlan, op: int, seq: float, wait: bool) -> None:
-        if plan.death_seq < seq:
-            return  # died meanwhile: nothing to release
-        if wait:
-            wait_until(d2h_done[plan.index])
-        plan.release_op, plan.release_seq = op, seq
-        released.append(plan)
-
-    def reload(plan: RecordPlan, op: int, seq: float) -> None:
-        nonlocal h2d_free, h2d_busy
-        start = max(h2d_free, now, d2h_done.get(plan.index, 0.0))
-        took = plan.transfer_bytes / h2d_bytes_per_s
-        h2d_free = start + took
-        h2d_busy += took
-        h2d_done[plan.index] = h2d_free
-        plan.fetch_op, plan.fetch_seq = op, seq
-        if sync_copies:
-            wait_until(h2d_free)
-        if lanes is not None and took > 0:
-            lanes["h2d"].append((start, h2d_free, f"r{plan.index}"))
-
-    cursor = 0
-    for i in range(n + 1):
-        if i == trace.fwd_end:
-            forward_s = now
-        while cursor < len(events) and events[cursor][0] == i:
-            _, seq, kind, payload = events[cursor]
-            cursor += 1
-            if kind == PACK:
-                plan = payload
-                start = max(d2h_free, now)
-                took = plan.transfer_bytes / d2h_bytes_per_s
-                d2h_free = start + took
-                d2h_busy += took
-                d2h_done[plan.index] = d2h_free
-                if lanes is not None and took > 0:
-                    lanes["d2h"].append((start, d2h_free, f"s{plan.index}"))
-                if sync_copies:
-                    wait_until(d2h_free)
-                unreleased.append(plan)
-                if max_inflight_bytes is not None:
-                    while sum(p.nbytes for p in unreleased) > max_inflight_bytes and unreleased:
-                        release(unreleased.pop(0), i, seq + 0.5, wait=True)
-            elif kind == MODULE:
-                if payload:  # a block: everything goes, waiting for unfinished copies
-                    while unreleased:
-                        release(unreleased.pop(0), i, seq, wait=True)
-                else:  # any module: what has finished goes (FIFO)
-                    while unreleased and d2h_done[unreleased[0].index] <= now:
-                        release(unreleased.pop(0), i, seq, wait=False)
-            elif kind == MARKER:
-                keep = []
-                for plan in released:
-                    alive = death_seq[plan.index] > seq and plan.death_op >= i
-                    pending = pending_seq[plan.index] > seq
-                    if plan.fetch_op is not None or not alive:
-                        continue
-                    if uses[plan.index] + placement.lookahead >= payload and pending:
-                        reload(plan, i, seq)
-                    else:
-                        keep.append(plan)
-                released = keep
-            else:  # USE
-                plan = payload
-                if plan.release_op is None:
-                    continue  # never released: read from the device
-                if plan.fetch_op is None:
-                    plan.miss = True
-                    misses += 1
-                    reload(plan, i, seq)
-                wait_until(h2d_done[plan.index])
-        if op_start is not None:
-            op_start[i] = now
-        if i == n:
-            break
-        if durations[i] > 0:
-            if lanes is not None:
-                kind = "recompute" if trace.ops[i].recompute else "fwd" if trace.ops[i].phase == FORWARD else "bwd"
-                lanes["compute"].append((now, now + durations[i], kind))
-            now += durations[i]
-
-    recompute_s = float(sum(d for d, op in zip(durations, trace.ops, strict=True) if op.recompute))
-    timing = TimeResult(
-        step_s=now, compute_s=float(durations.sum()), forward_s=forward_s, backward_s=now - forward_s,
-        exposed_transfer_s=exposed, recompute_s=recompute_s, d2h_s=d2h_busy, h2d_s=h2d_busy,
-        prefetch_misses=misses, lanes=lanes, op_start=op_start,
-    )
-    return plans, timing
-
-
-def plan_records(trace: Trace, placement: Placement, max_inflight_bytes: int | None = None) -> list[RecordPlan]:
-    """The engine's per-record schedule with synchronous copies (its CPU path)."""
-    return schedule(trace, placement, max_inflight_bytes=max_inflight_bytes)[0]
-
-
-# --------------------------------------------------------------------------------------------------------
-# Memory
-# --------------------------------------------------------------------------------------------------------
-
-
-def simulate_memory(trace: Trace, placement: Placement, *, optimizer_state_factor: int = ADAM_STATE_FACTOR,
-                    max_inflight_bytes: int | None = None, plans: list[RecordPlan] | None = None,
-                    keep_timeline: bool = False) -> MemoryResult:
-    """Peak device memory of `placement`; `plans` from `schedule` with a cost model give the CUDA
-    release points, the default is the engine's synchronous (CPU) schedule."""
-    n = trace.n_ops
-    delta = np.zeros(n + 2, dtype=np.int64)
-
-    def add(arr, start, end, nbytes):
-        start, end = max(start, 0), min(end, n + 1)
-        if end > start:
-            arr[start] += nbytes
-            arr[end] -= nbytes
-
-    if plans is None:
-        plans = plan_records(trace, placement, max_inflight_bytes)
-    by_sid: dict[int, list[RecordPlan]] = {}
-    for plan in plans:
-        if plan.sid >= 0:
-            by_sid.setdefault(plan.sid, []).append(plan)
-
-    swapped_bytes = recomputed_bytes = swapped_in = misses = 0
-    for storage in trace.storages:
-        if storage.artifact_of >= 0:
-            continue  # the trace's stand-ins for unpacked tensors; modelled per record below
-        free = storage.free_op if storage.free_op >= 0 else n
-        end = free
-        for plan in by_sid.get(storage.sid, ()):
-            if plan.decision == "keep":
-                end = max(end, plan.death_op, plan.last_use_end)
-            elif plan.decision == "swap":
-                end = max(end, plan.release_op if plan.release_op is not None else plan.death_op)
-        add(delta, storage.alloc_op, end, storage.nbytes)
-
-    resident: list[tuple[float, int]] = []  # (event seq, +/- bytes): the engine's resident counter
-    for plan in plans:
-        if plan.decision == "keep":
-            resident += [(plan.pack_seq, plan.nbytes), (plan.death_seq, -plan.nbytes)]
-        elif plan.decision == "recompute":
-            recomputed_bytes += plan.nbytes
-        else:
-            swapped_bytes += plan.nbytes
-            if plan.release_op is None:  # the tail: read from the device, resident until it dies
-                resident += [(plan.pack_seq, plan.nbytes), (plan.death_seq, -plan.nbytes)]
-                continue
-            resident += [(plan.pack_seq, plan.nbytes), (plan.release_seq, -plan.nbytes)]
-            if plan.fetch_op is not None:
-                swapped_in += plan.nbytes
-                misses += plan.miss
-                end = max(plan.last_use_end, plan.pending_zero_op, plan.fetch_op + 1)
-                add(delta, plan.fetch_op, end, plan.transfer_bytes)
-                drop = min(plan.pending_zero_seq, plan.death_seq)
-                resident += [(plan.fetch_seq, plan.nbytes), (max(drop, plan.fetch_seq + 0.25), -plan.nbytes)]
-    resident.sort(key=lambda event: (event[0], event[1]))
-    running = peak_resident = 0
-    for _, change in resident:
-        running += change
-        peak_resident = max(peak_resident, running)
-
-    usage = np.cumsum(delta)[: n + 1]
-    peak_op = int(np.argmax(usage))
-    persistent = trace.param_bytes * (1 + optimizer_state_factor) + trace.buffer_bytes
-    # Gradients are in the trace (allocated in backward, alive at its end); the next step's forward runs
-    # with them freed (zero_grad(set_to_none=True)), so the trace's timeline covers them.
-    return MemoryResult(
-        peak_bytes=int(usage[peak_op]) + persistent,
-        peak_op=peak_op,
-        persistent_bytes=persistent,
-        saved_bytes=trace.saved_bytes,
-        swapped_bytes=int(swapped_bytes),
-        recomputed_bytes=int(recomputed_bytes),
-        peak_resident_saved_bytes=int(peak_resident),
-        swapped_in_bytes=int(swapped_in),
-        prefetch_misses=int(misses),
-        timeline=usage if keep_timeline else None,
-    )
-
-
-def floor_bytes(trace: Trace, *, optimizer_state_factor: int = ADAM_STATE_FACTOR) -> int:
-    """The theoretical floor of any keep/swap/recompute policy: what must persist (parameters, optimizer
-    state) plus the largest working set of the step when every saved storage is off the device except
-    while the node that reads it runs (an oracle swap with zero-cost, just-in-time transfers).
-
-    What remains at that peak are the operators' own inputs, outputs and temporaries, the gradients
-    being accumulated and the forward outputs the program itself still holds (skip connections).
-    """
-    oracle = Placement(swapped={t.record.index for t in trace.records if not t.record.is_param})
-    n = trace.n_ops
-    delta = np.zeros(n + 2, dtype=np.int64)
-    plans = {p.sid: p for p in plan_records(trace, oracle)}
-    for storage in trace.storages:
-        if storage.artifact_of >= 0:
-            continue
-        free = storage.free_op if storage.free_op >= 0 else n
-        plan = plans.get(storage.sid)
-        end = free if plan is None or plan.decision == "swap" else max(free, plan.death_op)
-        if end > storage.alloc_op:
-            delta[storage.alloc_op] += storage.nbytes
-            delta[min(end, n + 1)] -= storage.nbytes
-    for traced in trace.records:  # each saved storage only while a node reads it
-        record = traced.record
-        if record.is_param or record.recompute:
-            continue
-        for sid in traced.artifact_sids:
-            artifact = trace.storages[sid]
-            end = artifact.free_op if artifact.free_op >= 0 else n
-            delta[artifact.alloc_op] += record.nbytes
-            delta[min(max(end, artifact.alloc_op + 1), n + 1)] -= record.nbytes
-    persistent = trace.param_bytes * (1 + optimizer_state_factor) + trace.buffer_bytes
-    return persistent + int(np.cumsum(delta)[: n + 1].max())
-
-
-# --------------------------------------------------------------------------------------------------------
-# Time
-# --------------------------------------------------------------------------------------------------------
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
 
 
 @dataclass
@@ -436,21 +143,326 @@ class TimeResult:
     h2d_s: float
     prefetch_misses: int
     lanes: dict[str, list[tuple[float, float, str]]] | None = None  # for the timeline figure
-    op_start: np.ndarray | None = None  # start time of each op (with keep_lanes)
+    op_start: list[float] | None = None  # start time of each op (with keep_lanes)
 
 
-def simulate_time(trace: Trace, placement: Placement, cost: OpCostModel, *,
-                  max_inflight_bytes: int | None = None, durations: np.ndarray | None = None,
-                  keep_lanes: bool = False) -> TimeResult:
-    """Step time of `placement` under `cost` (see `schedule`)."""
+@dataclass
+class Schedule:
+    """One replay: the rulebook's statistics and event log, the clock's timing, and where the engine held
+    device memory (op indices) for the liveness walk."""
+
+    stats: StepStats
+    log: list | None
+    timing: TimeResult | None = None
+    hold_end: dict[int, int] = field(default_factory=dict)  # record -> op where the engine dropped its storage
+    use_end: dict[int, int] = field(default_factory=dict)  # record -> op where its last on-device use ended
+    reloads: list[list[int]] = field(default_factory=list)  # [record, issue op, end op]
+
+
+class _Timing:
+    """The clock's state of one entry (its `payload`)."""
+
+    __slots__ = ("out_done", "in_done", "reload")
+
+    def __init__(self):
+        self.out_done = 0.0
+        self.in_done = 0.0
+        self.reload: list[int] | None = None  # the current reload interval in `Schedule.reloads`
+
+
+class _Clock:
+    """The rulebook's executor in a replay: a compute clock (`now` at the current op) and two FIFO copy
+    queues. Stalls shift every later op; nothing else changes the order of events."""
+
+    def __init__(self, trace: Trace, durations: list[float], cost: OpCostModel, schedule: Schedule,
+                 keep_lanes: bool):
+        self.cum = list(accumulate(durations, initial=0.0))
+        self.cost = cost
+        self.schedule = schedule
+        self.op = 0
+        self.stalled = 0.0
+        self.d2h_free = self.h2d_free = self.d2h_busy = self.h2d_busy = 0.0
+        self.stalls: list[tuple[int, float]] = []  # (op, seconds) for op start times
+        self.stall_ops: list[int] = []  # ops with a stall and the total stalled up to and with each
+        self.stall_totals: list[float] = []
+        self.kernels = [i for i, seconds in enumerate(durations) if seconds > 0]
+        self.lanes = {"compute": [], "d2h": [], "h2d": [], "stall": []} if keep_lanes else None
+
+    @property
+    def now(self) -> float:
+        return self.cum[self.op] + self.stalled
+
+    def stall_until(self, t: float) -> None:
+        now = self.now
+        if t > now:
+            if self.lanes is not None:
+                self.lanes["stall"].append((now, t, "stall"))
+            self.stalls.append((self.op, t - now))
+            self.stalled += t - now
+            self.stall_ops.append(self.op)
+            self.stall_totals.append(self.stalled)
+
+    def _copy(self, lane: str, start: float, seconds: float, label: str) -> float:
+        if self.lanes is not None and seconds > 0:
+            self.lanes[lane].append((start, start + seconds, label))
+        return start + seconds
+
+    def swap_out(self, entry: Entry) -> None:
+        timing: _Timing = entry.payload
+        start = max(self.d2h_free, self.now)
+        seconds = self.cost.copy_seconds(entry, self.cost.d2h_bytes_per_s)
+        self.d2h_busy += seconds
+        self.d2h_free = timing.out_done = self._copy("d2h", start, seconds, f"s{entry.index}")
+        if self.cost.sync_copies:
+            self.stall_until(timing.out_done)
+
+    def copy_out_done(self, entry: Entry) -> bool:
+        if self.cost.sync_copies:
+            return True
+        return entry.payload.out_done <= self.device_time_behind()
+
+    def device_time_behind(self) -> float:
+        """The latest time at which the device may be starting, when the host is at the current op (the
+        device `host_lead_kernels` kernels behind it)."""
+        lead = self.cost.host_lead_kernels
+        if lead == 0:
+            return self.now
+        position = bisect.bisect_left(self.kernels, self.op) - (lead if lead is not None else len(self.kernels))
+        if position < 0:
+            return float("-inf")
+        op = self.kernels[position]
+        return self.cum[op] + self.stalls_before(op)
+
+    def stalls_before(self, op: int) -> float:
+        position = bisect.bisect_right(self.stall_ops, op)
+        return self.stall_totals[position - 1] if position else 0.0
+
+    def release(self, entry: Entry, wait: bool) -> None:
+        if wait:
+            self.stall_until(entry.payload.out_done)
+        self.schedule.hold_end[entry.index] = self.op
+
+    def reload(self, entry: Entry) -> None:
+        timing: _Timing = entry.payload
+        start = max(self.h2d_free, self.now, timing.out_done)
+        seconds = self.cost.copy_seconds(entry, self.cost.h2d_bytes_per_s)
+        self.h2d_busy += seconds
+        self.h2d_free = timing.in_done = self._copy("h2d", start, seconds, f"r{entry.index}")
+        timing.reload = [entry.index, self.op, self.op + 1]
+        self.schedule.reloads.append(timing.reload)
+        if self.cost.sync_copies:
+            self.stall_until(timing.in_done)
+
+    def await_reload(self, entry: Entry) -> None:
+        self.stall_until(entry.payload.in_done)
+
+    def drop_reload(self, entry: Entry) -> None:
+        reload = entry.payload.reload
+        reload[2] = max(reload[2], self.op)
+
+    def died(self, entry: Entry) -> None:
+        if entry.decision != RECOMPUTE:  # kept, or swapped and never released: held until now
+            self.schedule.hold_end.setdefault(entry.index, self.op)
+
+    def used(self, entry: Entry, artifact_end: int) -> None:
+        """A use of `entry` whose view lives until `artifact_end`: on the device or on its reload."""
+        if entry.decision == SWAP and not entry.unreleased:
+            reload = entry.payload.reload
+            reload[2] = max(reload[2], artifact_end)
+        else:
+            self.schedule.use_end[entry.index] = max(self.schedule.use_end.get(entry.index, 0), artifact_end)
+
+
+def replay(trace: Trace, memory_cfg: MemoryConfig, *, cost: OpCostModel = INSTANT,
+           durations: list[float] | None = None, learned: bool = True, log: list | None = None,
+           keep_lanes: bool = False) -> Schedule:
+    """Run the trace's events through a rulebook of `memory_cfg` (the engine's own decisions) on a clock.
+
+    `learned` gives the rulebook the first-unpack order of the trace, as the engine has it from the
+    second step on (lookahead 0); `learned=False` replays a first step. `log` receives the rulebook's
+    per-tensor event sequence. `durations` (seconds per op, default `cost.durations(trace)`).
+    """
     durations = cost.durations(trace) if durations is None else durations
-    return schedule(trace, placement, durations=durations, d2h_bytes_per_s=cost.d2h_bytes_per_s,
-                    h2d_bytes_per_s=cost.h2d_bytes_per_s, max_inflight_bytes=max_inflight_bytes,
-                    keep_lanes=keep_lanes)[1]
+    schedule = Schedule(StepStats(), log)
+    clock = _Clock(trace, durations, cost, schedule, keep_lanes)
+    order = (trace.unpack_order(), len(trace.records)) if learned else None
+    rulebook = Rulebook(memory_cfg, clock, learned=order, log=log)
+    forward_s = _run_events(trace, rulebook, clock)
+    schedule.stats = rulebook.stats
+    schedule.timing = _timing(trace, clock, durations, forward_s, rulebook.stats.prefetch_misses, keep_lanes)
+    return schedule
+
+
+def _run_events(trace: Trace, rulebook: Rulebook, clock: _Clock) -> float:
+    """Feed every event of the trace to the rulebook; returns the forward's end time."""
+    records, entries, regions = trace.records, rulebook.entries, trace.regions
+    artifact_ends = trace.cache.get("artifact_ends")
+    if artifact_ends is None:
+        artifact_ends = trace.cache["artifact_ends"] = [
+            [_free_op(trace, sid) for sid in traced.artifact_sids] for traced in records]
+    unpacks = [0] * len(records)
+    forward_s = 0.0
+    for op, kind, a, b in trace.events:
+        clock.op = op
+        if kind == MODULE_START:
+            rulebook.module_start(trace.module_names[a], bool(b))
+        elif kind == MODULE_END:
+            rulebook.module_end(bool(b))
+        elif kind == SAVE:
+            traced = records[a]
+            record = traced.record
+            rulebook.save(nbytes=record.nbytes, dtype=record.dtype, is_param=record.is_param,
+                          is_input=record.is_input, dense=record.dense, recompute=record.recompute,
+                          deps=[entries[d] for d in traced.deps], payload=_Timing())
+        elif kind == SAVE_AGAIN:
+            rulebook.save_again(entries[a])
+        elif kind == UNPACK_BEGIN:
+            entry = entries[a]
+            rulebook.unpack_begin(entry)
+            if entry.decision != RECOMPUTE and not entry.record.is_param:
+                clock.used(entry, artifact_ends[a][unpacks[a]])
+                unpacks[a] += 1
+        elif kind == UNPACK_END:
+            rulebook.unpack_end(entries[a], bool(b))
+        elif kind == HANDLE_DIED:
+            rulebook.handle_died(entries[a], bool(b))
+        elif kind == MARKER:
+            rulebook.marker(a)
+        elif kind == REGION_DONE:
+            rulebook.region_done(entries[i] for i in regions[a])
+        elif kind == FORWARD_END:
+            rulebook.forward_end()
+            forward_s = clock.now
+        elif kind == BACKWARD_END:
+            rulebook.backward_end()
+    clock.op = trace.n_ops
+    return forward_s
+
+
+def _free_op(trace: Trace, sid: int) -> int:
+    storage = trace.storages[sid]
+    return storage.free_op if storage.free_op >= 0 else trace.n_ops
+
+
+def _timing(trace: Trace, clock: _Clock, durations: list[float], forward_s: float, misses: int,
+            keep_lanes: bool) -> TimeResult:
+    op_start = None
+    if keep_lanes:
+        shift = np.zeros(trace.n_ops + 2)
+        for op, seconds in clock.stalls:
+            shift[op] += seconds
+        op_start = (np.asarray(clock.cum) + np.cumsum(shift)[: trace.n_ops + 1]).tolist()
+        for i, seconds in enumerate(durations):
+            if seconds > 0:
+                op = trace.ops[i]
+                kind = "recompute" if op.recompute else "fwd" if op.phase == FORWARD else "bwd"
+                clock.lanes["compute"].append((op_start[i], op_start[i] + seconds, kind))
+    step_s = clock.now
+    return TimeResult(
+        step_s=step_s, compute_s=clock.cum[-1], forward_s=forward_s, backward_s=step_s - forward_s,
+        exposed_transfer_s=clock.stalled,
+        recompute_s=float(sum(d for d, op in zip(durations, trace.ops, strict=True) if op.recompute)),
+        d2h_s=clock.d2h_busy, h2d_s=clock.h2d_busy, prefetch_misses=misses, lanes=clock.lanes, op_start=op_start,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------------
+
+
+def _storage_arrays(trace: Trace) -> dict:
+    """Per-trace arrays of the liveness walk (cached): program storages and which record owns which."""
+    cached = trace.cache.get("storages")
+    if cached is not None:
+        return cached
+    owner = {traced.sid: traced.record.index for traced in trace.records if traced.sid >= 0}
+    program = [s for s in trace.storages if s.artifact_of < 0]
+    cached = {
+        "alloc": np.array([s.alloc_op for s in program], dtype=np.int64),
+        "free": np.array([_free_op(trace, s.sid) for s in program], dtype=np.int64),
+        "nbytes": np.array([s.nbytes for s in program], dtype=np.int64),
+        "owner": np.array([owner.get(s.sid, -1) for s in program], dtype=np.int64),
+    }
+    trace.cache["storages"] = cached
+    return cached
+
+
+def _peak(n: int, starts: np.ndarray, ends: np.ndarray, nbytes: np.ndarray, keep_timeline: bool):
+    """(peak bytes, first op at the peak, usage per op or None) of intervals [start, end)."""
+    ends = np.minimum(ends, n + 1)
+    mask = ends > starts
+    delta = np.zeros(n + 2, dtype=np.int64)
+    np.add.at(delta, starts[mask], nbytes[mask])
+    np.add.at(delta, ends[mask], -nbytes[mask])
+    usage = np.cumsum(delta)[: n + 1]
+    peak_op = int(np.argmax(usage))
+    return int(usage[peak_op]), peak_op, usage.tolist() if keep_timeline else None
+
+
+def persistent_bytes(trace: Trace, optimizer_state_factor: int = ADAM_STATE_FACTOR) -> int:
+    """Parameters, their optimizer state and buffers: on the device for the whole step."""
+    return trace.param_bytes * (1 + optimizer_state_factor) + trace.buffer_bytes
+
+
+def simulate_memory(trace: Trace, memory_cfg: MemoryConfig | None = None, *, schedule: Schedule | None = None,
+                    optimizer_state_factor: int = ADAM_STATE_FACTOR, keep_timeline: bool = False) -> MemoryResult:
+    """Peak device memory of `memory_cfg` (default: keep everything) from a replay (`schedule`, default the
+    engine's synchronous CPU replay)."""
+    if schedule is None:
+        schedule = replay(trace, memory_cfg or MemoryConfig())
+    n = trace.n_ops
+    arrays = _storage_arrays(trace)
+    ends = arrays["free"].copy()
+    owner = arrays["owner"]
+    for index in np.nonzero(owner >= 0)[0]:
+        record = int(owner[index])
+        held = max(schedule.hold_end.get(record, 0), schedule.use_end.get(record, 0))
+        if held > ends[index]:
+            ends[index] = held
+    reloads = np.array(schedule.reloads, dtype=np.int64).reshape(-1, 3)
+    reload_bytes = np.array([trace.records[r].record.nbytes for r in reloads[:, 0]], dtype=np.int64)
+    starts = np.concatenate([arrays["alloc"], reloads[:, 1]])
+    stops = np.concatenate([ends, np.maximum(reloads[:, 2], reloads[:, 1] + 1)])
+    peak, peak_op, timeline = _peak(n, starts, stops, np.concatenate([arrays["nbytes"], reload_bytes]),
+                                    keep_timeline)
+    stats = schedule.stats
+    persistent = persistent_bytes(trace, optimizer_state_factor)
+    # Gradients are in the trace (allocated in backward, alive at its end); the next step's forward runs
+    # with them freed (zero_grad(set_to_none=True)), so the trace's timeline covers them.
+    return MemoryResult(
+        peak_bytes=peak + persistent, peak_op=peak_op, persistent_bytes=persistent, saved_bytes=stats.saved_bytes,
+        swapped_bytes=stats.swapped_out_bytes, recomputed_bytes=stats.recomputed_bytes,
+        peak_resident_saved_bytes=stats.peak_resident_saved_bytes, swapped_in_bytes=stats.swapped_in_bytes,
+        prefetch_misses=stats.prefetch_misses, timeline=timeline,
+    )
+
+
+def floor_bytes(trace: Trace, *, optimizer_state_factor: int = ADAM_STATE_FACTOR) -> int:
+    """The theoretical floor of any keep/swap/recompute policy: what must persist (parameters, optimizer
+    state) plus the largest working set of the step when every saved storage is off the device except
+    while the node that reads it runs (an oracle swap with zero-cost, just-in-time transfers).
+
+    What remains at that peak are the operators' own inputs, outputs and temporaries, the gradients
+    being accumulated and the forward outputs the program itself still holds (skip connections).
+    """
+    arrays = _storage_arrays(trace)
+    starts, stops, sizes = [arrays["alloc"]], [arrays["free"]], [arrays["nbytes"]]
+    for traced in trace.records:  # each saved storage only while a node reads it
+        record = traced.record
+        if record.is_param or record.recompute or not traced.artifact_sids:
+            continue
+        alloc = np.array([trace.storages[sid].alloc_op for sid in traced.artifact_sids], dtype=np.int64)
+        free = np.array([_free_op(trace, sid) for sid in traced.artifact_sids], dtype=np.int64)
+        starts.append(alloc)
+        stops.append(np.maximum(free, alloc + 1))
+        sizes.append(np.full(len(alloc), record.nbytes, dtype=np.int64))
+    peak, _, _ = _peak(trace.n_ops, np.concatenate(starts), np.concatenate(stops), np.concatenate(sizes), False)
+    return persistent_bytes(trace, optimizer_state_factor) + peak
 
 
 def phase_compute_seconds(trace: Trace, cost: OpCostModel) -> tuple[float, float]:
     """(forward, backward) compute seconds of a trace under a cost model."""
     durations = cost.durations(trace)
-    phases = np.array([op.phase for op in trace.ops])
-    return float(durations[phases == FORWARD].sum()), float(durations[phases == BACKWARD].sum())
+    forward = sum(d for d, op in zip(durations, trace.ops, strict=True) if op.phase == FORWARD)
+    return float(forward), float(sum(durations) - forward)

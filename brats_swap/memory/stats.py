@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -28,7 +28,10 @@ class StepStats:
     late_reloads: int = 0  # (CUDA) reloads issued in time but not finished when needed
     copy_seconds: float = 0.0  # time spent in copies (CUDA: copy-stream event time; CPU: wall time)
     arena_bytes: int = 0  # size of the host arena after this step
+    # module name -> why `recompute.norm_act` did not make its output recomputable (see memory/recompute.py)
+    norm_act_skipped: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self, prefix: str = "memory/") -> dict[str, float]:
-        """Flat floats for loggers, e.g. {"memory/swapped_out_bytes": 1.2e9, ...}."""
-        return {f"{prefix}{key}": float(value) for key, value in asdict(self).items()}
+        """Flat floats for loggers, e.g. {"memory/swapped_out_bytes": 1.2e9, ...}; a dict field gives its size."""
+        return {f"{prefix}{key}": float(len(value) if isinstance(value, dict) else value)
+                for key, value in asdict(self).items()}

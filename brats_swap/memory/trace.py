@@ -2,10 +2,10 @@
 
 The planner needs, for a model at the real size (192³, batch 2), the full life of every tensor in one
 forward + backward: when its storage is allocated, when it would die if autograd did not hold it, which
-storages autograd saves (grouped into records exactly as the engine groups them), when backward unpacks
-them, and the FLOPs and bytes of every operator. Running the step on `meta` tensors gives all of it in
-about a second and without memory: meta tensors have shapes, dtypes, strides, storages and version
-counters, but no data.
+storages autograd saves (grouped into records exactly as the engine groups them), every event the
+memory engine reacts to, and the FLOPs and bytes of every operator. Running the step on `meta` tensors
+gives all of it in seconds and without memory: meta tensors have shapes, dtypes, strides, storages and
+version counters, but no data.
 
 Three PyTorch mechanisms do the recording:
 
@@ -13,14 +13,17 @@ Three PyTorch mechanisms do the recording:
   numbers them (the "op index" is the trace's clock), registers each new output storage, and notices a
   storage's death through a weak storage reference (`StorageWeakRef.expired()`), checked before each op;
 - `saved_tensors_hooks` see every tensor autograd saves. The pack hook groups saves into records with
-  the engine's rules (`brats_swap.memory.swap.SavedTensorEngine.pack`: storage + version + live handles;
-  parameters and autocast copies of parameters flagged) and, on purpose, does NOT keep the tensor: the
-  trace then shows when each saved storage would die without autograd's reference (what swapping can
-  gain). The unpack hook hands backward a fresh meta tensor of the same layout (an "artifact") whose
+  the engine's own `swap.StorageIndex` and `swap.saved_facts` and, on purpose, does NOT keep the tensor:
+  the trace then shows when each saved storage would die without autograd's reference (what swapping
+  can gain). The unpack hook hands backward a fresh meta tensor of the same layout (an "artifact") whose
   death marks when the node that used it has finished;
-- module forward hooks keep the stack of running modules and the block ordinals exactly as
-  `brats_swap.memory.engine.MemoryEngine` numbers them (`discover_blocks`), and a `grad_fn` prehook on
-  each block output marks where backward enters that block (where the engine issues its reloads).
+- module forward hooks and a `grad_fn` prehook on each block output, installed as the engine installs
+  them (`discover_blocks`), see the module, block and backward-marker events.
+
+Every event the engine reports to its `rulebook.Rulebook` (module start/end, save, save again, region
+done, forward end, marker, unpack, handle death, backward end) is recorded in `Trace.events` with the op
+index at which it happened, so `simulate.py` can replay the step through a rulebook under any swap
+policy: the engine's decisions and release/reload points, event for event.
 
 Recompute variants run the engine's own machinery on the meta copy: `CheckpointedModules` wraps modules
 in non-reentrant checkpointing, `NormActRecipes` recognises norm/activation outputs, and the trace
@@ -46,16 +49,37 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from brats_swap.config.schema import RecomputeConfig
-from brats_swap.memory.policy import SavedRecord
+from brats_swap.config import MemoryConfig, RecomputeConfig
+from brats_swap.memory.engine import discover_blocks
+from brats_swap.memory.policy import SavedRecord, is_param_cast
+from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
+from brats_swap.memory.rulebook import RECOMPUTE, Entry, Rulebook
+from brats_swap.memory.swap import (
+    RecentRebuilds,
+    StorageIndex,
+    recipe_entries,
+    saved_facts,
+    storage_keys,
+    tensors_in,
+)
 
 FORWARD, BACKWARD = 0, 1
+
+# Trace.events kinds: (op index, kind, a, b); a and b as noted.
+SAVE, SAVE_AGAIN = 0, 1  # a: record index
+MODULE_START, MODULE_END = 2, 3  # a: index into Trace.module_names (start only); b: is a block
+REGION_DONE = 4  # a: index into Trace.regions (record indices of a checkpointed region's saved inputs)
+FORWARD_END = 5
+MARKER = 6  # a: block ordinal
+UNPACK_BEGIN, UNPACK_END = 7, 8  # a: record index; b (end): first unpack of that handle
+HANDLE_DIED = 9  # a: record index; b: the handle was unpacked
+BACKWARD_END = 10
 
 # Ops that only reinterpret or allocate: no kernel runs, so they cost no time in the time model.
 _NO_KERNEL = {"view", "_unsafe_view", "as_strided", "expand", "permute", "t", "transpose", "unsqueeze",
               "squeeze", "detach", "alias", "slice", "select", "reshape", "empty", "empty_strided",
               "empty_like", "set_", "lift_fresh", "split", "unbind", "_reshape_alias", "view_as",
-              "split_with_sizes", "unflatten", "flatten", "_to_copy_view"}
+              "split_with_sizes", "unflatten", "flatten", "_to_copy_view", "new_empty", "new_empty_strided"}
 
 
 @dataclass
@@ -71,20 +95,12 @@ class Storage:
 
 @dataclass
 class TracedRecord:
-    """A `SavedRecord` plus its life on the trace's op clock."""
+    """A `SavedRecord` plus where it lives in the trace."""
 
     record: SavedRecord
     sid: int  # physical storage (-1 for parameters and buffers, which live outside the step)
-    pack_op: int  # op index at the first save
-    use_marker: int  # the engine's `_Record.use_marker`: block ordinal before whose backward it is needed
-    unpack_ops: list[int] = field(default_factory=list)  # op index of every unpack in backward
-    artifact_sids: list[int] = field(default_factory=list)  # storages the unpack hook created
-    death_op: int = -1  # op index at which its last handle died (autograd released it); -1 = at the end
-    pack_seq: int = 0  # position of the first save among the trace's forward events (saves, module starts)
-    pending_zero_op: int = -1  # op at which every handle was unpacked once or died (-1 = at the end)
-    pending_zero_seq: int = 1 << 62
-    death_seq: int = 1 << 62
-    first_use_seq: int = 1 << 62
+    deps: list[int] = field(default_factory=list)  # recomputed: the stored records its recipe reads
+    artifact_sids: list[int] = field(default_factory=list)  # one storage per unpack, in unpack order
 
 
 @dataclass
@@ -92,7 +108,7 @@ class OpInfo:
     name: str
     phase: int  # FORWARD or BACKWARD
     flops: float
-    bytes_accessed: int  # inputs + outputs, each distinct storage once
+    bytes_accessed: int  # bytes of the views read and written, per distinct storage at most its size
     kernel: bool  # False for view-like ops that launch nothing
     module: str = ""  # innermost running module ("" in backward outside recomputation)
     recompute: bool = False  # part of a recomputation in backward (checkpoint or norm_act recipe)
@@ -108,18 +124,15 @@ class Trace:
     ops: list[OpInfo]
     storages: list[Storage]
     records: list[TracedRecord]
+    events: list[tuple[int, int, int, int]]  # (op index, kind, a, b): see the kinds above
+    module_names: list[str]
+    regions: list[list[int]]
     fwd_end: int  # op index where backward starts
-    block_names: list[str]  # per block ordinal (call order), the block module's name
-    block_fwd_start: list[int]  # op index at which each block ordinal's forward started
-    block_bwd_start: list[int]  # op index at which backward reached each block ordinal (-1: never)
-    module_starts: list[tuple[int, int, bool]]  # forward module pre-hooks: (event seq, op index, is a block)
-    markers: list[tuple[int, int, int]]  # backward block markers in firing order: (event seq, op index, ordinal)
     param_bytes: int
     buffer_bytes: int
     input_bytes: int  # the batch and its target (also storages of the trace, alive for the whole step)
-    module_output_bytes: dict[str, int]
-    module_conv_flops: dict[str, float]
     seconds: float = 0.0
+    cache: dict = field(default_factory=dict, repr=False)  # derived arrays, filled by the simulator
 
     @property
     def n_ops(self) -> int:
@@ -133,8 +146,13 @@ class Trace:
     def saved_records(self) -> list[SavedRecord]:
         return [r.record for r in self.records]
 
-    def forward_flops(self) -> float:
-        return sum(op.flops for op in self.ops[: self.fwd_end])
+    def unpack_order(self) -> list[int]:
+        """Record indices in first-unpack order: what the engine learns in one step for lookahead 0."""
+        seen: dict[int, None] = {}
+        for _, kind, a, _ in self.events:
+            if kind == UNPACK_BEGIN and a not in seen:
+                seen[a] = None
+        return list(seen)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -185,16 +203,14 @@ class _AutocastEmulation:
 
 
 class _Handle:
-    """What the trace's pack hook returns: a record and a view layout, never the tensor itself (except
-    parameters). Its death is the record's "handle died" event, as in the engine."""
+    """What the trace's pack hook returns: an entry and a view layout, never the tensor itself (except
+    parameters). Its death is the entry's "handle died" event, as in the engine."""
 
-    __slots__ = ("tracer", "index", "layout", "tensor", "unpacked", "__weakref__")
+    __slots__ = ("tracer", "entry", "layout", "tensor", "unpacked", "__weakref__")
 
-    def __init__(self, tracer: _Tracer, index: int, layout: tuple, tensor: torch.Tensor | None):
-        self.tracer, self.index, self.layout, self.tensor = tracer, index, layout, tensor
+    def __init__(self, tracer: _Tracer, entry: Entry, layout: tuple, tensor: torch.Tensor | None):
+        self.tracer, self.entry, self.layout, self.tensor = tracer, entry, layout, tensor
         self.unpacked = False
-        tracer.alive[index] = tracer.alive.get(index, 0) + 1
-        tracer.pending[index] = tracer.pending.get(index, 0) + 1
 
     def __del__(self):
         try:
@@ -203,16 +219,24 @@ class _Handle:
             pass
 
 
-@dataclass
-class _Decision:
-    decision: str  # what `NormActRecipes` asks of the engine's record: keep/swap (stored) or recompute
+class _TraceExecutor:
+    """The rulebook's executor while tracing: the trace keeps everything (mode none) and moves nothing;
+    a dead entry's recipe is forgotten, as the engine forgets it."""
 
+    def __init__(self, tracer: _Tracer):
+        self.tracer = tracer
 
-def _is_param_cast(t: torch.Tensor) -> bool:
-    """The engine's rule: an autocast copy of a parameter (ToCopyBackward0 from a leaf) counts as one."""
-    from brats_swap.memory.swap import _is_param_cast as engine_rule
+    def swap_out(self, entry: Entry) -> None: ...
+    def copy_out_done(self, entry: Entry) -> bool: return True
+    def release(self, entry: Entry, wait: bool) -> None: ...
+    def reload(self, entry: Entry) -> None: ...
+    def await_reload(self, entry: Entry) -> None: ...
+    def drop_reload(self, entry: Entry) -> None: ...
 
-    return engine_rule(t)
+    def died(self, entry: Entry) -> None:
+        recipe = self.tracer.recipe_of.pop(entry.index, None)
+        if recipe is not None:
+            self.tracer.rebuilds.forget(recipe)
 
 
 class _Tracer(TorchDispatchMode):
@@ -222,30 +246,26 @@ class _Tracer(TorchDispatchMode):
         self.storages: list[Storage] = []
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage _cdata -> (weak ref, sid)
         self.param_storages = param_storages  # parameters and buffers: never allocations of the step
+        self.input_storages: set[int] = set()
         self.phase = FORWARD
         self.in_forward = False
         self.unpacking = -1  # record index while the unpack hook allocates its artifact
         self.recomputing = 0
-        self.module_stack: list[str] = []
-        self.engine_module_stack: list[str] = []  # the engine's: pushed only during forward
-        self.block_stack: list[int] = []
-        self.last_block = -1
-        self.block_names: list[str] = []
-        self.block_fwd: list[int] = []
-        self.block_bwd: dict[int, int] = {}
+        self.module_stack: list[str] = []  # every running module (forward and recomputation): op owners
+        self.rulebook = Rulebook(MemoryConfig(), _TraceExecutor(self))
+        self.index = StorageIndex()
+        self.rebuilds = RecentRebuilds()
         self.records: list[TracedRecord] = []
-        self.record_of: dict[int, int] = {}  # storage _cdata -> newest record index
-        self.record_version: dict[int, int] = {}
-        self.record_weak: dict[int, StorageWeakRef] = {}
-        self.alive: dict[int, int] = {}  # record index -> live handles
-        self.pending: dict[int, int] = {}  # record index -> live handles not unpacked yet
-        self.seq = 0  # orders saves and module starts that happen between the same two ops
-        self.module_starts: list[tuple[int, int, bool]] = []
-        self.markers: list[tuple[int, int, int]] = []
+        self.events: list[tuple[int, int, int, int]] = []
+        self.module_names: list[str] = []
+        self.module_ids: dict[str, int] = {}
+        self.regions: list[list[int]] = []
         self.recipes = None  # recompute.NormActRecipes when the variant uses norm_act
         self.recipe_of: dict[int, object] = {}
-        self.module_output_bytes: dict[str, int] = {}
-        self.module_conv_flops: dict[str, float] = {}
+        self._callback_tasks: set[int] = set()
+
+    def event(self, kind: int, a: int = 0, b: int = 0) -> None:
+        self.events.append((len(self.ops), kind, a, b))
 
     # ---- storage bookkeeping -------------------------------------------------------------------------
     def sweep(self) -> None:
@@ -280,216 +300,162 @@ class _Tracer(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if counter is not None:
             flops = float(counter(*args, **kwargs, out_val=out))
-            if self.phase == FORWARD and self.module_stack:
-                owner = self.module_stack[-1]
-                self.module_conv_flops[owner] = self.module_conv_flops.get(owner, 0.0) + flops
         else:  # elementwise and reductions: about one operation per output element
             flops = float(sum(t.numel() for t in outputs)) if name not in _NO_KERNEL else 0.0
         module = self.module_stack[-1] if self.module_stack else ""
         recompute = self.phase == BACKWARD and (bool(self.module_stack) or self.recomputing > 0)
-        self.ops.append(OpInfo(name, self.phase, flops, 0, name not in _NO_KERNEL, module, recompute))
-        seen: set[int] = set()
-        accessed = 0
-        for tensor in tree_leaves((args, kwargs)):
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                if storage._cdata not in seen:
-                    seen.add(storage._cdata)
-                    accessed += storage.nbytes()
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.ops.append(OpInfo(name, self.phase, flops, _bytes_accessed(inputs + outputs), name not in _NO_KERNEL,
+                               module, recompute))
         for tensor in outputs:
-            storage = tensor.untyped_storage()
-            self.storage_id(storage)
-            if storage._cdata not in seen:
-                seen.add(storage._cdata)
-                accessed += storage.nbytes()
-        self.ops[-1].bytes_accessed = accessed
+            self.storage_id(tensor.untyped_storage())
         return out
 
-    # ---- saved tensors (the engine's `SavedTensorEngine.pack` rules) ----------------------------------
-    def _where(self) -> tuple[str, int, int]:
-        module = self.engine_module_stack[-1] if self.engine_module_stack else ""
-        if self.block_stack:
-            return module, self.block_stack[-1], self.block_stack[-1]
-        return module, self.last_block, self.last_block + 1
-
-    def lookup(self, t: torch.Tensor) -> int | None:
-        key = t.untyped_storage()._cdata
-        index = self.record_of.get(key)
-        if index is None or self.record_weak[index].expired() or self.record_version[index] != t._version \
-                or self.alive.get(index, 0) == 0:
-            return None
-        return index
+    # ---- saved tensors (the engine's `SavedTensorEngine.pack` / `unpack`) ----------------------------
+    def lookup(self, t: torch.Tensor) -> Entry | None:
+        """`NormActRecipes` asks the engine this: the live entry of `t`'s storage."""
+        return self.index.find(t)
 
     def pack(self, tensor: torch.Tensor) -> _Handle:
-        is_param = isinstance(tensor, nn.Parameter) or _is_param_cast(tensor)
+        is_param = isinstance(tensor, nn.Parameter) or is_param_cast(tensor)
         tensor = tensor.detach()
-        storage = tensor.untyped_storage()
-        index = self.lookup(tensor)
-        if index is None:
-            index = self._new_record(tensor, is_param)
+        entry = self.index.find(tensor)
+        if entry is None:
+            entry = self._first_save(tensor, is_param)
+            self.event(SAVE, entry.index)
         else:
-            self.records[index].use_marker = max(self.records[index].use_marker, self._where()[2])
-        traced = self.records[index]
-        keep = traced.record.is_param or traced.sid < 0
+            self.rulebook.save_again(entry)
+            self.event(SAVE_AGAIN, entry.index)
+        keep = entry.record.is_param or self.records[entry.index].sid < 0
         layout = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype,
-                  storage.nbytes())
-        return _Handle(self, index, layout, tensor if keep else None)
+                  tensor.untyped_storage().nbytes())
+        return _Handle(self, entry, layout, tensor if keep else None)
 
-    def _new_record(self, tensor: torch.Tensor, is_param: bool) -> int:
-        storage = tensor.untyped_storage()
-        if storage._cdata in self.param_storages:
-            is_param = True
-        module, block, use_marker = self._where()
+    def _first_save(self, tensor: torch.Tensor, is_param: bool) -> Entry:
+        facts = saved_facts(tensor, is_param, self.param_storages, self.input_storages)
         recipe = None
-        if self.recipes is not None and not is_param:
+        if self.recipes is not None and not facts["is_param"]:
             recipe = self.recipes.recipe_for(tensor)
-        index = len(self.records)
-        record = SavedRecord(index=index, nbytes=storage.nbytes(), module=module, block=block,
-                             is_param=is_param, recompute=recipe is not None,
-                             dtype=str(tensor.dtype).removeprefix("torch."))
-        sid = self.storage_id(storage)
-        self.seq += 1
-        self.records.append(TracedRecord(record, sid, pack_op=len(self.ops), use_marker=use_marker,
-                                         pack_seq=self.seq))
-        self.record_of[storage._cdata] = index
-        self.record_version[index] = tensor._version
-        self.record_weak[index] = StorageWeakRef(storage)
+        deps = recipe_entries(recipe) if recipe is not None else []
+        entry = self.rulebook.save(**facts, recompute=recipe is not None, deps=deps)
+        sid = self.storage_id(tensor.untyped_storage())
+        self.records.append(TracedRecord(entry.record, sid, deps=[dep.index for dep in deps]))
+        self.index.add(tensor, entry)
         if recipe is not None:
-            self.recipe_of[index] = recipe
-        return index
+            self.recipe_of[entry.index] = recipe
+            self.rebuilds.note(recipe, entry)
+        return entry
+
+    def rebuild(self, recipe) -> torch.Tensor:
+        """`Recipe.materialize` asks this for a nested recipe's result (`swap.RecentRebuilds`)."""
+        return self.rebuilds.rebuild(recipe, self)
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
-        traced = self.records[handle.index]
-        traced.unpack_ops.append(len(self.ops))
-        if len(traced.unpack_ops) == 1:
-            self.seq += 1
-            traced.first_use_seq = self.seq
-        if not handle.unpacked:
-            handle.unpacked = True
-            self._pending_down(handle.index)
+        entry = handle.entry
+        self._register_end_callback()
+        self.event(UNPACK_BEGIN, entry.index)
+        self.rulebook.unpack_begin(entry)
         if handle.tensor is not None:
-            return handle.tensor
-        size, stride, offset, dtype, nbytes = handle.layout
-        recipe = self.recipe_of.get(handle.index)
-        if recipe is not None:  # rebuilt by running the recipe: real ops and a real storage in backward
+            out = handle.tensor
+        elif entry.decision == RECOMPUTE:  # rebuilt by running the recipe: real ops and storages in backward
+            size, stride, offset, dtype, _ = handle.layout
             self.recomputing += 1
             try:
-                storage = recipe.materialize(self).untyped_storage()
+                storage = self.rebuild(self.recipe_of[entry.index]).untyped_storage()
             finally:
                 self.recomputing -= 1
-            return torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, size, stride)
-        self.unpacking = handle.index
+            out = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, size, stride)
+        else:
+            out = self._artifact(handle)
+        first = not handle.unpacked
+        handle.unpacked = True
+        self.event(UNPACK_END, entry.index, int(first))
+        self.rulebook.unpack_end(entry, first)
+        if entry.decision == RECOMPUTE and entry.pending == 0:
+            self.rebuilds.forget(self.recipe_of[entry.index])
+        return out
+
+    def _artifact(self, handle: _Handle) -> torch.Tensor:
+        """A fresh storage of the saved layout: its death marks when the node that read it finished."""
+        size, stride, offset, dtype, nbytes = handle.layout
+        index = handle.entry.index
+        self.unpacking = index
         try:
             base = torch.empty(max(nbytes // dtype.itemsize, 1), dtype=dtype, device="meta")
-            view = base.as_strided(size, stride, offset)
-            traced.artifact_sids.append(self.storage_id(base.untyped_storage()))
+            self.records[index].artifact_sids.append(self.storage_id(base.untyped_storage()))
         finally:
             self.unpacking = -1
-        return view
-
-    def _pending_down(self, index: int) -> None:
-        self.pending[index] -= 1
-        if self.pending[index] == 0:
-            self.seq += 1
-            self.records[index].pending_zero_op = len(self.ops)
-            self.records[index].pending_zero_seq = self.seq
+        return base.as_strided(size, stride, offset)
 
     def handle_died(self, handle: _Handle) -> None:
-        index = handle.index
-        if not handle.unpacked:
-            self._pending_down(index)
-        self.alive[index] -= 1
-        if self.alive[index] == 0:
-            self.seq += 1
-            self.records[index].death_op = len(self.ops)
-            self.records[index].death_seq = self.seq
-            if self.phase == BACKWARD or not self.in_forward:
-                self.recipe_of.pop(index, None)
+        self.event(HANDLE_DIED, handle.entry.index, int(handle.unpacked))
+        self.rulebook.handle_died(handle.entry, handle.unpacked)
 
-    # `NormActRecipes` talks to "the engine" through these two.
-    def lookup_record(self, t: torch.Tensor) -> _Decision | None:
-        index = self.lookup(t)
-        if index is None:
-            return None
-        return _Decision("recompute" if self.records[index].record.recompute else "keep")
+    def _register_end_callback(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task in self._callback_tasks:
+            return
+        self._callback_tasks.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
-    # ---- module and block positions (the engine's `_module_start` / `_block_start` / `_block_end`) -----
-    def on_module_pre(self, name: str, is_block: bool) -> None:
+    def _backward_end(self) -> None:
+        self.event(BACKWARD_END)
+        self.rulebook.backward_end()
+
+    # ---- module and block events (the engine's `_module_start` / `_module_end` / markers) ---------------
+    def on_module_pre(self, name: str, is_block: bool, module: nn.Module, args, kwargs, root: bool) -> None:
         self.module_stack.append(name)
-        if self.in_forward:
-            self.engine_module_stack.append(name)
-            self.seq += 1
-            self.module_starts.append((self.seq, len(self.ops), is_block))
-
-    def on_module_post(self, name: str, output) -> None:
-        if self.module_stack:
-            self.module_stack.pop()
-        if self.in_forward and self.engine_module_stack:
-            self.engine_module_stack.pop()
-        if self.in_forward:
-            total = sum(t.untyped_storage().nbytes() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
-            self.module_output_bytes[name] = self.module_output_bytes.get(name, 0) + total
-
-    def on_block_pre(self, name: str) -> None:
         if not self.in_forward:
             return
-        ordinal = len(self.block_fwd)
-        self.block_fwd.append(len(self.ops))
-        self.block_names.append(name)
-        self.block_stack.append(ordinal)
-        self.last_block = ordinal
+        if root:
+            self.input_storages |= storage_keys(tensors_in((args, kwargs)))
+        if name not in self.module_ids:
+            self.module_ids[name] = len(self.module_names)
+            self.module_names.append(name)
+        self.event(MODULE_START, self.module_ids[name], int(is_block))
+        self.rulebook.module_start(name, is_block)
 
-    def on_block_post(self, output) -> None:
-        if not self.in_forward or not self.block_stack:
+    def on_module_post(self, is_block: bool, output) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+        if not self.in_forward:
             return
-        ordinal = self.block_stack.pop()
-        for tensor in tree_leaves(output):
-            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+        self.event(MODULE_END, 0, int(is_block))
+        ordinal = self.rulebook.module_end(is_block)
+        if ordinal is None:
+            return
+        for tensor in tensors_in(output):
+            if tensor.grad_fn is not None:
                 tensor.grad_fn.register_prehook(functools.partial(self.on_block_backward, ordinal))
 
     def on_block_backward(self, ordinal: int, grad_outputs) -> None:
-        self.seq += 1
-        self.markers.append((self.seq, len(self.ops), ordinal))
-        self.block_bwd.setdefault(ordinal, len(self.ops))
+        self._register_end_callback()
+        self.event(MARKER, ordinal)
+        self.rulebook.marker(ordinal)
+
+    def on_region_done(self, args: tuple) -> None:
+        if not self.in_forward:
+            return
+        entries = [entry for entry in (self.index.find(t) for t in tensors_in(list(args))) if entry is not None]
+        self.event(REGION_DONE, len(self.regions))
+        self.regions.append([entry.index for entry in entries])
+        self.rulebook.region_done(entries)
 
 
-class _EngineView:
-    """The two engine methods `NormActRecipes` calls (`lookup`, `pack`) and the one `Recipe.materialize`
-    calls (`unpack`), answered by the tracer."""
-
-    def __init__(self, tracer: _Tracer):
-        self.tracer = tracer
-
-    def lookup(self, t: torch.Tensor):
-        return self.tracer.lookup_record(t)
-
-    def pack(self, t: torch.Tensor):
-        return self.tracer.pack(t)
-
-    def unpack(self, handle):
-        return self.tracer.unpack(handle)
+def _bytes_accessed(tensors: list[torch.Tensor]) -> int:
+    """Bytes an op touches: each tensor's view (numel x element size), summed per storage and capped at
+    the storage's size (an op on a channel slice touches the slice, not the whole tensor)."""
+    per_storage: dict[int, list[int]] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        counted = per_storage.setdefault(storage._cdata, [0, storage.nbytes()])
+        counted[0] = min(counted[1], counted[0] + tensor.numel() * tensor.element_size())
+    return sum(counted for counted, _ in per_storage.values())
 
 
 # --------------------------------------------------------------------------------------------------------
 # Public entry
 # --------------------------------------------------------------------------------------------------------
-
-
-def soft_dice_loss(probs: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
-    """Ellis's weighted Dice loss (model.md §1.6), the default loss of a traced step."""
-    dims = tuple(range(2, probs.dim()))
-    numerator = 2 * (probs * target).sum(dims) + smooth
-    denominator = probs.sum(dims) + target.sum(dims) + smooth
-    return -(numerator / denominator).mean()
-
-
-def default_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The training loss (`brats_swap.train.losses.weighted_dice_loss`) when available."""
-    try:
-        from brats_swap.train.losses import weighted_dice_loss
-    except ImportError:
-        return soft_dice_loss
-    return weighted_dice_loss
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -513,87 +479,108 @@ def variant_name(recompute: RecomputeConfig | None) -> str:
     return "+".join(parts) or "plain"
 
 
+def _instrument(meta_model: nn.Module, tracer: _Tracer, blocks: Sequence[str] | None, dtype: torch.dtype,
+                recompute: RecomputeConfig | None) -> list:
+    """Install on the meta copy what the engine installs on the real model (module and block hooks,
+    checkpoint wrappers, norm_act recipes) plus the autocast emulation; returns the hook handles."""
+    block_list = list(blocks) if blocks is not None else [name for name, _ in discover_blocks(meta_model)]
+    block_set = set(block_list)
+    handles = []
+    for name, module in meta_model.named_modules():
+        is_block = name in block_set
+        handles.append(module.register_forward_pre_hook(
+            functools.partial(_pre_hook, tracer, name, is_block, module is meta_model), with_kwargs=True))
+        handles.append(module.register_forward_hook(
+            lambda m, a, out, is_block=is_block: tracer.on_module_post(is_block, out), always_call=True))
+    if dtype in (torch.bfloat16, torch.float16):
+        _AutocastEmulation(meta_model, dtype, tracer)
+    if recompute is not None and recompute.modules:
+        CheckpointedModules(meta_model, list(recompute.modules), on_done=tracer.on_region_done)
+    if recompute is not None and recompute.norm_act:
+        tracer.recipes = NormActRecipes(meta_model, tracer)
+    return handles
+
+
+def _pre_hook(tracer: _Tracer, name: str, is_block: bool, root: bool, module, args, kwargs) -> None:
+    tracer.on_module_pre(name, is_block, module, args, kwargs, root)
+
+
+def _run_step(meta_model: nn.Module, tracer: _Tracer, step: Callable[[nn.Module], torch.Tensor]) -> int:
+    """Forward + loss under the saved-tensor hooks (as inside `engine.step()`), then backward outside
+    them. Returns the op index where backward starts."""
+    with tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack):
+        tracer.in_forward = True
+        if tracer.recipes is not None:
+            tracer.recipes.active = True
+        try:
+            loss = step(meta_model)
+        finally:
+            tracer.in_forward = False
+            if tracer.recipes is not None:
+                tracer.recipes.active = False
+                tracer.recipes.reset()
+        tracer.event(FORWARD_END)
+        tracer.rulebook.forward_end()
+        fwd_end = len(tracer.ops)
+        tracer.phase = BACKWARD
+        loss.backward()
+        del loss
+        tracer.sweep()
+    return fwd_end
+
+
 def trace_step(
     model: nn.Module,
     input_shape: Sequence[int],
     *,
-    dtype: torch.dtype | str = torch.float32,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    dtype: torch.dtype | str = torch.float32,
     target_channels: int | None = None,
     recompute: RecomputeConfig | None = None,
     blocks: Sequence[str] | None = None,
     train: bool = True,
+    step: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
 ) -> Trace:
-    """Run forward + loss + backward of `model` on `meta` at `input_shape` (B, C, D, H, W) and record it.
+    """Run forward + `loss_fn(output, target)` + backward of `model` on `meta` at `input_shape`
+    (B, C, D, H, W) and record it.
 
-    `dtype` bfloat16 emulates bf16 autocast. `recompute` applies the engine's recompute machinery
-    (checkpointed modules, norm_act recipes) to the meta copy. `blocks` overrides the engine's
-    `discover_blocks`. The input model is not modified.
+    The caller passes the training loss: its saved tensors and temporaries are part of the step. A model
+    with another calling convention passes `step(model, x) -> loss` instead (x: the meta batch; make any
+    other argument on `x.device`). `dtype` bfloat16 or float16 emulates autocast in that dtype.
+    `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
+    meta copy. `blocks` overrides the engine's `discover_blocks`. The target has `target_channels`
+    (default: the model's `out_channels`, else the output's shape). The input model is not modified.
     """
-    from brats_swap.memory.engine import discover_blocks
-    from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
-
+    if (loss_fn is None) == (step is None):
+        raise ValueError("trace_step needs exactly one of loss_fn and step")
     started = time.perf_counter()
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    loss_fn = loss_fn or default_loss()
     meta_model = meta_copy(model)
     meta_model.train(train)
     params = list(meta_model.parameters())
     buffers = list(meta_model.buffers())
     tracer = _Tracer({t.untyped_storage()._cdata for t in params + buffers})
-    modules = dict(meta_model.named_modules())
-    block_list = list(blocks) if blocks is not None else [name for name, _ in discover_blocks(meta_model)]
-
-    handles = []
-    block_set = set(block_list)
-    for name, module in modules.items():
-        handles.append(module.register_forward_pre_hook(
-            lambda m, a, name=name, is_block=name in block_set: tracer.on_module_pre(name, is_block)))
-        handles.append(module.register_forward_hook(
-            lambda m, a, out, name=name: tracer.on_module_post(name, out), always_call=True))
-    for name in block_list:
-        module = modules[name]
-        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: tracer.on_block_pre(name)))
-        handles.append(module.register_forward_hook(lambda m, a, out: tracer.on_block_post(out), always_call=True))
-    if dtype in (torch.bfloat16, torch.float16):
-        _AutocastEmulation(meta_model, dtype, tracer)
-    if recompute is not None and recompute.modules:
-        CheckpointedModules(meta_model, list(recompute.modules))
-    if recompute is not None and recompute.norm_act:
-        tracer.recipes = NormActRecipes(meta_model, _EngineView(tracer))
+    handles = _instrument(meta_model, tracer, blocks, dtype, recompute)
 
     # The batch and its target are storages of the step, allocated before it and held by the caller to
-    # its end; the input is saved by the first convolution like any activation.
+    # its end; the input is saved by the first convolution and kept (the caller holds it).
     x = torch.empty(tuple(input_shape), device="meta")
     tracer.storage_id(x.untyped_storage())
-    channels = target_channels or getattr(model, "out_channels", None)
-    target = None
-    if channels is not None:
-        target = torch.empty((input_shape[0], channels, *input_shape[2:]), device="meta")
-        tracer.storage_id(target.untyped_storage())
+    held = [x]
+    if step is None:
+        channels = target_channels or getattr(model, "out_channels", None)
+        if channels is not None:
+            held.append(torch.empty((input_shape[0], channels, *input_shape[2:]), device="meta"))
+            tracer.storage_id(held[-1].untyped_storage())
 
+        def step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            output = module(batch)
+            if len(held) == 1:
+                held.append(torch.empty_like(output))
+                tracer.storage_id(held[-1].untyped_storage())
+            return loss_fn(output, held[1])
     try:
-        with tracer, torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack):
-            tracer.in_forward = True
-            if tracer.recipes is not None:
-                tracer.recipes.active = True
-            try:
-                probs = meta_model(x)
-                if target is None:
-                    target = torch.empty_like(probs)
-                    tracer.storage_id(target.untyped_storage())
-                loss = loss_fn(probs, target)
-            finally:
-                tracer.in_forward = False
-                if tracer.recipes is not None:
-                    tracer.recipes.active = False
-                    tracer.recipes.reset()
-            del probs
-            fwd_end = len(tracer.ops)
-            tracer.phase = BACKWARD
-            loss.backward()
-            del loss
-            tracer.sweep()
+        fwd_end = _run_step(meta_model, tracer, lambda module: step(module, x))
     finally:
         for handle in handles:
             handle.remove()
@@ -601,27 +588,13 @@ def trace_step(
             tracer.recipes.remove()
     n_ops = len(tracer.ops)
     for storage in tracer.storages:
-        if storage.free_op > n_ops:
-            storage.free_op = n_ops
-    input_bytes = x.untyped_storage().nbytes() + target.untyped_storage().nbytes()
+        storage.free_op = min(storage.free_op, n_ops)
 
     return Trace(
-        input_shape=tuple(int(v) for v in input_shape),
-        dtype=str(dtype).removeprefix("torch."),
-        variant=variant_name(recompute),
-        ops=tracer.ops,
-        storages=tracer.storages,
-        records=tracer.records,
-        fwd_end=fwd_end,
-        block_names=tracer.block_names,
-        block_fwd_start=tracer.block_fwd,
-        block_bwd_start=[tracer.block_bwd.get(b, -1) for b in range(len(tracer.block_fwd))],
-        module_starts=tracer.module_starts,
-        markers=tracer.markers,
+        input_shape=tuple(int(v) for v in input_shape), dtype=str(dtype).removeprefix("torch."),
+        variant=variant_name(recompute), ops=tracer.ops, storages=tracer.storages, records=tracer.records,
+        events=tracer.events, module_names=tracer.module_names, regions=tracer.regions, fwd_end=fwd_end,
         param_bytes=sum(p.untyped_storage().nbytes() for p in params),
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in buffers),
-        input_bytes=input_bytes,
-        module_output_bytes=tracer.module_output_bytes,
-        module_conv_flops=tracer.module_conv_flops,
-        seconds=time.perf_counter() - started,
+        input_bytes=sum(t.untyped_storage().nbytes() for t in held), seconds=time.perf_counter() - started,
     )

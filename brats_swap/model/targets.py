@@ -1,56 +1,121 @@
-"""Label maps <-> the network's output channels, for both output kinds (`model.outputs`).
+"""Label maps <-> the network's output channels, for both output kinds (`model.outputs`), any challenge.
 
-- "labels" (Ellis/IBM, the paper): one sigmoid channel per tumour label of the edition, in table order
-  (1, 2, 4 for 2017-2021; 1, 2, 3 for 2023), no background channel. Prediction: argmax over the
-  channels mapped back to the label value, 0 where the largest probability is below the threshold.
-- "regions": one channel per BraTS region WT, TC, ET (nested masks). Prediction: the nested rule
-  WT -> edema label, TC inside WT -> core label, ET inside TC -> enhancing label.
+- "labels" (Ellis/IBM, the paper): one sigmoid channel per label of the case's table, in value order
+  (1, 2, 4 for 2017-2021; 1, 2, 3 for GLI 2023; 1 ET, 2 NETC, 3 CC, 4 ED for PED), no background channel.
+  Prediction: argmax over the channels mapped back to the label value, 0 where the largest probability is
+  below the threshold.
+- "regions": one channel per region, overlapping masks that are groups of the table (`model.regions`;
+  default the challenge's `ChallengeSpec.regions`: WT, TC, ET; + RC for GLI post-treatment and MET; + CC
+  for PED; GTV for MEN-RT). Prediction walks the regions from the largest down: where a region is above
+  the threshold (inside its parent, and ahead of any disjoint sibling with a higher probability) its own
+  label is painted, then its children are painted over it. For WT ⊃ TC ⊃ ET this is the classic nested
+  rule: WT -> edema, TC inside WT -> core, ET inside TC -> enhancing.
 
-Label values always come from the edition table (`brats_swap.data.editions`), never from literals.
+Which region sets can be trained: the regions must form a laminar family (any two nested or disjoint), no
+two may hold the same labels, each region must own exactly one label (the one left when the regions
+nested inside it are taken away) and every label of the table must be in some region. Then
+labels -> targets -> labels is exact, whatever the challenge; `region_tree` checks it and names
+`model.regions` when it does not hold.
+
+Label values always come from the challenge table (`brats_swap.data.challenges`), never from literals.
 Everything works on torch tensors and numpy arrays, with or without a batch dimension: a label map has
 3 spatial axes (D, H, W) or (B, D, H, W); probabilities/targets have a channel axis just before them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from brats_swap.data.editions import REGIONS, EditionSpec, get_edition, region_masks
+from brats_swap.data.challenges import ChallengeSpec, get_challenge, isin
+from brats_swap.errors import ConfigError
 
 Outputs = Literal["labels", "regions"]
+OUTPUT_KINDS: tuple[str, ...] = ("labels", "regions")
 
 SPATIAL_DIMS = 3
 
 
-def _spec(edition: EditionSpec | str) -> EditionSpec:
-    return get_edition(edition) if isinstance(edition, str) else edition
+@dataclass(frozen=True)
+class Region:
+    """One region target: its channel, labels, the one label it owns, and the regions nested right inside."""
+
+    name: str
+    channel: int
+    values: tuple[int, ...]
+    own_label: int
+    children: tuple[str, ...]
 
 
-def output_names(edition: EditionSpec | str, outputs: Outputs) -> list[str]:
-    """Channel names, e.g. ["NCR/NET", "ED", "ET"] for labels of 2021, ["WT", "TC", "ET"] for regions."""
-    spec = _spec(edition)
+def _spec(challenge: ChallengeSpec | str) -> ChallengeSpec:
+    return get_challenge(challenge)
+
+
+def _check_outputs(outputs: str) -> None:
+    if outputs not in OUTPUT_KINDS:
+        raise ValueError(f"model.outputs must be 'labels' or 'regions', got {outputs!r}")
+
+
+def region_names(challenge: ChallengeSpec | str, regions: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The region targets: `regions` (group names of the table) if given and non-empty, else the default."""
+    spec = _spec(challenge)
+    names = tuple(regions) if regions else spec.regions
+    unknown = [name for name in names if name not in spec.groups]
+    if unknown:
+        raise ConfigError(f"model.regions: {unknown[0]!r} is not an evaluation group of the {spec.key} table "
+                          f"(groups: {', '.join(spec.groups)})")
+    return names
+
+
+def region_tree(challenge: ChallengeSpec | str, regions: Sequence[str] | None = None) -> dict[str, Region]:
+    """The regions by name (channel order), each with its own label and children; ConfigError naming
+    `model.regions` when labels could not be recovered from them (see the module docstring)."""
+    spec = _spec(challenge)
+    names = region_names(spec, regions)
+    sets = {name: frozenset(spec.groups[name]) for name in names}
+
+    def fail(problem: str) -> ConfigError:
+        return ConfigError(f"model.regions: {problem} in the {spec.key} table, so its labels cannot be "
+                           f"recovered from regions {', '.join(names)}")
+
+    if len(set(names)) != len(names) or len(set(sets.values())) != len(sets):
+        raise fail("two regions hold the same labels")
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            if sets[a] & sets[b] and not (sets[a] <= sets[b] or sets[b] <= sets[a]):
+                raise fail(f"{a} and {b} overlap without one holding the other")
+    parents = {name: min((other for other in names if sets[name] < sets[other]), key=lambda o: len(sets[o]),
+                         default=None) for name in names}
+    tree = {}
+    for channel, name in enumerate(names):
+        children = tuple(other for other in names if parents[other] == name)
+        own = sets[name] - frozenset().union(*(sets[child] for child in children))
+        if len(own) != 1:
+            raise fail(f"{name} owns {len(own)} labels besides the regions inside it (needs exactly 1)")
+        tree[name] = Region(name, channel, tuple(sorted(sets[name])), next(iter(own)), children)
+    uncovered = set(spec.labels) - set().union(*sets.values())
+    if uncovered:
+        value = min(uncovered)
+        raise fail(f"label {value} ({spec.labels[value]}) is in no region")
+    return tree
+
+
+def output_names(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequence[str] | None = None) -> list[str]:
+    """Channel names, e.g. ["NCR/NET", "ED", "ET"] for labels of 2021, ["WT", "TC", "ET", "CC"] for PED regions."""
+    _check_outputs(outputs)
+    spec = _spec(challenge)
     if outputs == "labels":
         return [spec.labels[value] for value in spec.label_values]
-    if outputs == "regions":
-        return list(REGIONS)
-    raise ValueError(f"model.outputs must be 'labels' or 'regions', got {outputs!r}")
+    return list(region_tree(spec, regions))
 
 
-def num_outputs(edition: EditionSpec | str, outputs: Outputs) -> int:
-    """How many sigmoid channels the network needs for this edition and output kind."""
-    return len(output_names(edition, outputs))
-
-
-def core_label(edition: EditionSpec | str) -> int:
-    """The tumour-core label that is neither edema nor enhancing (NCR/NET in 2017-2021, NETC in 2023)."""
-    spec = _spec(edition)
-    others = [v for v in spec.label_values if v not in (spec.edema, spec.enhancing)]
-    if len(others) != 1:
-        raise ValueError(f"edition {spec.name} has no single core label besides edema and enhancing: {others}")
-    return others[0]
+def num_outputs(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequence[str] | None = None) -> int:
+    """How many sigmoid channels the network needs for this table, output kind (and `model.regions`)."""
+    return len(output_names(challenge, outputs, regions))
 
 
 def _stack(masks: list, channel_dim: int):
@@ -59,68 +124,93 @@ def _stack(masks: list, channel_dim: int):
     return torch.stack(masks, dim=channel_dim).to(torch.float32)
 
 
-def targets_from_labels(label, edition: EditionSpec | str, outputs: Outputs):
+def targets_from_labels(label, challenge: ChallengeSpec | str, outputs: Outputs,
+                        regions: Sequence[str] | None = None):
     """Binary float32 targets from a label map: (B, D, H, W) -> (B, C, D, H, W), or (D, H, W) -> (C, D, H, W)."""
-    spec = _spec(edition)
+    _check_outputs(outputs)
+    spec = _spec(challenge)
     if label.ndim not in (SPATIAL_DIMS, SPATIAL_DIMS + 1):
         raise ValueError(f"label map must be (D, H, W) or (B, D, H, W), got shape {tuple(label.shape)}")
     channel_dim = label.ndim - SPATIAL_DIMS
     if outputs == "labels":
         masks = [label == value for value in spec.label_values]
-    elif outputs == "regions":
-        regions = region_masks(label, spec)
-        masks = [regions[name] for name in REGIONS]
     else:
-        raise ValueError(f"model.outputs must be 'labels' or 'regions', got {outputs!r}")
+        masks = [isin(label, region.values) for region in region_tree(spec, regions).values()]
     return _stack(masks, channel_dim)
 
 
-def labels_from_probs(probs, edition: EditionSpec | str, outputs: Outputs, threshold: float = 0.5):
-    """A uint8 label map in the edition's raw values from (B, C, D, H, W) or (C, D, H, W) probabilities.
+def labels_from_probs(probs, challenge: ChallengeSpec | str, outputs: Outputs, threshold: float = 0.5,
+                      regions: Sequence[str] | None = None):
+    """A uint8 label map in the table's raw values from (B, C, D, H, W) or (C, D, H, W) probabilities.
 
     "labels": argmax channel -> its label value; 0 where the largest probability is < threshold (Ellis's
-    `get_prediction_labels`). "regions": 0, then edema where WT > threshold, the core label where also
-    TC > threshold, the enhancing label where also ET > threshold.
+    `get_prediction_labels`). "regions": the region walk of the module docstring.
     """
-    spec = _spec(edition)
+    spec = _spec(challenge)
     if probs.ndim not in (SPATIAL_DIMS + 1, SPATIAL_DIMS + 2):
         raise ValueError(f"probabilities must be (C, D, H, W) or (B, C, D, H, W), got shape {tuple(probs.shape)}")
     channel_dim = probs.ndim - SPATIAL_DIMS - 1
-    expected = num_outputs(spec, outputs)
+    expected = num_outputs(spec, outputs, regions)
     if probs.shape[channel_dim] != expected:
         raise ValueError(f"probabilities have {probs.shape[channel_dim]} channels, "
-                         f"{outputs} of edition {spec.name} need {expected}")
-    if isinstance(probs, np.ndarray):
-        return _labels_from_probs_numpy(probs, spec, outputs, threshold, channel_dim)
-    return _labels_from_probs_torch(probs, spec, outputs, threshold, channel_dim)
-
-
-def _labels_from_probs_numpy(probs: np.ndarray, spec: EditionSpec, outputs: Outputs, threshold: float,
-                             channel_dim: int) -> np.ndarray:
+                         f"{outputs} of {spec.key} need {expected}")
     if outputs == "labels":
-        values = np.asarray(spec.label_values, dtype=np.uint8)
-        label = values[np.argmax(probs, axis=channel_dim)]
-        label[np.max(probs, axis=channel_dim) < threshold] = 0
-        return label
-    wt, tc, et = (np.take(probs, i, axis=channel_dim) > threshold for i in range(len(REGIONS)))
-    label = np.zeros(wt.shape, dtype=np.uint8)
-    label[wt] = spec.edema
-    label[wt & tc] = core_label(spec)
-    label[wt & tc & et] = spec.enhancing
+        if isinstance(probs, np.ndarray):
+            return _argmax_labels_numpy(probs, spec, threshold, channel_dim)
+        return _argmax_labels_torch(probs, spec, threshold, channel_dim)
+    return _labels_from_regions(probs, region_tree(spec, regions), threshold, channel_dim)
+
+
+def _argmax_labels_numpy(probs: np.ndarray, spec: ChallengeSpec, threshold: float, channel_dim: int) -> np.ndarray:
+    values = np.asarray(spec.label_values, dtype=np.uint8)
+    label = values[np.argmax(probs, axis=channel_dim)]
+    label[np.max(probs, axis=channel_dim) < threshold] = 0
     return label
 
 
-def _labels_from_probs_torch(probs: torch.Tensor, spec: EditionSpec, outputs: Outputs, threshold: float,
-                             channel_dim: int) -> torch.Tensor:
-    if outputs == "labels":
-        values = torch.tensor(spec.label_values, dtype=torch.uint8, device=probs.device)
-        max_prob, index = probs.max(dim=channel_dim)
-        label = values[index]
-        label[max_prob < threshold] = 0
-        return label
-    wt, tc, et = (probs.select(channel_dim, i) > threshold for i in range(len(REGIONS)))
-    label = torch.zeros(wt.shape, dtype=torch.uint8, device=probs.device)
-    label[wt] = spec.edema
-    label[wt & tc] = core_label(spec)
-    label[wt & tc & et] = spec.enhancing
+def _argmax_labels_torch(probs: torch.Tensor, spec: ChallengeSpec, threshold: float,
+                         channel_dim: int) -> torch.Tensor:
+    values = torch.tensor(spec.label_values, dtype=torch.uint8, device=probs.device)
+    max_prob, index = probs.max(dim=channel_dim)
+    label = values[index]
+    label[max_prob < threshold] = 0
     return label
+
+
+def _labels_from_regions(probs, tree: dict[str, Region], threshold: float, channel_dim: int):
+    """Paint each region's own label where it wins, largest regions first (children over their parent)."""
+    numpy = isinstance(probs, np.ndarray)
+
+    def channel(region: Region):
+        return np.take(probs, region.channel, axis=channel_dim) if numpy else probs.select(channel_dim, region.channel)
+
+    first = channel(next(iter(tree.values())))
+    label = np.zeros(first.shape, dtype=np.uint8) if numpy else torch.zeros(first.shape, dtype=torch.uint8,
+                                                                            device=probs.device)
+    roots = [region for region in tree.values() if not any(region.name in r.children for r in tree.values())]
+    pending = [(roots, None)]  # (siblings, mask of where their parent won; None = everywhere)
+    while pending:
+        siblings, allowed = pending.pop(0)
+        for region, won in zip(siblings, _winners([channel(r) for r in siblings], threshold, numpy), strict=True):
+            if allowed is not None:
+                won = won & allowed
+            label[won] = region.own_label
+            if region.children:
+                pending.append(([tree[name] for name in region.children], won))
+    return label
+
+
+def _winners(sibling_probs: list, threshold: float, numpy: bool) -> list:
+    """Per sibling, where it is above the threshold and no other sibling there has a higher probability
+    (ties: the first in channel order). Siblings are disjoint in the truth, so at most one may win."""
+    active = [p > threshold for p in sibling_probs]
+    if len(sibling_probs) == 1:
+        return active
+    if numpy:
+        scores = np.stack([np.where(a, p, -1.0) for a, p in zip(active, sibling_probs, strict=True)])
+        best = np.argmax(scores, axis=0)
+    else:
+        scores = torch.stack([torch.where(a, p, torch.full_like(p, -1.0)) for a, p in
+                              zip(active, sibling_probs, strict=True)])
+        best = torch.argmax(scores, dim=0)
+    return [a & (best == index) for index, a in enumerate(active)]

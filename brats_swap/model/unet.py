@@ -50,20 +50,47 @@ class ModelInputError(ConfigError, ValueError):
 # --------------------------------------------------------------------------------------------------------
 
 
+# A channel slice of the norm's working set is kept to about this many bytes (fp32). Small tensors take
+# one slice (one kernel per op, as unchunked); large ones up to eight.
+_NORM_CHUNK_BYTES = 64 * 2**20
+_NORM_MAX_CHUNKS = 8
+
+
+def _channel_chunks(x: torch.Tensor) -> list[slice]:
+    """Channel slices the norm works through one at a time, so its full-size temporaries shrink up to 8x.
+
+    The instance-norm backward needs the centred input, the normalised input and several products of the
+    same size; computed at once they are about six full-size fp32 tensors, which set the memory floor of the
+    whole step at large volumes. Statistics are per channel, so working through channel slices is exact;
+    a slice holds at least two channels because a single-channel slice is contiguous and takes a different
+    (differently rounded) reduction kernel than the unchunked op.
+    """
+    channels = x.shape[1]
+    wanted = min(_NORM_MAX_CHUNKS, max(1, (x.numel() * 4) // _NORM_CHUNK_BYTES))
+    size = max(2, -(-channels // wanted))
+    return [slice(start, start + size) for start in range(0, channels, size)]
+
+
 class _KerasInstanceNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
         dims = tuple(range(2, x.dim()))
         compute_dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp16, fp64 stays fp64
-        x32 = x.to(compute_dtype)
-        mean = x32.mean(dim=dims, keepdim=True)
-        std = (x32 - mean).square().mean(dim=dims, keepdim=True).sqrt()
         shape = (1, -1) + (1,) * len(dims)
-        scale = weight.to(compute_dtype).view(shape) / (std + eps)
-        out = (x32 - mean) * scale + bias.to(compute_dtype).view(shape)
+        stats_shape = (x.shape[0], x.shape[1]) + (1,) * len(dims)
+        mean = x.new_empty(stats_shape, dtype=compute_dtype)
+        std = x.new_empty(stats_shape, dtype=compute_dtype)
+        out = torch.empty_like(x)
+        for chunk in _channel_chunks(x):
+            x32 = x[:, chunk].to(compute_dtype)
+            mean[:, chunk] = x32.mean(dim=dims, keepdim=True)
+            centered = x32 - mean[:, chunk]
+            std[:, chunk] = centered.square().mean(dim=dims, keepdim=True).sqrt()
+            scale = weight[chunk].to(compute_dtype).view(shape) / (std[:, chunk] + eps)
+            out[:, chunk] = centered * scale + bias[chunk].to(compute_dtype).view(shape)
         ctx.eps = eps
         ctx.save_for_backward(x, weight, mean, std)
-        return out.to(x.dtype)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -75,22 +102,26 @@ class _KerasInstanceNormFunction(torch.autograd.Function):
         x, weight, mean, std = ctx.saved_tensors
         dims = tuple(range(2, x.dim()))
         shape = (1, -1) + (1,) * len(dims)
-        grad32 = grad_out.to(mean.dtype)
-        centered = x.to(mean.dtype) - mean
-        denom = std + ctx.eps
-        xhat = centered / denom
-
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad32.sum(dim=(0,) + dims).to(weight.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad32 * xhat).sum(dim=(0,) + dims).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            g = grad32 * weight.to(mean.dtype).view(shape)
-            g_mean = g.mean(dim=dims, keepdim=True)
-            g_xhat_mean = (g * xhat).mean(dim=dims, keepdim=True)
-            sigma = std.clamp_min(torch.finfo(std.dtype).tiny)
-            grad_x = ((g - g_mean - centered / sigma * g_xhat_mean) / denom).to(x.dtype)
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = torch.empty_like(weight) if need_bias else None
+        for chunk in _channel_chunks(x):
+            grad32 = grad_out[:, chunk].to(mean.dtype)
+            centered = x[:, chunk].to(mean.dtype) - mean[:, chunk]
+            denom = std[:, chunk] + ctx.eps
+            xhat = centered / denom
+            if need_bias:
+                grad_bias[chunk] = grad32.sum(dim=(0,) + dims).to(weight.dtype)
+            if need_weight:
+                grad_weight[chunk] = (grad32 * xhat).sum(dim=(0,) + dims).to(weight.dtype)
+            if need_x:
+                g = grad32 * weight[chunk].to(mean.dtype).view(shape)
+                g_mean = g.mean(dim=dims, keepdim=True)
+                g_xhat_mean = (g * xhat).mean(dim=dims, keepdim=True)
+                del xhat
+                sigma = std[:, chunk].clamp_min(torch.finfo(std.dtype).tiny)
+                grad_x[:, chunk] = (g - g_mean - centered / sigma * g_xhat_mean) / denom
         return grad_x, grad_weight, grad_bias, None
 
 
@@ -100,6 +131,8 @@ class KerasInstanceNorm(nn.Module):
     No running statistics (train and eval behave the same, as in keras_contrib). `weight` starts at 1
     and `bias` at 0, like Keras' `gamma`/`beta`.
     """
+
+    replayable_norm = True  # forward(x) is pure in (x, weight, bias): memory's norm_act may re-run it
 
     def __init__(self, channels: int, eps: float = 1e-3):
         super().__init__()

@@ -1,11 +1,20 @@
-"""Device and mixed-precision resolution: one answer for training, evaluation and the planner."""
+"""Device and mixed-precision resolution (one answer for training, evaluation and the planner), and the
+process-wide torch settings a run needs: seeds, threads, determinism, peak memory.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import random
+import resource
+import sys
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 
+from brats_swap.config import Config
 from brats_swap.errors import ConfigError
 
 # `train.amp` -> the dtype autocast computes in; `none` trains in float32.
@@ -38,3 +47,42 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device: {name!r} requested but CUDA is not available")
     return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (model initialisation, dropout)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def torch_settings(config: Config, device: torch.device) -> Iterator[None]:
+    """Threads and determinism for the duration of training, restored afterwards (tests share a process)."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    benchmark = torch.backends.cudnn.benchmark
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    if config.train.deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.backends.cudnn.benchmark = benchmark
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the peak of allocated device memory since the last reset; CPU: the process's peak resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

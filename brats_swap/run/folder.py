@@ -34,6 +34,10 @@ COMPARE_JSON = "compare.json"
 COMPARE_MD = "compare.md"
 FIGURES_DIR = "figures"
 COMPARE_ARMS = ("full", "patch")
+# Figures of a run (in figures/); DICE_BOXPLOT below is also the cv summary's figure name.
+COMPARE_BOXPLOT = "compare_dice_boxplot.png"
+COMPARE_OVERLAYS = "compare_overlays.png"
+TRAINING_CURVES = "training_curves.png"
 
 LATEST = "checkpoint_latest.pt"
 PREVIOUS = "checkpoint_prev.pt"
@@ -48,6 +52,13 @@ SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 DICE_BOXPLOT = "dice_boxplot.png"
 PREDICTIONS_DIR = "predictions"
+FOLD_PREFIX = "fold_"
+
+
+def _fold_index(name: str) -> int | None:
+    """k for a folder named `fold_<k>`, else None."""
+    suffix = name[len(FOLD_PREFIX):] if name.startswith(FOLD_PREFIX) else ""
+    return int(suffix) if suffix.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,15 @@ class FoldFolder:
 
     root: Path
     fold: int
+
+    @classmethod
+    def at(cls, root: Path | str) -> FoldFolder:
+        """The fold folder at path `root`, which must be named `fold_<k>`."""
+        root = Path(root)
+        index = _fold_index(root.name)
+        if index is None:
+            raise ValueError(f"{root}: not a fold folder (expected a name like fold_0)")
+        return cls(root, index)
 
     @property
     def latest(self) -> Path:
@@ -124,21 +144,22 @@ class RunFolder:
         object.__setattr__(self, "root", Path(self.root))
 
     @classmethod
+    def of(cls, run: RunFolder | Path | str) -> RunFolder:
+        """`run` as a RunFolder: functions that take a run accept the folder object or its path."""
+        return run if isinstance(run, RunFolder) else cls(Path(run))
+
+    @classmethod
     def default_for(cls, config_name: str, runs_root: Path | str = "runs") -> RunFolder:
         """`runs/<config name>`, the folder a command uses when no `--run` is given."""
         return cls(Path(runs_root) / config_name)
 
     def fold(self, k: int) -> FoldFolder:
-        return FoldFolder(self.root / f"fold_{int(k)}", int(k))
+        return FoldFolder(self.root / f"{FOLD_PREFIX}{int(k)}", int(k))
 
     def existing_folds(self) -> list[int]:
         """Fold indices that have a `fold_<k>/` folder, sorted."""
-        folds = []
-        for path in self.root.glob("fold_*"):
-            suffix = path.name[len("fold_"):]
-            if path.is_dir() and suffix.isdigit():
-                folds.append(int(suffix))
-        return sorted(folds)
+        indices = (_fold_index(path.name) for path in self.root.glob(f"{FOLD_PREFIX}*") if path.is_dir())
+        return sorted(index for index in indices if index is not None)
 
     @property
     def config(self) -> Path:
@@ -187,6 +208,27 @@ class RunFolder:
     def figure(self, name: str) -> Path:
         """`figures/<name>` (e.g. `dice_boxplot.png`)."""
         return self.figures / name
+
+    @property
+    def cv_boxplot(self) -> Path:
+        """`figures/dice_boxplot.png`: per-case Dice of every evaluated fold (the cv summary's figure)."""
+        return self.figure(DICE_BOXPLOT)
+
+    @property
+    def compare_boxplot(self) -> Path:
+        return self.figure(COMPARE_BOXPLOT)
+
+    @property
+    def compare_overlays(self) -> Path:
+        return self.figure(COMPARE_OVERLAYS)
+
+    @property
+    def training_curves(self) -> Path:
+        return self.figure(TRAINING_CURVES)
+
+    def relative(self, path: Path) -> str:
+        """`path` as the run's reports link it (`figures/x.png`): relative to the run, forward slashes."""
+        return Path(path).relative_to(self.root).as_posix()
 
     def arm(self, name: str) -> RunFolder:
         """A compare arm (`full` or `patch`): a run folder of its own inside this one."""

@@ -1,1 +1,1 @@
-"""Training: the explicit loop (`loop.train_fold`), the data pipeline, checkpoints and the loss."""
+"""Training: the fold recipe (`loop.train_fold`), the data pipeline, the loss, memory planning and reports."""

@@ -1,71 +1,83 @@
-"""Memory planning for the project's model and configs: `memory.mode: auto` for a fold, and the
-out-of-memory advice. The memory package knows nothing about configs files or the U-Net; this module is
-where the two meet.
+"""Memory planning for the project's model and configs: the memory policy of a fold (`memory.mode: auto`
+planned once), `brats-swap plan`, its timeline figure, and the out-of-memory advice.
+
+`brats_swap.memory` plans any model given its loss and the dtype its activations are saved in; it knows
+nothing about config files, the U-Net or AMP settings. This module is where the two meet: it builds
+the project's model, passes the training loss, and prices activations in `amp_dtype(train.amp)`, the one
+answer to which dtype training computes in.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
 
-from brats_swap.atomic import atomic_write_json
-from brats_swap.config import Config
+from brats_swap.atomic import atomic_path, atomic_write_json
+from brats_swap.config import Config, ConfigError, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
-from brats_swap.config.schema import MemoryConfig
 from brats_swap.errors import DeviceOutOfMemoryError
+from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
+from brats_swap.memory.policy import effective_memory_config
 from brats_swap.model import build_model
+from brats_swap.run.device import amp_dtype
+from brats_swap.run.folder import FoldFolder
+from brats_swap.train.losses import weighted_dice_loss
 
 console = Console(stderr=True, highlight=False)
-MEMORY_PLAN = "memory_plan.json"
+
+# `brats-swap plan --dtype`: the dtype activations are priced in (default: the one `train.amp` trains in).
+PLAN_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+               "fp16": torch.float16, "float16": torch.float16}
 
 
-def plan_memory(config: Config, model: torch.nn.Module, fold_dir: Path, input_shape: tuple[int, ...],
+def training_input_shape(config: Config) -> tuple[int, ...]:
+    """(batch, channels, D, H, W) of one training step: the cube, or the patch in `train.mode: patch`."""
+    sample = config.train.patch if config.train.mode == "patch" else config.data.cube
+    return (config.train.batch_size, config.model.in_channels, *sample)
+
+
+def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, input_shape: tuple[int, ...],
                 device: torch.device, reuse: bool) -> MemoryConfig:
-    """`memory.mode: auto` asks the planner once per fold and records the plan; resume reuses it."""
-    plan_path = fold_dir / MEMORY_PLAN
+    """The fold's memory policy, resolved once: what the engine runs, the checkpoint saves and the run records.
+
+    `memory.mode: auto` asks the planner for the fastest policy that fits `memory.budget_gib` and
+    records the plan in the fold's `memory_plan.json`; a resumed fold (`reuse`) reads it back instead of
+    planning again. Every mode then goes through `effective_memory_config` (e.g. `recompute` with nothing
+    to recompute means norm_act), so the result is the concrete policy, never `auto`.
+    """
+    if config.memory.mode != "auto":
+        return effective_memory_config(config.memory)
+    plan_path = folder.memory_plan
     if reuse and plan_path.exists():
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
-        return from_dict(MemoryConfig, saved["memory"], "memory")
-    from brats_swap.memory.planner import choose_policy
-
-    dtype = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.train.amp]
-    chosen, report = choose_policy(model, config.memory, input_shape, dtype, device)
-    atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": _plain(report),
+        return effective_memory_config(from_dict(MemoryConfig, saved["memory"], "memory"))
+    chosen, report = choose_policy(model, config.memory, input_shape, amp_dtype(config.train.amp), device,
+                                   loss_fn=weighted_dice_loss)
+    chosen = effective_memory_config(chosen)
+    atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
     console.print(f"memory.mode=auto: planner chose mode={chosen.mode} (plan in {plan_path})", markup=False)
     return chosen
 
 
-def _plain(report: Any) -> Any:
-    """A planner report as JSON-ready data, whatever its type."""
-    for method in ("as_dict", "to_dict"):
-        if hasattr(report, method):
-            return getattr(report, method)()
-    if dataclasses.is_dataclass(report) and not isinstance(report, type):
-        return dataclasses.asdict(report)
-    return report if isinstance(report, dict | list | str | int | float | type(None)) else str(report)
-
-
 def out_of_memory_error(device: torch.device, config: Config, where: str,
                         memory_cfg: MemoryConfig | None = None) -> DeviceOutOfMemoryError:
     """The OOM message with the planner's advice for this model, size and device: what the running policy
-    needs, and (on CUDA) the policy the planner would pick for this card."""
+    `memory_cfg` (the one `plan_memory` resolved; default `config.memory`) needs, and (on CUDA) the policy
+    the planner would pick for this card."""
     memory_cfg = memory_cfg or config.memory
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     budget = f"{0.9 * total:.0f}" if total else "N"
-    sample = config.train.patch if config.train.mode == "patch" else config.data.cube
-    shape = (config.train.batch_size, config.model.in_channels, *sample)
+    shape = training_input_shape(config)
     needs = pick = ""
     try:  # advice only: whatever goes wrong here must not hide the out-of-memory error itself
-        from brats_swap.memory.planner import GIB, Planner
-
-        dtype = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.train.amp]
-        planner = Planner(build_model(config.model, out_channels=3), shape, dtype=dtype)
+        planner = Planner(build_model(config.model, out_channels=3), shape, dtype=amp_dtype(config.train.amp),
+                          loss_fn=weighted_dice_loss)
         peak = planner.memory(memory_cfg).peak_bytes
         needs = f" the planner predicts it needs about {peak / GIB:.2f} GiB for input {list(shape)}"
         needs += f" on this {total:.0f} GiB device;" if total else ";"
@@ -82,3 +94,102 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
         advice = (f"try --set memory.mode=auto --set memory.budget_gib={budget}{pick} (the planner picks what to "
                   "swap or recompute), or a smaller data.cube / train.patch")
     return DeviceOutOfMemoryError(f"{where}: {device} ran out of memory with memory.mode={mode};{needs} {advice}")
+
+
+def plan_for_config(config: Config, *, size: int | None = None, batch: int | None = None,
+                    budget_gib: float | None = None, dtype: str | None = None,
+                    bandwidth_gbs: float | None = None, device: str = "auto",
+                    profile: dict | None = None) -> tuple[PlanReport, Planner]:
+    """`brats-swap plan`: the run's model at its cube (or `size`³) and batch, every policy priced.
+
+    Activations are priced in `dtype` (fp32, bf16, fp16), by default in the dtype `train.amp` trains in.
+    `budget_gib` and `bandwidth_gbs` replace `memory.budget_gib` / `memory.bandwidth_gbs` and are checked
+    as those keys are. `device` picks the time model: "cuda" measures this machine's GPU (a short profile
+    and a pinned copy loop), "cpu" uses CPU constants, "gpu" uses H200-class constants without measuring,
+    and "auto" measures when CUDA is available and otherwise assumes an H200-class GPU. `profile` is a
+    saved cost model (`--save-profile`) used instead of measuring.
+    """
+    cube = [size] * 3 if size is not None else list(config.data.cube)
+    batch = batch if batch is not None else config.train.batch_size
+    if batch < 1 or any(v < 1 for v in cube):
+        raise ConfigError(f"plan: batch {batch} and size {cube} must be positive")
+    if dtype is not None and dtype not in PLAN_DTYPES:
+        raise ConfigError(f"plan --dtype: {dtype!r} is not one of fp32, bf16, fp16")
+    torch_dtype = PLAN_DTYPES[dtype] if dtype is not None else amp_dtype(config.train.amp)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "gpu"
+    if device not in ("cpu", "cuda", "gpu") and not device.startswith("cuda:"):
+        raise ConfigError(f"plan --device: {device!r} is not one of auto, cpu, cuda, gpu")
+    if device.startswith("cuda") and profile is None and not torch.cuda.is_available():
+        raise ConfigError("plan --device cuda: CUDA is not available on this machine")
+    memory = copy.deepcopy(config.memory)
+    memory.budget_gib = budget_gib if budget_gib is not None else memory.budget_gib
+    memory.bandwidth_gbs = bandwidth_gbs if bandwidth_gbs is not None else memory.bandwidth_gbs
+    validate_memory_config(memory)
+    model = build_model(config.model)
+    cost = resolve_cost_model(model, device, torch_dtype, loss_fn=weighted_dice_loss, profile=profile,
+                              bandwidth_gbs=memory.bandwidth_gbs)
+    return plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype, cost=cost,
+                       loss_fn=weighted_dice_loss)
+
+
+_TIMELINE_COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "recompute": "#55A868", "stall": "#C44E52",
+                    "d2h": "#8172B3", "h2d": "#937860"}
+
+
+def _merged_bars(intervals: list[tuple[float, float, str]], gap: float, scale: float) -> list[tuple[float, float]]:
+    """Touching intervals joined, as (start, width) bars in `scale` units: a thousand kernels draw as a few."""
+    out: list[list[float]] = []
+    for start, end, _ in sorted(intervals):
+        if out and start - out[-1][1] <= gap:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s * scale, (e - s) * scale) for s, e in out]
+
+
+def write_timeline_png(planner: Planner, cfg: MemoryConfig, path: str | Path, title: str = "") -> Path:
+    """The predicted timeline of one step under `cfg` as a PNG (written atomically): compute, device-to-host
+    and host-to-device lanes plus device memory over time, the layout of the IBM data-swapping paper's
+    Figure 2."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timing = planner.time(cfg, keep_lanes=True)
+    memory = planner.memory(cfg, keep_timeline=True)
+    lanes, scale, gap = timing.lanes, 1e3, timing.step_s * 1e-4  # milliseconds
+    fig, (ax_lanes, ax_mem) = plt.subplots(2, 1, figsize=(12, 5.5), sharex=True,
+                                           gridspec_kw={"height_ratios": [1.4, 1]})
+    rows = [([i for i in lanes["compute"] if i[2] == "fwd"], "fwd", 3),
+            ([i for i in lanes["compute"] if i[2] == "bwd"], "bwd", 3),
+            ([i for i in lanes["compute"] if i[2] == "recompute"], "recompute", 3),
+            (lanes["stall"], "stall", 3), (lanes["d2h"], "d2h", 2), (lanes["h2d"], "h2d", 1)]
+    for intervals, kind, y in rows:
+        bars = _merged_bars(intervals, gap, scale)
+        if bars:
+            ax_lanes.broken_barh(bars, (y - 0.35, 0.7), facecolors=_TIMELINE_COLORS[kind], label=kind)
+    ax_lanes.set_yticks([1, 2, 3], ["H2D", "D2H", "compute"])
+    ax_lanes.legend(loc="upper right", ncol=6, fontsize=8)
+    ax_lanes.set_title(title or f"predicted step: {timing.step_s * 1e3:.1f} ms, "
+                                f"exposed transfer {timing.exposed_transfer_s * 1e3:.1f} ms")
+
+    times = [t * scale for t in timing.op_start[: len(memory.timeline)]]
+    usage = [(used + memory.persistent_bytes) / GIB for used in memory.timeline]
+    ax_mem.plot(times, usage, color="#333333", linewidth=1, drawstyle="steps-post")
+    ax_mem.axhline(memory.peak_gib, color=_TIMELINE_COLORS["stall"], linestyle="--", linewidth=0.8,
+                   label=f"peak {memory.peak_gib:.2f} GiB")
+    if planner.budget_gib is not None:
+        ax_mem.axhline(planner.budget_gib, color="black", linestyle=":", linewidth=0.8,
+                       label=f"budget {planner.budget_gib:g} GiB")
+    ax_mem.set_ylabel("device GiB")
+    ax_mem.set_xlabel("time (ms)")
+    ax_mem.set_ylim(bottom=0, top=max(max(usage), planner.budget_gib or 0) * 1.1)
+    ax_mem.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    return path

@@ -243,7 +243,7 @@ def assert_no_half_written_files(folder: Path) -> None:
 
     import yaml
 
-    from brats_swap.train.checkpoint import load_checkpoint
+    from brats_swap.run.checkpoint import load_checkpoint
 
     for path in sorted(Path(folder).rglob("*")):
         if not path.is_file() or any(part.startswith(".") for part in path.relative_to(folder).parts):

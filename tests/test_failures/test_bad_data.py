@@ -5,8 +5,10 @@ and the problem, without a traceback; `--debug` shows it. Without --strict, bad 
 from __future__ import annotations
 
 import errno
+import gzip
 import shutil
 
+import numpy as np
 import pytest
 from failure_helpers import DAMAGES, damage_nan, error_line, invoke
 
@@ -85,29 +87,60 @@ def test_duplicate_case_ids(one_case):
 
 def test_unreadable_file(one_case, monkeypatch):
     """chmod 000 does not stop root (the tests run as root here), so the denial is simulated where the
-    operating system would report it: the access check and nibabel's open."""
+    operating system would report it: the access check and the read of the file's bytes."""
     from brats_swap.data import nifti
 
     root, case_id = one_case
     denied = root / case_id / f"{case_id}_t2.nii.gz"
-    real_access, real_load = nifti.os.access, nifti.nib.load
+    real_access, real_read = nifti.os.access, nifti._read_bytes
 
     def access(path, mode, *args, **kwargs):
         return False if str(path) == str(denied) else real_access(path, mode, *args, **kwargs)
 
-    def load(path, *args, **kwargs):
+    def read(path):
         if str(path) == str(denied):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_load(path, *args, **kwargs)
+        return real_read(path)
 
     monkeypatch.setattr(nifti.os, "access", access)
     error_line(invoke("data", "check", "--strict", root), EXIT_BAD_INPUT, f"case {case_id}", denied.name,
                "permission denied")
-    # Past the access check (e.g. a file that changed in between), nibabel's own PermissionError is reported too.
+    # Past the access check (e.g. a file that changed in between), the read's own PermissionError is reported too.
     monkeypatch.setattr(nifti.os, "access", real_access)
-    monkeypatch.setattr(nifti.nib, "load", load)
+    monkeypatch.setattr(nifti, "_read_bytes", read)
     error_line(invoke("data", "check", "--strict", root), EXIT_BAD_INPUT, f"case {case_id}", denied.name,
                "ermission denied")
+
+
+def test_single_bit_flips_in_a_compressed_file_are_never_read_as_data(one_case, tmp_path):
+    """nibabel alone decodes most flipped bits of a .nii.gz silently into other voxels; the gzip CRC-32 and
+    length must refuse every one (a flip that leaves the decompressed bytes unchanged, e.g. in a padding
+    bit, is the only thing allowed through, and then the data is intact)."""
+    root, case_id = one_case
+    path = root / case_id / f"{case_id}_t2.nii.gz"
+    original = path.read_bytes()
+    half = len(original) // 2
+    positions = np.linspace(half, len(original) - 1, 50).astype(int)
+    refused = 0
+    for number, position in enumerate(positions):
+        damaged = bytearray(original)
+        damaged[position] ^= 1 << (number % 8)
+        path.write_bytes(bytes(damaged))
+        result = invoke("data", "check", "--strict", root)
+        if result.exit_code == 0:  # must then decode to exactly the original voxels
+            assert gzip.decompress(bytes(damaged)) == gzip.decompress(original), f"byte {position} read as data"
+            continue
+        line = error_line(result, EXIT_BAD_INPUT, f"case {case_id}: file {path.name}: ")
+        assert "damaged gzip data" in line or "unreadable or truncated" in line, line
+        refused += 1
+        last_refused = bytes(damaged)
+    assert refused >= 45  # harmless flips are rare (a few in 100 000)
+    # data prepare --strict refuses it the same way, and caches nothing.
+    path.write_bytes(last_refused)
+    cache = tmp_path / "cache"
+    prepare = invoke("data", "prepare", root, "--out", cache, "--strict", *PREPARE_SETTINGS)
+    error_line(prepare, EXIT_BAD_INPUT, f"case {case_id}", path.name, "gzip")
+    assert not (cache / case_id).exists()
 
 
 def test_unreadable_folder(one_case, monkeypatch):

@@ -28,7 +28,8 @@ from failure_helpers import (
 )
 
 from brats_swap.errors import EXIT_BAD_INPUT
-from brats_swap.train.checkpoint import BEST, LATEST, PREVIOUS, load_checkpoint, load_latest
+from brats_swap.run.checkpoint import load_checkpoint, load_latest
+from brats_swap.run.folder import BEST, LATEST, PREVIOUS
 
 EPOCHS = "train.max_epochs=3"
 

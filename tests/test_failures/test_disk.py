@@ -128,7 +128,8 @@ def test_real_write_failure_from_the_kernel(tmp_path, write):
 
 
 def test_full_disk_while_saving_a_checkpoint_keeps_the_previous_one(tmp_path):
-    from brats_swap.train.checkpoint import LATEST, PREVIOUS, load_checkpoint, load_latest, save_checkpoint
+    from brats_swap.run.checkpoint import load_checkpoint, load_latest, save_checkpoint
+    from brats_swap.run.folder import LATEST, PREVIOUS
 
     fold_dir = tmp_path / "fold_0"
     small = {"epoch": 1, "model": {"w": torch.arange(10.0)}}
@@ -227,7 +228,8 @@ def test_training_on_a_full_disk_keeps_the_previous_checkpoint(prepared_cache, t
     intact and resumable."""
     from failure_helpers import error_line, invoke, set_args
 
-    from brats_swap.train.checkpoint import LATEST, load_checkpoint
+    from brats_swap.run.checkpoint import load_checkpoint
+    from brats_swap.run.folder import LATEST
 
     real_write_bytes = Path.write_bytes
     calls = {"latest": 0}

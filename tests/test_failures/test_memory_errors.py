@@ -12,8 +12,9 @@ import torch
 from failure_helpers import error_line, invoke, loss_with_fault, set_args
 
 from brats_swap.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_MEMORY
+from brats_swap.run.checkpoint import load_checkpoint
+from brats_swap.run.folder import LATEST
 from brats_swap.train import loop, planning
-from brats_swap.train.checkpoint import LATEST, load_checkpoint
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 13.50 GiB. GPU 0 has a total capacity of 79.19 GiB"
 

@@ -13,8 +13,9 @@ import torch
 from failure_helpers import error_line, invoke, loss_with_fault, set_args
 
 from brats_swap.errors import EXIT_BAD_INPUT
+from brats_swap.run.checkpoint import load_checkpoint
+from brats_swap.run.folder import LATEST
 from brats_swap.train import loop
-from brats_swap.train.checkpoint import LATEST, load_checkpoint
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])

@@ -1,12 +1,12 @@
 """Inference on prepared cubes: the whole cube in one pass (full models) or MONAI's sliding window (patch models).
 
-Both return sigmoid probabilities of shape (B, 3, D, H, W) as float32 on the CPU, so the caller can map
-them back to the original grid without holding device memory.
+Training validates with it and evaluation predicts with it, so it sits under both. Both paths return
+sigmoid probabilities of shape (B, 3, D, H, W) as float32 on the CPU, so the caller can map them back to
+the original grid without holding device memory.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -14,14 +14,7 @@ from monai.inferers import sliding_window_inference
 from torch import nn
 
 from brats_swap.config import Config
-
-
-def autocast_context(device: torch.device, amp: str):
-    """`torch.autocast` for `train.amp` (bf16 / fp16), or a no-op context when AMP is off."""
-    if amp == "none":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+from brats_swap.run.device import autocast_context
 
 
 @torch.no_grad()

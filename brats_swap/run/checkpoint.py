@@ -16,6 +16,7 @@ import hashlib
 import io
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,9 @@ import torch
 
 from brats_swap.atomic import atomic_path
 from brats_swap.errors import CheckpointError
+from brats_swap.run.folder import PREVIOUS, FoldFolder
 
 CHECKPOINT_FORMAT = 1
-LATEST = "checkpoint_latest.pt"
-PREVIOUS = "checkpoint_prev.pt"
-BEST = "checkpoint_best.pt"
 
 
 def save_checkpoint(state: dict[str, Any], path: Path, *, keep_previous: bool = False) -> None:
@@ -70,13 +69,15 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable checkpoint payload ({exc.__class__.__name__})") from exc
 
 
-def load_latest(fold_dir: Path, warn=None) -> tuple[dict[str, Any], Path] | None:
+def load_latest(fold: FoldFolder | Path, warn: Callable[[str], None] | None = None,
+                ) -> tuple[dict[str, Any], Path] | None:
     """The newest good training state of a fold: latest, else prev (with a warning); None if neither exists.
 
-    Raises CheckpointError when files exist but none is usable.
+    `fold` is the fold's folder (or its `fold_<k>` path). Raises CheckpointError when files exist but
+    none is usable.
     """
-    fold_dir = Path(fold_dir)
-    latest, previous = fold_dir / LATEST, fold_dir / PREVIOUS
+    folder = fold if isinstance(fold, FoldFolder) else FoldFolder.at(fold)
+    latest, previous = folder.latest, folder.previous
     if not latest.exists() and not previous.exists():
         return None
     problem = f"{latest}: checkpoint not found"

@@ -1,0 +1,225 @@
+"""The numbers of `compare --patch`: paired per-case metrics of the two arms, timing, compare.json/.md.
+
+Only validation cases evaluated in both arms are compared (same cases, same order), so every difference
+is a paired one; the Wilcoxon signed-rank test is the paired test the paper's comparison calls for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from brats_swap.atomic import atomic_write_json, atomic_write_text
+from brats_swap.config import Config
+from brats_swap.cv.compare_figures import overlay_figure, paired_boxplot, training_curves
+from brats_swap.cv.state import FoldState, read_fold_state
+from brats_swap.cv.summary import METRIC_TITLES, METRICS, format_mean_std, mean_std, read_case_rows, utc_now
+from brats_swap.data.editions import REGIONS
+from brats_swap.run.folder import COMPARE_ARMS, RunFolder
+
+
+def _paired_rows(run: RunFolder, folds: list[int]) -> dict[str, list[dict]]:
+    """Per-case metric rows of the folds evaluated in both arms (same cases, same order)."""
+    rows: dict[str, list[dict]] = {arm: [] for arm in COMPARE_ARMS}
+    for k in folds:
+        states = {arm: read_fold_state(run.arm(arm), k) for arm in COMPARE_ARMS}
+        if not all(s.evaluated for s in states.values()):
+            continue
+        by_case = {arm: {r["case"]: r for r in read_case_rows(run.arm(arm), k)} for arm in COMPARE_ARMS}
+        for case in sorted(set(by_case["full"]) & set(by_case["patch"])):
+            for arm in COMPARE_ARMS:
+                rows[arm].append(by_case[arm][case])
+    return rows
+
+
+def _wilcoxon_p(differences: list[float]) -> float | None:
+    """Two-sided Wilcoxon signed-rank p-value of the paired differences (None when undefined)."""
+    nonzero = [d for d in differences if math.isfinite(d) and d != 0.0]
+    if len(nonzero) < 2:
+        return None
+    from scipy.stats import wilcoxon
+
+    try:
+        return float(wilcoxon(nonzero).pvalue)
+    except ValueError:
+        return None
+
+
+def _arm_timing(arm: RunFolder, folds: list[int]) -> dict:
+    states: list[FoldState] = [read_fold_state(arm, k) for k in folds]
+    epoch_seconds = [s for state in states for s in state.epoch_seconds]
+    return {
+        "median_epoch_seconds": statistics.median(epoch_seconds) if epoch_seconds else None,
+        "total_train_hours": sum(state.train_seconds for state in states) / 3600.0,
+        "epochs_per_fold": [state.epochs_completed for state in states],
+        "best_epoch_per_fold": [state.best_epoch for state in states],
+        "stopped_early_per_fold": [state.stopped_early for state in states],
+        "peak_memory_bytes": max((state.peak_memory_bytes for state in states), default=0),
+        "folds_done": [state.fold for state in states if state.done],
+        "device": _run_device(arm),
+    }
+
+
+def _run_device(arm: RunFolder) -> str | None:
+    """The device the arm trained on, from the env.json the training loop writes into the run folder."""
+    try:
+        return json.loads(arm.env.read_text(encoding="utf-8")).get("device")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def _metric_cell(metric: str, values: dict[str, list[float]]) -> dict:
+    """Both arms' statistics of one metric column and their paired difference (whole − patch)."""
+    differences = [a - b for a, b in zip(values["full"], values["patch"], strict=True)]
+    finite_differences = [d for d in differences if math.isfinite(d)]
+    # HD95 is a distance: the whole-volume model is better on a case when its HD95 is lower.
+    better = [d < 0 if metric == "hd95" else d > 0 for d in finite_differences]
+    return {
+        "full": mean_std(values["full"]),
+        "patch": mean_std(values["patch"]),
+        "difference": statistics.fmean(finite_differences) if finite_differences else None,
+        "full_better_cases": sum(better),
+        "wilcoxon_p": _wilcoxon_p(differences),
+    }
+
+
+def build_comparison(run_dir: RunFolder | Path, folds: list[int]) -> dict:
+    run = RunFolder.of(run_dir)
+    rows = _paired_rows(run, folds)
+    cases = len(rows["full"])
+    metrics: dict = {}
+    for metric in METRICS:
+        for region in REGIONS:
+            column = f"{metric}_{region.lower()}"
+            if not all(column in r for arm in COMPARE_ARMS for r in rows[arm]) or not cases:
+                continue
+            values = {arm: [r[column] for r in rows[arm]] for arm in COMPARE_ARMS}
+            metrics.setdefault(metric, {})[region] = _metric_cell(metric, values)
+    return {
+        "generated_at": utc_now(),
+        "folds": folds,
+        "folds_compared": sorted({r["fold"] for r in rows["full"]}),
+        "paired_cases": cases,
+        "metrics": metrics,
+        "timing": {arm: _arm_timing(run.arm(arm), folds) for arm in COMPARE_ARMS},
+        "cases": [
+            {"case": f["case"], "fold": f["fold"],
+             **{f"{arm}_dice_{r.lower()}": row.get(f"dice_{r.lower()}") for arm, row in (("full", f), ("patch", p))
+                for r in REGIONS}}
+            for f, p in zip(rows["full"], rows["patch"], strict=True)
+        ],
+    }
+
+
+def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
+    if value is None:
+        return "—"
+    if abs(value) < 0.5 * 10**-digits:
+        value = 0.0  # no "-0.000"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _gib(n_bytes: int | None) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB" if n_bytes else "—"
+
+
+def _cpu_memory_note(comparison: dict) -> list[str]:
+    if not any(str(comparison["timing"][arm].get("device", "")).startswith("cpu") for arm in COMPARE_ARMS):
+        return []
+    return ["On CPU the training loop reports the process's peak resident memory, which only grows: when both arms "
+            "train in one process, the second arm's figure includes the first's, so it does not compare them.", ""]
+
+
+def _metric_table(comparison: dict) -> list[str]:
+    lines = [
+        "| metric | region | whole volume | patches | difference (whole − patch) | whole better | Wilcoxon p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for metric, by_region in comparison["metrics"].items():
+        digits = 2 if metric == "hd95" else 3
+        for region, cell in by_region.items():
+            lines.append(
+                f"| {METRIC_TITLES[metric]} | {region} | {format_mean_std(cell['full'], digits)} "
+                f"| {format_mean_std(cell['patch'], digits)} | {_fmt(cell['difference'], digits, signed=True)} "
+                f"| {cell['full_better_cases']}/{cell['full']['n']} | {_fmt(cell['wilcoxon_p'], 3)} |"
+            )
+    return lines
+
+
+def _cost_table(timing: dict) -> list[str]:
+    def row(title: str, cell) -> str:
+        return f"| {title} | " + " | ".join(cell(timing[arm]) for arm in COMPARE_ARMS) + " |"
+
+    return [
+        "| | whole volume | patches |",
+        "|---|---|---|",
+        row("one epoch (median, s)", lambda t: _fmt(t["median_epoch_seconds"], 1)),
+        row("total training (h)", lambda t: _fmt(t["total_train_hours"], 3)),
+        row("epochs per fold", lambda t: ", ".join(map(str, t["epochs_per_fold"]))),
+        row("best epoch per fold", lambda t: ", ".join("—" if e is None else str(e) for e in t["best_epoch_per_fold"])),
+        row("stopped early", lambda t: ", ".join("yes" if s else "no" for s in t["stopped_early_per_fold"])),
+        row("peak memory", lambda t: _gib(t["peak_memory_bytes"])),
+    ]
+
+
+def render_compare_markdown(config: Config, comparison: dict, run: RunFolder) -> str:
+    """compare.md, linking all three figures (write_comparison drops the links of figures not drawn)."""
+    folds_compared = comparison["folds_compared"]
+    return "\n".join([
+        f"# Whole volume vs patches: {config.name}",
+        "",
+        f"Whole volumes of {'×'.join(map(str, config.data.cube))} (memory mode `{config.memory.mode}`) versus "
+        f"{'×'.join(map(str, config.train.patch))} patches (sliding-window inference), same folds. "
+        f"Folds compared: {', '.join(map(str, folds_compared)) or 'none yet'} "
+        f"({len(folds_compared)} of the {len(comparison['folds'])} requested); "
+        f"{comparison['paired_cases']} validation cases, each evaluated by both models.",
+        f"Written {comparison['generated_at']}.",
+        "",
+        "## Validation metrics (per-case mean ± std)",
+        "",
+        *_metric_table(comparison),
+        "",
+        "## Training cost",
+        "",
+        *_cost_table(comparison["timing"]),
+        "",
+        *_cpu_memory_note(comparison),
+        "An epoch is one pass over the training cases in both arms (`train.patches_per_case` patch(es) per case "
+        "for patches), so the epoch times compare the cost of one sample of each kind.",
+        "",
+        f"![paired Dice]({run.relative(run.compare_boxplot)})",
+        "",
+        f"![largest differences]({run.relative(run.compare_overlays)})",
+        "",
+        f"![training curves]({run.relative(run.training_curves)})",
+        "",
+    ])
+
+
+def write_comparison(config: Config, run_dir: RunFolder | Path, folds: list[int]) -> dict:
+    """Draw the figures and write compare.json and compare.md into the comparison folder; return the numbers."""
+    run = RunFolder.of(run_dir)
+    comparison = build_comparison(run, folds)
+    drawn = []
+    if comparison["paired_cases"]:
+        paired_boxplot(comparison, run.compare_boxplot)
+        drawn.append(run.compare_boxplot)
+        if overlay_figure(config, run, comparison, run.compare_overlays):
+            drawn.append(run.compare_overlays)
+    if training_curves(run, folds, run.training_curves):
+        drawn.append(run.training_curves)
+    comparison["figures"] = [run.relative(path) for path in drawn]
+    atomic_write_json(run.compare_json, comparison)
+    markdown = render_compare_markdown(config, comparison, run)
+    # Link only the figures that exist (e.g. no overlays when predictions were not saved).
+    for figure in (run.compare_boxplot, run.compare_overlays, run.training_curves):
+        link = run.relative(figure)
+        if link not in comparison["figures"]:
+            markdown = "\n".join(line for line in markdown.splitlines() if f"({link})" not in line)
+    atomic_write_text(run.compare_md, markdown + "\n")
+    return comparison
+
+
+__all__ = ["build_comparison", "render_compare_markdown", "write_comparison"]

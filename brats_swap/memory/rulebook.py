@@ -1,0 +1,492 @@
+"""The memory policy as one rulebook: what happens to each tensor autograd saves for backward, and when.
+
+Three parts of this package follow one policy: the engine (`swap.SavedTensorEngine`) carries it out on
+real tensors, the tracer (`trace.py`) records a step on `meta` tensors, and the simulator
+(`simulate.py`) replays that record to price a policy at any size. Each of them feeds the events it sees
+to a `Rulebook` and does what the rulebook asks through an `Executor`; none of them decides anything on
+its own, so what the simulator predicts is what the engine does, event for event.
+
+Events, in the order a step produces them (the executor calls the method in brackets):
+
+- a module starts / ends in forward [`module_start`, `module_end`]: the rulebook tracks the running
+  module (a saved storage's `module`) and the running block (its `block` and the backward marker before
+  which it is needed, `use_marker`); a module start is also where finished copies are released;
+- a storage is saved for the first time [`save`] or again [`save_again`] (a second view, or the same
+  storage saved by a later op): the first save decides (`Decider`) and, for a swap, issues the copy out;
+- a checkpointed region returns [`region_done`]: its saved inputs are needed when backward reruns it;
+- the forward (and loss) ends [`forward_end`];
+- backward reaches a block [`marker`]: reloads are issued ahead of use;
+- autograd unpacks a saved view [`unpack_begin`, `unpack_end`]; a handle dies [`handle_died`];
+- the backward pass ends [`backward_end`].
+
+Decision per storage (`Decider.decide`; reasons are part of the result):
+
+1. recompute: a norm_act recipe rebuilds it (`recompute.NormActRecipes`); one decision per storage, a
+   recomputed storage is never also stored or swapped;
+2. keep: a parameter or buffer (or an autocast copy of one), the batch input or another argument of
+   the model's forward (the caller holds them: a copy would free nothing), any storage when the mode
+   does not swap, a tensor that is not plain dense (sparse, quantized, conjugate/negative views, tensor
+   subclasses: its bytes cannot be copied and viewed again), fewer than `swap.min_bytes`, outside
+   `swap.include`, inside `swap.exclude`, or past the first `swap.tensors` swapped storages;
+3. swap: everything else.
+
+Swapped storages, forward (release):
+
+- the copy out is issued at the save; the device storage stays referenced ("unreleased") until the copy
+  has finished: at every module start the oldest unreleased storages whose copy is found finished are
+  released (FIFO, the copies run in order; finding out never waits);
+- `swap.max_inflight_bytes` bounds how long a copy may run: once that many bytes of further storages
+  were saved after a swapped storage (the forward work its copy could hide behind), it is released and
+  the compute waits for that one copy (never for all of them). So at most `max_inflight_bytes` plus
+  one storage of swapped bytes wait on the device for their copies;
+- at the end of the forward (the step's peak comes as backward starts) every unreleased storage that
+  backward does not need within `swap.lookahead` blocks is released, waiting for its copy.
+
+Swapped storages, backward (reload):
+
+- `swap.lookahead = L >= 1`: when backward reaches block b, every released storage first needed in
+  blocks >= b - L is reloaded; storages saved after the last block (the loss) are reloaded at the end of
+  the forward; an unreleased storage is read from the device;
+- `swap.lookahead = 0`: exactly one reload is kept ahead of backward, in the first-use order learned in
+  the previous step (while the step saves as many storages; otherwise reverse forward order);
+- a use with no reload issued reloads at once (a prefetch miss); every use waits for its reload; the
+  reload is dropped when every view was unpacked once (autograd owns it then) or died, or at the end of
+  backward.
+
+Residency: `stats.peak_resident_saved_bytes` counts the bytes of saved storages the engine holds on the
+device (kept, unreleased, reloaded), so the engine's measurement and the simulator's prediction are the
+same counter. `log` (a list, optional) receives `(event, record index)` for every swap out, release,
+reload, reloaded (a use waited for its reload), use and drop: the per-tensor sequence a test compares.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from brats_swap.config.schema import MemoryConfig, SwapConfig
+from brats_swap.memory.policy import SWAP_MODES, SavedRecord, module_matches
+from brats_swap.memory.stats import StepStats
+
+KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # KEEP, SWAP or RECOMPUTE
+    reason: str
+
+
+class Decider:
+    """The decision per saved storage (module docstring), fed in forward order: `swap.tensors` counts."""
+
+    def __init__(self, swap_cfg: SwapConfig, swapping: bool = True):
+        self.swap_cfg = swap_cfg
+        self.swapping = swapping
+        self.selected = 0
+
+    def decide(self, record: SavedRecord) -> Decision:
+        cfg = self.swap_cfg
+        if record.recompute:
+            return Decision(RECOMPUTE, "rebuilt in backward from a norm_act recipe")
+        if record.is_param:
+            return Decision(KEEP, "a parameter, buffer or autocast copy of one (alive anyway)")
+        if record.is_input:
+            return Decision(KEEP, "an input of the model's forward (the caller holds it)")
+        if not self.swapping:
+            return Decision(KEEP, "the memory mode does not swap")
+        if not record.dense:
+            return Decision(KEEP, "not a plain dense tensor (its bytes cannot be copied and viewed again)")
+        if record.nbytes < cfg.min_bytes:
+            return Decision(KEEP, "smaller than swap.min_bytes")
+        if cfg.include and not module_matches(record.module, cfg.include):
+            return Decision(KEEP, "its module is not in swap.include")
+        if module_matches(record.module, cfg.exclude):
+            return Decision(KEEP, "its module is in swap.exclude")
+        if 0 <= cfg.tensors <= self.selected:
+            return Decision(KEEP, "past the first swap.tensors swapped storages")
+        self.selected += 1
+        return Decision(SWAP, "swapped")
+
+
+def select_swapped(records: Sequence[SavedRecord], swap_cfg: SwapConfig) -> set[int]:
+    """Indices of the records the engine swaps under `swap_cfg` (records in any order; sorted by index).
+
+    Example (a planner predicting swapped bytes from a trace):
+        chosen = select_swapped(records, cfg.memory.swap)
+        swapped_bytes = sum(r.nbytes for r in records if r.index in chosen)
+    """
+    decider = Decider(swap_cfg)
+    return {r.index for r in sorted(records, key=lambda r: r.index) if decider.decide(r).kind == SWAP}
+
+
+def transfer_bytes(record: SavedRecord, swap_cfg: SwapConfig) -> int:
+    """Bytes a swapped storage occupies on the link and in host memory (bf16 halves an fp32 storage)."""
+    if swap_cfg.compress == "bf16" and record.dtype == "float32":
+        return record.nbytes // 2
+    return record.nbytes
+
+
+class Entry:
+    """One saved storage in one step, as the rulebook tracks it; `payload` is the executor's own state."""
+
+    __slots__ = ("record", "decision", "reason", "transfer_bytes", "use_marker", "deps", "alive", "pending", "unreleased",
+                 "released", "reload_held", "seen", "resident", "dead", "saved_mark", "payload", "__weakref__")
+
+    def __init__(self, record: SavedRecord, decision: Decision, transfer: int, use_marker: int, deps: list[Entry],
+                 payload: Any):
+        self.record = record
+        self.decision = decision.kind
+        self.reason = decision.reason
+        self.transfer_bytes = transfer
+        self.use_marker = use_marker  # the backward marker (block ordinal) from which it is needed
+        self.deps = deps  # a recomputed storage: the stored entries its recipe reads
+        self.alive = 1  # live handles (views autograd holds)
+        self.pending = 1  # live handles not unpacked yet
+        self.unreleased = False  # swapped, device storage still referenced
+        self.released = False  # swapped and released at least once
+        self.reload_held = False  # a reloaded device buffer is referenced by the engine
+        self.seen = False  # unpacked at least once
+        self.resident = 0  # device bytes of this storage the engine holds now
+        self.dead = False
+        self.saved_mark = 0  # bytes saved in the step up to and with this storage
+        self.payload = payload
+
+    @property
+    def index(self) -> int:
+        return self.record.index
+
+
+class Executor(Protocol):
+    """What a rulebook asks of whoever runs it (the engine: real copies; the simulator: a clock)."""
+
+    def swap_out(self, entry: Entry) -> None:
+        """Issue the copy of the entry's storage to the host."""
+
+    def copy_out_done(self, entry: Entry) -> bool:
+        """Has that copy finished, as far as the host can tell now? Never waits."""
+
+    def release(self, entry: Entry, wait: bool) -> None:
+        """Drop the device storage; with `wait`, the compute first waits for its copy out."""
+
+    def reload(self, entry: Entry) -> None:
+        """Allocate a device buffer and issue the copy back into it."""
+
+    def await_reload(self, entry: Entry) -> None:
+        """The compute waits for the reload (a use is next)."""
+
+    def drop_reload(self, entry: Entry) -> None:
+        """Forget the reloaded buffer (autograd's views keep what they still use)."""
+
+    def died(self, entry: Entry) -> None:
+        """Its last handle died: drop whatever is left (an unreleased storage once its copy out is done)."""
+
+
+class Rulebook:
+    """The state machine of one step (module docstring). Feed events; `stats` and `log` are the results.
+
+    `learned` is the previous step's `(unpack_order, number of records)` for `swap.lookahead = 0`;
+    `prefetch=False` issues no reload ahead of use (every use is a miss; for tests).
+    """
+
+    def __init__(self, memory_cfg: MemoryConfig, executor: Executor, *, prefetch: bool = True,
+                 learned: tuple[list[int], int] | None = None, log: list | None = None):
+        self.swap_cfg = memory_cfg.swap
+        self.executor = executor
+        self.prefetch = prefetch
+        self.lookahead = memory_cfg.swap.lookahead
+        self.decider = Decider(memory_cfg.swap, swapping=memory_cfg.mode in SWAP_MODES)
+        self.entries: list[Entry] = []
+        self.stats = StepStats()
+        self.log = log
+        self.resident = 0
+        self.saved_total = 0  # bytes of the storages saved so far in this step
+        self.unreleased: deque[Entry] = deque()
+        self.unreleased_bytes = 0
+        self.released: list[Entry] = []  # released, not reloaded yet (lookahead >= 1 prunes it)
+        self.held: list[Entry] = []  # entries whose reload the engine may still hold
+        self.unpack_order: list[int] = []
+        self.learned_order, self.learned_count = learned if learned is not None else ([], -1)
+        self.learned_position = {index: position for position, index in enumerate(self.learned_order)}
+        self.module_stack: list[str] = []
+        self.block_stack: list[int] = []
+        self.blocks_started = 0
+        self.last_block = -1
+
+    # ------------------------------------------------------------------ positions (forward)
+    def where(self) -> tuple[str, int, int]:
+        """(innermost running module, block, use marker): a save inside a block is needed before that
+        block's backward marker; between blocks, before the next block's."""
+        module = self.module_stack[-1] if self.module_stack else ""
+        if self.block_stack:
+            return module, self.block_stack[-1], self.block_stack[-1]
+        return module, self.last_block, self.last_block + 1
+
+    def module_start(self, name: str, is_block: bool) -> None:
+        self.module_stack.append(name)
+        self.release_finished()
+        if is_block:
+            ordinal = self.blocks_started
+            self.blocks_started += 1
+            self.block_stack.append(ordinal)
+            self.last_block = ordinal
+
+    def module_end(self, is_block: bool) -> int | None:
+        """Pop the module; for a block, its ordinal (the executor marks where backward reaches it)."""
+        if self.module_stack:
+            self.module_stack.pop()
+        if is_block and self.block_stack:
+            return self.block_stack.pop()
+        return None
+
+    # ------------------------------------------------------------------ saves
+    def save(self, *, nbytes: int, dtype: str, is_param: bool, is_input: bool, dense: bool, recompute: bool,
+             deps: Iterable[Entry] = (), payload: Any = None) -> Entry:
+        """The first save of a storage: a new record, decided, and for a swap the copy out issued."""
+        module, block, use_marker = self.where()
+        record = SavedRecord(index=len(self.entries), nbytes=nbytes, module=module, block=block, is_param=is_param,
+                             recompute=recompute, dtype=dtype, is_input=is_input, dense=dense)
+        decision = self.decider.decide(record)
+        entry = Entry(record, decision, transfer_bytes(record, self.swap_cfg), use_marker, list(deps), payload)
+        self.entries.append(entry)
+        if not is_param:
+            self.saved_total += nbytes
+        entry.saved_mark = self.saved_total
+        stats = self.stats
+        if not is_param:
+            stats.saved_bytes += nbytes
+            stats.saved_tensors += 1
+        if entry.decision == RECOMPUTE:
+            stats.recomputed_bytes += nbytes
+            stats.recomputed_tensors += 1
+        elif entry.decision == SWAP:
+            stats.swapped_out_bytes += nbytes
+            stats.swapped_tensors += 1
+            self._hold(entry, nbytes)
+            self._note("swap_out", entry)
+            self.executor.swap_out(entry)
+            entry.unreleased = True
+            self.unreleased.append(entry)
+            self.unreleased_bytes += nbytes
+        elif not is_param:
+            stats.kept_bytes += nbytes
+            self._hold(entry, nbytes)
+        self._enforce_inflight_budget()
+        return entry
+
+    def save_again(self, entry: Entry) -> None:
+        """Another handle on an existing record: it is needed no earlier than the current position's marker."""
+        entry.alive += 1
+        entry.pending += 1
+        self.raise_use_marker(entry, self.where()[2])
+
+    def raise_use_marker(self, entry: Entry, marker: int) -> None:
+        """`entry` is needed in backward no earlier than block `marker`; so are its recipe's inputs."""
+        entry.use_marker = max(entry.use_marker, marker)
+        for dep in entry.deps:
+            self.raise_use_marker(dep, marker)
+
+    def region_done(self, entries: Iterable[Entry | None]) -> None:
+        """A checkpointed region returned: its saved inputs are first used when backward reruns it, in the
+        last block that started."""
+        for entry in entries:
+            if entry is not None:
+                self.raise_use_marker(entry, self.last_block)
+
+    # ------------------------------------------------------------------ release (forward)
+    def release_finished(self) -> None:
+        """Release the oldest unreleased storages whose copy out has finished (never waits)."""
+        while self.unreleased:
+            entry = self.unreleased[0]
+            if not entry.dead and not self.executor.copy_out_done(entry):
+                break  # FIFO on one link direction: later copies are not done either
+            self._release(self.unreleased.popleft(), wait=False)
+
+    def _enforce_inflight_budget(self) -> None:
+        """Release (waiting for its copy) every unreleased storage after which `swap.max_inflight_bytes`
+        of further storages were saved: its copy had that much forward work to hide behind."""
+        budget = self.swap_cfg.max_inflight_bytes
+        while self.unreleased and self.saved_total - self.unreleased[0].saved_mark >= budget:
+            self._release(self.unreleased.popleft(), wait=True)
+
+    def _release(self, entry: Entry, wait: bool) -> None:
+        if entry.dead:
+            return  # died meanwhile; its bytes left the budget then
+        self.unreleased_bytes -= entry.record.nbytes
+        entry.unreleased = False
+        entry.released = True
+        self._note("release", entry)
+        self.executor.release(entry, wait)
+        self._unhold(entry)
+        self.released.append(entry)
+
+    def forward_end(self) -> None:
+        """The peak of a step comes as backward starts: every unreleased storage backward does not need
+        within `lookahead` blocks is released now (waiting for its copy only). Then, with lookahead >= 1,
+        released storages saved after the last block (a loss, say) are reloaded, since they are needed
+        before any marker fires; with lookahead 0, the first storage backward will need is reloaded."""
+        self._release_outside_window()
+        if not self.prefetch:
+            return
+        if self.lookahead != 0:
+            for entry in self.released:
+                if entry.use_marker > self.last_block and not entry.reload_held and entry.pending > 0:
+                    self._reload(entry)
+            return
+        if not self.released:
+            return
+        if self._learned_valid() and self.learned_order:
+            first = self.entries[self.learned_order[0]]
+            if first.released and not first.reload_held and first.pending > 0:
+                self._reload(first)
+            else:
+                self._prefetch_next(after=first.index)
+        else:
+            self._prefetch_next(after=None)
+
+    def _release_outside_window(self) -> None:
+        """At the end of the forward: keep on the device only the unreleased storages the first markers
+        of backward would reload (`use_marker + lookahead >= last block`; with lookahead 0, those saved
+        after the last block); release the others, finished copies first, then waiting for each copy."""
+        self.release_finished()
+        keep: deque[Entry] = deque()
+        reach = self.last_block - self.lookahead if self.lookahead else self.last_block + 1
+        while self.unreleased:
+            entry = self.unreleased.popleft()
+            if entry.dead or entry.use_marker >= reach:
+                keep.append(entry)
+            else:
+                self._release(entry, wait=True)
+        self.unreleased = keep
+
+    # ------------------------------------------------------------------ reload (backward)
+    def marker(self, ordinal: int) -> None:
+        """Backward reached block `ordinal`: reload what is needed within `lookahead` blocks from here."""
+        if not self.prefetch:
+            return
+        if self.lookahead == 0:
+            if not self._learned_valid():
+                self._prefetch_next(after=None)
+            return
+        remaining = []
+        for entry in self.released:
+            if entry.alive == 0 or entry.reload_held:
+                continue
+            if entry.use_marker + self.lookahead >= ordinal and entry.pending > 0:
+                self._reload(entry)
+            else:
+                remaining.append(entry)
+        self.released = remaining
+
+    def _learned_valid(self) -> bool:
+        return self.learned_count == len(self.entries)
+
+    def _prefetch_next(self, after: int | None) -> None:
+        """lookahead 0: keep exactly one swapped storage reloaded ahead of backward.
+
+        The order is the previous step's first-unpack order, valid while the forward saves as many
+        storages. Without it, reverse forward order: first the pending storages saved just after the one
+        just unpacked (one op unpacks what it saved in save order), then the ones before it, nearest
+        first. At most one reload is outstanding; a wrong guess is a counted miss.
+        """
+        if self._learned_valid() and after is not None and after in self.learned_position:
+            start = self.learned_position[after] + 1
+            candidates = (self.entries[i] for i in self.learned_order[start:] if i < len(self.entries))
+        elif after is None:
+            candidates = reversed(self.released)
+        else:
+            above = sorted((e for e in self.released if after < e.index <= after + 8), key=lambda e: e.index)
+            below = (e for e in reversed(self.released) if e.index < after)
+            candidates = (*above, *below)
+        for entry in candidates:
+            if not entry.released or entry.alive == 0 or entry.pending == 0:
+                continue
+            if not entry.reload_held:
+                self._reload(entry)
+            return
+
+    def _reload(self, entry: Entry) -> None:
+        self._note("reload", entry)
+        self.executor.reload(entry)
+        entry.reload_held = True
+        self.held.append(entry)
+        self._hold(entry, entry.record.nbytes)
+        self.stats.swapped_in_bytes += entry.record.nbytes
+
+    # ------------------------------------------------------------------ unpack
+    def unpack_begin(self, entry: Entry) -> None:
+        """A view of `entry` is unpacked: make its storage available (reload if needed, then wait)."""
+        self._note("use", entry)
+        if not entry.seen:
+            entry.seen = True
+            self.unpack_order.append(entry.index)
+        if entry.decision != SWAP or entry.unreleased:
+            return  # kept, recomputed, or never released: on the device
+        if not entry.reload_held:
+            self.stats.prefetch_misses += 1  # still correct, just synchronous
+            self._reload(entry)
+        self._note("reloaded", entry)
+        self.executor.await_reload(entry)
+
+    def unpack_end(self, entry: Entry, first_for_handle: bool) -> None:
+        """After the view was built: count the handle as unpacked, and keep one reload ahead (lookahead 0)."""
+        if first_for_handle:
+            entry.pending -= 1
+            if entry.pending == 0 and entry.reload_held:
+                self._drop_reload(entry)  # autograd's view now owns the storage
+        if self.prefetch and self.lookahead == 0 and self.released:
+            self._prefetch_next(after=entry.index)
+
+    # ------------------------------------------------------------------ lifetime
+    def handle_died(self, entry: Entry, unpacked: bool) -> None:
+        entry.alive -= 1
+        if not unpacked:
+            entry.pending -= 1
+            if entry.pending == 0 and entry.reload_held:
+                self._drop_reload(entry)
+        if entry.alive == 0:
+            self._died(entry)
+
+    def _died(self, entry: Entry) -> None:
+        if entry.reload_held:
+            self._drop_reload(entry)
+        if entry.unreleased:
+            entry.unreleased = False
+            self.unreleased_bytes -= entry.record.nbytes
+        entry.dead = True
+        self.executor.died(entry)
+        self._unhold(entry)
+
+    def backward_end(self) -> None:
+        """End of a backward pass: drop every reload it did not consume (unused heads, branches)."""
+        for entry in self.held:
+            if entry.reload_held:
+                self._drop_reload(entry)
+        self.held = []
+
+    def _drop_reload(self, entry: Entry) -> None:
+        entry.reload_held = False
+        self._note("drop", entry)
+        self.executor.drop_reload(entry)
+        self._unhold(entry)
+
+    # ------------------------------------------------------------------ accounting
+    def _hold(self, entry: Entry, nbytes: int) -> None:
+        entry.resident += nbytes
+        self.resident += nbytes
+        if self.resident > self.stats.peak_resident_saved_bytes:
+            self.stats.peak_resident_saved_bytes = self.resident
+
+    def _unhold(self, entry: Entry) -> None:
+        self.resident -= entry.resident
+        entry.resident = 0
+
+    def _note(self, event: str, entry: Entry) -> None:
+        if self.log is not None:
+            self.log.append((event, entry.index))
+
+    @property
+    def records(self) -> list[SavedRecord]:
+        return [entry.record for entry in self.entries]

@@ -1,0 +1,76 @@
+"""A trained fold as a ready model: the run's config and a checkpoint's weights.
+
+Evaluation and prediction load models this way (and fold ensembles will); the architecture comes from the
+checkpoint's own config, so a run whose `config.yaml` was edited afterwards still loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from brats_swap.config import Config, config_from_saved
+from brats_swap.errors import CheckpointError, ConfigError
+from brats_swap.model import build_model
+from brats_swap.run.checkpoint import load_checkpoint, load_latest
+from brats_swap.run.console import warn
+from brats_swap.run.device import resolve_device
+from brats_swap.run.folder import FoldFolder, RunFolder
+
+
+def load_run_config(run: RunFolder | Path) -> Config:
+    """The resolved config a run was trained with (`<run>/config.yaml`)."""
+    folder = RunFolder.of(run)
+    if not folder.config.is_file():
+        raise ConfigError(f"{folder.config}: not found; is {folder.root} a brats-swap run folder?")
+    return config_from_saved(yaml.safe_load(folder.config.read_text(encoding="utf-8")) or {})
+
+
+def load_trained_model(run: RunFolder | Path, fold: int, checkpoint: str = "best",
+                       device: torch.device | None = None) -> tuple[torch.nn.Module, Config, dict[str, Any]]:
+    """The model of `fold_<k>/checkpoint_<best|latest>.pt` (or of a checkpoint file path), in eval mode.
+
+    Returns (model, the checkpoint's config, the checkpoint state).
+    """
+    folder = RunFolder.of(run).fold(fold)
+    state = _checkpoint_state(folder, checkpoint)
+    trained_config = config_from_saved(state["config"])
+    model = build_model(trained_config.model, out_channels=3)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise CheckpointError(f"{folder.root}: checkpoint weights do not match model {trained_config.model.name} "
+                              f"({str(exc).splitlines()[0]})") from exc
+    model.to(device or torch.device("cpu")).eval()
+    return model, trained_config, state
+
+
+def _checkpoint_state(folder: FoldFolder, checkpoint: str) -> dict[str, Any]:
+    """`best`, `latest` (falling back to the previous file) or the checkpoint file at path `checkpoint`."""
+    if checkpoint == "best":
+        return load_checkpoint(folder.best)
+    if checkpoint == "latest":
+        loaded = load_latest(folder, warn=warn)
+        if loaded is None:
+            raise CheckpointError(f"{folder.latest}: checkpoint not found; train the fold first")
+        return loaded[0]
+    return load_checkpoint(Path(checkpoint))
+
+
+def inference_config(trained: Config, current: Config) -> Config:
+    """Inference settings: the trained model's mode and patch, with the current evaluate.* section, device and amp."""
+    return replace(trained, evaluate=current.evaluate,
+                   train=replace(trained.train, device=current.train.device, amp=current.train.amp))
+
+
+def load_for_inference(run: RunFolder | Path, fold: int, checkpoint: str,
+                       current: Config) -> tuple[torch.nn.Module, Config, torch.device]:
+    """A trained fold ready to predict: the model on `current`'s device, the config to predict with
+    (`inference_config`) and that device."""
+    device = resolve_device(current.train.device)
+    model, trained_config, _ = load_trained_model(run, fold, checkpoint, device)
+    return model, inference_config(trained_config, current), device

@@ -1,0 +1,112 @@
+"""What training reports: a fold's `train.log` and TensorBoard scalars while it runs, and the one-screen summary
+panel printed after it (by `brats-swap train` and `make demo`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+
+from brats_swap.config import Config
+from brats_swap.data.editions import REGIONS
+from brats_swap.run.folder import FoldFolder
+
+if TYPE_CHECKING:
+    from brats_swap.train.loop import TrainResult
+
+
+class TrainLog:
+    """`train.log` (timestamped lines, appended across resumes) and TensorBoard scalars (`tb/`) of one fold.
+
+    Only rank 0 writes; built with `write=False` (the other ranks) every method writes nothing.
+    `purge_step` (the first epoch of a resumed run) drops events that a crashed run logged after the
+    checkpoint it resumes from.
+    """
+
+    def __init__(self, folder: FoldFolder, *, write: bool, purge_step: int | None) -> None:
+        self._file = None
+        self._writer = None
+        if write:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._file = open(folder.train_log, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+            self._writer = SummaryWriter(str(folder.tensorboard), purge_step=purge_step)
+
+    def line(self, text: str) -> None:
+        """Append one timestamped (UTC) line to train.log, flushed at once (a crash keeps it)."""
+        if self._file is not None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+            self._file.write(f"{stamp} {text}\n")
+            self._file.flush()
+
+    def epoch(self, record: dict[str, Any], memory_stats: dict[str, float], max_epochs: int) -> str:
+        """Log one epoch's record (train.log line and scalars); returns the line."""
+        epoch = record["epoch"]
+        parts = [f"epoch {epoch}/{max_epochs}", f"train_loss {record['train_loss']:.4f}"]
+        self._scalar("train/loss", record["train_loss"], epoch)
+        self._scalar("lr", record["lr"], epoch)
+        self._scalar("time/step_s", record["step_s"], epoch)
+        self._scalar("time/epoch_s", record["epoch_s"], epoch)
+        self._scalar("memory/peak_gib", record["peak_memory_gib"], epoch)
+        for key, value in memory_stats.items():
+            self._scalar(f"memory/{key.removeprefix('memory/')}", value, epoch)
+        if "val_loss" in record:
+            parts.append(f"val_loss {record['val_loss']:.4f}")
+            self._scalar("val/loss", record["val_loss"], epoch)
+            for region in REGIONS:
+                key = f"dice_{region.lower()}"
+                parts.append(f"{key} {record[key]:.4f}")
+                self._scalar(f"val/{key}", record[key], epoch)
+        parts += [f"lr {record['lr']:.3g}", f"{record['step_s']:.2f} s/step", f"epoch {record['epoch_s']:.1f} s",
+                  f"peak {record['peak_memory_gib']:.2f} GiB"]
+        if record.get("best"):
+            parts.append("best")
+        line = "  ".join(parts)
+        self.line(line)
+        if self._writer is not None:
+            self._writer.flush()
+        return line
+
+    def _scalar(self, tag: str, value: float, epoch: int) -> None:
+        if self._writer is not None:
+            self._writer.add_scalar(tag, value, epoch)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def summary_panel(result: TrainResult, config: Config) -> Panel:
+    """The one-screen summary printed after training: the epochs (first 3 and last 9 of a long run), status, best."""
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("epoch", justify="right")
+    table.add_column("train loss", justify="right")
+    table.add_column("val loss", justify="right")
+    for region in REGIONS:
+        table.add_column(f"Dice {region}", justify="right")
+    table.add_column("s/step", justify="right")
+    history = result.history
+    shown = history if len(history) <= 12 else history[:3] + history[-9:]
+    for record in shown:
+        val = "val_loss" in record
+        table.add_row(
+            f"{record['epoch']}{' *' if record.get('best') else ''}", f"{record['train_loss']:.4f}",
+            f"{record['val_loss']:.4f}" if val else "",
+            *[f"{record[f'dice_{r.lower()}']:.3f}" if val else "" for r in REGIONS],
+            f"{record['step_s']:.2f}",
+        )
+    if result.finished:
+        status = "stopped early" if result.stopped_early else "finished"
+    else:
+        status = "interrupted (resume with --resume)" if result.interrupted else "not finished"
+    best = (f"best mean val Dice {result.best_val_dice:.4f} at epoch {result.best_epoch} (*)"
+            if result.best_val_dice is not None else "no validation yet")
+    lines = (f"fold {result.fold}: {status} after {result.epochs_completed} epoch(s); {best}\n"
+             f"time {result.train_seconds:.1f} s this call; peak memory {result.peak_memory_bytes / 2**30:.2f} GiB; "
+             f"checkpoints in {result.fold_dir}")
+    return Panel(Group(table, lines), title=f"[bold]{config.name}[/] training summary", expand=False)

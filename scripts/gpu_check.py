@@ -1,0 +1,397 @@
+"""GPU acceptance check of the memory engine: at most 7 minutes on one H200, JSON written after every stage.
+
+    .venv/bin/python scripts/gpu_check.py                       # one CUDA GPU -> docs/benchmarks/gpu/
+    .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gc   # the same stages, tiny, on the CPU
+
+Stages (each adds its section to `<out>/gpu_check.json`, or `gpu_check_dry_run.json`, as soon as it ends):
+
+1. `environment`: date, GPU, driver, torch and CUDA versions.
+2. `bandwidth`: pinned host<->device copies each way through the engine's own path (`memory.link` copy
+   streams into a `memory.arena.HostArena` slab), 256 MiB x 5.
+3. `bitwise`: 3 SGD steps (dropout on, deterministic cuDNN) of the U-Net at 128³ under every preset,
+   compared with `torch.equal` to plain PyTorch: losses, gradients, parameters; once as is and once
+   with a random delay injected before every copy on the copy streams (`torch.cuda._sleep`), which
+   widens the window in which a missing wait would read unfinished data.
+4. `peak`: under a 16 GiB cap (`torch.cuda.set_per_process_memory_fraction`), 192³ batch 1 and 2, every
+   policy (none, the presets, the planner's auto plan for 16 GiB): `torch.cuda.max_memory_allocated`
+   after a warm-up step against the planner's prediction; out of memory is recorded as such.
+5. `step_time`: 192³ batch 1, no policy (no hooks), `torch.autograd.graph.save_on_cpu(pin_memory=True)`,
+   per-block checkpointing (every block of `discover_blocks`), swap_all, hybrid and the auto plan.
+6. `pinned`: swap_all at 192³ batch 2 with the arena sized from the plan: pinned host bytes against the
+   step's swapped bytes (target <= 1.2x), and what PyTorch's own caching host allocator holds.
+
+`--dry-run` runs every stage at 16³ with 2 base filters on the CPU, copies going through the emulated
+link (`memory.swap.emulate_gbs`), so the script itself is tested without a GPU (tests/test_gpu_check.py);
+there the peak compared is the engine's peak resident saved bytes and nothing is pinned. Each stage stops
+starting new measurements when `--time-limit` seconds have passed since the start and lists what it
+skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_plan.py, next to this script
+
+from validate_plan import SAVE_ON_CPU, measure, relative_error  # noqa: E402
+
+from brats_swap.atomic import atomic_write_json  # noqa: E402
+from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
+from brats_swap.memory.arena import HostArena, arena_bytes  # noqa: E402
+from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from  # noqa: E402
+from brats_swap.memory.link import open_link  # noqa: E402
+from brats_swap.memory.planner import Planner, resolve_cost_model  # noqa: E402
+from brats_swap.memory.presets import PRESET_NAMES, named_policies  # noqa: E402
+from brats_swap.memory.simulate import GIB  # noqa: E402
+from brats_swap.model import build_model  # noqa: E402
+from brats_swap.train.losses import weighted_dice_loss  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PINNED_TARGET = 1.2  # pinned host bytes per swapped byte
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each stage runs at: the real check on a GPU, or the tiny CPU rehearsal."""
+
+    base_filters: int
+    bandwidth_bytes: int
+    bandwidth_repeats: int
+    bitwise_cube: int
+    peak_cube: int
+    peak_batches: tuple[int, ...]
+    cap_gib: float | None
+    time_cube: int
+    time_steps: int
+    delay_s: float
+    min_bytes: int | None  # None: the presets' default (1 MiB)
+    emulate_gbs: float | None
+
+
+GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128,
+                  peak_cube=192, peak_batches=(1, 2), cap_gib=16.0, time_cube=192, time_steps=3, delay_s=2e-3,
+                  min_bytes=None, emulate_gbs=None)
+DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=8 << 20, bandwidth_repeats=2, bitwise_cube=16, peak_cube=16,
+                  peak_batches=(1, 2), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
+                  emulate_gbs=1.0)
+
+
+class Check:
+    """The run's state: device, sizes, deadline, and the JSON document written after every stage."""
+
+    def __init__(self, device: torch.device, sizes: Sizes, path: Path, time_limit_s: float):
+        self.device = device
+        self.sizes = sizes
+        self.path = path
+        self.deadline = time.monotonic() + time_limit_s
+        self.document: dict = {"dry_run": device.type != "cuda", "sizes": asdict(sizes), "stages": {}}
+        self._cost = None
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def base_policy(self) -> MemoryConfig:
+        base = MemoryConfig()
+        if self.sizes.min_bytes is not None:
+            base.swap.min_bytes = self.sizes.min_bytes
+        base.swap.emulate_gbs = self.sizes.emulate_gbs
+        return base
+
+    def model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build_model(ModelConfig(base_filters=self.sizes.base_filters)).to(self.device)
+
+    def batch(self, cube: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, 4, cube, cube, cube, generator=generator)
+        y = (torch.rand(batch, 3, cube, cube, cube, generator=generator) > 0.8).float()
+        return x.to(self.device), y.to(self.device)
+
+    def run_stage(self, name: str, stage) -> None:
+        started = time.perf_counter()
+        try:
+            section = stage(self)
+            section["status"] = section.get("status", "ok")
+        except Exception as error:  # noqa: BLE001 - one failing stage must not hide the others
+            section = {"status": "error", "error": f"{type(error).__name__}: {error}"}
+        section["seconds"] = round(time.perf_counter() - started, 2)
+        self.document["stages"][name] = section
+        atomic_write_json(self.path, self.document)
+        print(f"{name}: {section['status']} in {section['seconds']} s", flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stages
+# --------------------------------------------------------------------------------------------------------
+
+
+def stage_environment(check: Check) -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "python": platform.python_version(), "cpu_threads": torch.get_num_threads()}
+    if check.device.type == "cuda":
+        props = torch.cuda.get_device_properties(check.device)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1), cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version(), driver=_driver_version())
+    else:
+        env.update(gpu=None, note="dry run on the CPU: copies go through the emulated link")
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True)
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def stage_bandwidth(check: Check) -> dict:
+    """GB/s of each direction through the engine's link into a pinned (on CUDA) arena slab."""
+    sizes, device = check.sizes, check.device
+    nbytes = sizes.bandwidth_bytes
+    arena = HostArena(nbytes, pin=device.type == "cuda")
+    link = open_link(device, check.base_policy().swap)
+    try:
+        host = arena.alloc(nbytes)
+        on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        rates = {}
+        for direction in ("d2h", "h2d"):
+            copy_once = ((lambda: link.copy_out(host, on_device)) if direction == "d2h"
+                         else (lambda: link.copy_in(on_device, host)))
+            copy_once()
+            link.synchronize()  # the first copy pays for lazy setup
+            started = time.perf_counter()
+            for _ in range(sizes.bandwidth_repeats):
+                copy_once()
+            link.synchronize()
+            rates[f"{direction}_gbs"] = round(nbytes * sizes.bandwidth_repeats / (time.perf_counter() - started) / 1e9, 2)
+        rates.update(bytes_per_copy=nbytes, pinned=arena.pinned_bytes == arena.capacity and arena.pin)
+        return rates
+    finally:
+        link.close()
+        arena.close()
+
+
+def _train(model: torch.nn.Module, policy: MemoryConfig | None, x, y, steps: int = 3) -> list:
+    """(loss, gradients, parameters) after each of `steps` SGD steps; dropout masks seeded per step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = MemoryEngine(model, policy, x.device) if policy is not None else None
+    history = []
+    try:
+        for step in range(steps):
+            torch.manual_seed(step)
+            if engine is not None:
+                with engine.step():
+                    loss = weighted_dice_loss(model(x), y)
+            else:
+                loss = weighted_dice_loss(model(x), y)
+            loss.backward()
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            history.append((loss.detach().clone(), grads, [p.detach().clone() for p in model.parameters()]))
+        stats = engine.last_stats().as_dict(prefix="") if engine is not None else {}
+        return history, stats
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _first_difference(history: list, reference: list) -> str | None:
+    for step, ((loss, grads, params), (ref_loss, ref_grads, ref_params)) in enumerate(zip(history, reference, strict=True)):
+        if not torch.equal(loss, ref_loss):
+            return f"loss differs at step {step}"
+        for i, (grad, ref) in enumerate(zip(grads, ref_grads, strict=True)):
+            if not torch.equal(grad, ref):
+                return f"gradient {i} differs at step {step}"
+        if not all(torch.equal(p, r) for p, r in zip(params, ref_params, strict=True)):
+            return f"parameters differ after step {step}"
+    return None
+
+
+def stage_bitwise(check: Check) -> dict:
+    """Every preset, with and without random copy delays, bitwise against plain PyTorch."""
+    torch.backends.cudnn.deterministic = True  # cuDNN's default conv3d backward may use atomics
+    torch.backends.cudnn.benchmark = False
+    cube = check.sizes.bitwise_cube
+    x, y = check.batch(cube, 1)
+    reference, _ = _train(check.model(), None, x, y)
+    repeat, _ = _train(check.model(), None, x, y)
+    rows, skipped = [], []
+    for name in PRESET_NAMES:
+        for delay in (0.0, check.sizes.delay_s):
+            if check.time_left() < 0:
+                skipped.append(f"{name} delay {delay}")
+                continue
+            policy = copy.deepcopy(named_policies(check.base_policy())[name])
+            policy.swap.copy_delay_s = delay
+            history, stats = _train(check.model(), policy, x, y)
+            difference = _first_difference(history, reference)
+            rows.append({"policy": name, "copy_delay_s": delay, "bitwise_equal": difference is None,
+                         "difference": difference, "swapped_out_bytes": stats.get("swapped_out_bytes"),
+                         "prefetch_misses": stats.get("prefetch_misses"), "late_reloads": stats.get("late_reloads")})
+    equal = all(row["bitwise_equal"] for row in rows)
+    return {"cube": cube, "reference_repeatable": _first_difference(repeat, reference) is None,
+            "all_equal": equal, "rows": rows, "skipped": skipped, "status": "ok" if equal else "failed"}
+
+
+def _planner(check: Check, model, shape: tuple[int, ...]) -> Planner:
+    """A planner for `shape` with the time model of this device (profiled once: ops and pinned link)."""
+    if check._cost is None:
+        check._cost = resolve_cost_model(model, check.device, torch.float32, loss_fn=weighted_dice_loss)
+        if check.sizes.emulate_gbs is not None:
+            check._cost.sync_copies = False
+            check._cost.h2d_bytes_per_s = check._cost.d2h_bytes_per_s = check.sizes.emulate_gbs * 1e9
+        check.document["cost_model"] = check._cost.as_dict()
+    return Planner(model, shape, loss_fn=weighted_dice_loss, dtype=torch.float32, cost=copy.deepcopy(check._cost))
+
+
+def _policies(check: Check, planner: Planner, budget_gib: float) -> dict[str, MemoryConfig]:
+    policies = named_policies(check.base_policy())
+    best, _ = planner.auto(budget_gib * GIB, check.base_policy())
+    if best is not None:
+        policies["auto"] = best.policy
+    return policies
+
+
+def stage_peak(check: Check) -> dict:
+    """Measured against predicted peak for every policy under the cap, at each batch size."""
+    sizes, device = check.sizes, check.device
+    cuda = device.type == "cuda"
+    if cuda:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, sizes.cap_gib * GIB / total), device)
+    rows, skipped = [], []
+    try:
+        for batch in sizes.peak_batches:
+            model = check.model()
+            shape = (batch, 4, sizes.peak_cube, sizes.peak_cube, sizes.peak_cube)
+            planner = _planner(check, model, shape)
+            x, y = check.batch(sizes.peak_cube, batch)
+            for name, cfg in _policies(check, planner, sizes.cap_gib).items():
+                if check.time_left() < 0:
+                    skipped.append(f"{name} batch {batch}")
+                    continue
+                rows.append(_peak_row(check, planner, model, name, cfg, x, y, batch))
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    return {"cube": sizes.peak_cube, "cap_gib": sizes.cap_gib if cuda else None,
+            "peak": "torch.cuda.max_memory_allocated" if cuda else "engine peak resident saved bytes",
+            "rows": rows, "skipped": skipped}
+
+
+def _peak_row(check: Check, planner: Planner, model, name: str, cfg: MemoryConfig, x, y, batch: int) -> dict:
+    cuda = check.device.type == "cuda"
+    prediction = planner.predict(name, cfg, check.sizes.cap_gib * GIB)
+    predicted = prediction.peak_bytes if cuda else prediction.peak_resident_saved_bytes
+    row = {"policy": name, "batch": batch, "predicted_peak_bytes": predicted, "predicted_fits": prediction.fits,
+           "predicted_step_s": prediction.step_s}
+    try:
+        measured = measure(model, cfg, x, y, check.device, 1, torch.float32, hooks_for_none=not cuda)
+    except torch.OutOfMemoryError:
+        row.update(status="oom", measured_peak_bytes=None, peak_error=None)
+        return row
+    row.update(status="ok", measured_peak_bytes=measured["peak_bytes"], measured_step_s=measured["step_s"],
+               peak_error=relative_error(predicted, measured["peak_bytes"]))
+    return row
+
+
+def stage_step_time(check: Check) -> dict:
+    """The engine's policies against no policy, save_on_cpu and per-block checkpointing."""
+    sizes, device = check.sizes, check.device
+    model = check.model()
+    shape = (1, 4, sizes.time_cube, sizes.time_cube, sizes.time_cube)
+    planner = _planner(check, model, shape)
+    base = check.base_policy()
+    named = _policies(check, planner, sizes.cap_gib)
+    blocks = memory_config_from({"mode": "recompute",
+                                 "recompute": {"modules": [name for name, _ in discover_blocks(model)]}})
+    candidates = {"none": named["none"], SAVE_ON_CPU: SAVE_ON_CPU, "checkpoint_blocks": blocks,
+                  "swap_all": named["swap_all"], "hybrid": named["hybrid"]}
+    if "auto" in named:
+        candidates["auto"] = named["auto"]
+    x, y = check.batch(sizes.time_cube, 1)
+    rows, skipped = [], []
+    for name, policy in candidates.items():
+        if check.time_left() < 0:
+            skipped.append(name)
+            continue
+        if isinstance(policy, MemoryConfig):
+            policy = copy.deepcopy(policy)
+            policy.swap.emulate_gbs = base.swap.emulate_gbs
+        try:
+            measured = measure(model, policy, x, y, device, sizes.time_steps, torch.float32, hooks_for_none=False)
+        except torch.OutOfMemoryError:
+            rows.append({"policy": name, "status": "oom"})
+            continue
+        rows.append({"policy": name, "status": "ok", "step_s": round(measured["step_s"], 4),
+                     "peak_bytes": measured.get("peak_bytes")})
+    baseline = next((r["step_s"] for r in rows if r["policy"] == "none" and r["status"] == "ok"), None)
+    for row in rows:
+        if baseline and row["status"] == "ok":
+            row["vs_none"] = round(row["step_s"] / baseline, 3)
+    return {"cube": sizes.time_cube, "batch": 1, "rows": rows, "skipped": skipped}
+
+
+def stage_pinned(check: Check) -> dict:
+    """Pinned host bytes of swap_all at the largest peak batch, the arena sized from the plan."""
+    sizes, device = check.sizes, check.device
+    batch = max(sizes.peak_batches)
+    model = check.model()
+    shape = (batch, 4, sizes.peak_cube, sizes.peak_cube, sizes.peak_cube)
+    planner = _planner(check, model, shape)
+    cfg = named_policies(check.base_policy())["swap_all"]
+    records = {record.index: record for record in planner.records(cfg)}
+    planned = arena_bytes(records[i].nbytes for i in planner.placement(cfg).swapped)
+    x, y = check.batch(sizes.peak_cube, batch)
+    measured = measure(model, cfg, x, y, device, 1, torch.float32, arena_bytes=planned)
+    swapped = measured["swapped_bytes"]
+    row = {"cube": sizes.peak_cube, "batch": batch, "policy": "swap_all", "swapped_bytes": swapped,
+           "planned_arena_bytes": planned, "arena_bytes": measured["arena_bytes"],
+           "arena_per_swapped_byte": round(measured["arena_bytes"] / swapped, 4) if swapped else None,
+           "pinned": device.type == "cuda"}
+    if device.type == "cuda":
+        stats = torch.cuda.host_memory_stats()
+        row["caching_host_allocator_bytes"] = stats.get("allocated_bytes.current", stats.get("allocated_bytes"))
+    row["within_target"] = row["arena_per_swapped_byte"] is not None and row["arena_per_swapped_byte"] <= PINNED_TARGET
+    return row
+
+
+STAGES = {"environment": stage_environment, "bandwidth": stage_bandwidth, "bitwise": stage_bitwise,
+          "peak": stage_peak, "step_time": stage_step_time, "pinned": stage_pinned}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="every stage, tiny, on the CPU")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "gpu")
+    parser.add_argument("--time-limit", type=float, default=400.0, help="seconds; later measurements are skipped")
+    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU, or use --dry-run")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")
+    check = Check(device, sizes, path, args.time_limit)
+    for name in args.stages:
+        check.run_stage(name, STAGES[name])
+    print(f"wrote {path}")
+    return check.document
+
+
+if __name__ == "__main__":
+    main()

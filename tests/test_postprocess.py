@@ -1,0 +1,218 @@
+"""Postprocessing: the two rules, `apply` (identity at 0, idempotent), the plan file, and the tuner finding
+the thresholds that remove planted false positives on cross-validation-like cases."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import nibabel as nib
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from brats_swap.data.challenges import evaluation_groups
+from brats_swap.errors import DataError
+from brats_swap.evaluate.official import case_official_metrics
+from brats_swap.evaluate.postprocess import (
+    MIN_SIZE_GRID,
+    PostprocessingPlan,
+    apply,
+    load_plan,
+    relabel_labels,
+    relabel_small_enhancing,
+    remove_small_components,
+    save_plan,
+    tune_postprocessing,
+)
+
+SHAPE = (40, 40, 40)
+GLI = evaluation_groups("gli")  # ET [3], NETC [1], SNFH [2], TC [1,3], WT [1,2,3]
+LEGACY = {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}  # the 2017-2021 groups, WT first on purpose
+NETC, SNFH, ET = 1, 2, 3
+
+
+def ball(center, radius) -> np.ndarray:
+    grid = np.indices(SHAPE)
+    return sum((grid[axis] - center[axis]) ** 2 for axis in range(3)) <= radius**2
+
+
+def draw_tumour(volume: np.ndarray, center, radius: float, enhancing: bool = True) -> None:
+    volume[ball(center, radius)] = SNFH
+    if enhancing:
+        volume[ball(center, 0.6 * radius)] = ET
+    volume[ball(center, 0.3 * radius)] = NETC
+
+
+def tumour_cases(count: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prediction, reference) pairs: one tumour each, predicted one voxel off."""
+    cases = []
+    for index in range(count):
+        ref, pred = np.zeros(SHAPE, np.uint8), np.zeros(SHAPE, np.uint8)
+        center = (14 + 3 * index, 16, 18)
+        draw_tumour(ref, center, 9)
+        draw_tumour(pred, (center[0] + 1, center[1], center[2]), 9)
+        cases.append((pred, ref))
+    return cases
+
+
+# ---- the rules ----------------------------------------------------------------------------------------------
+
+
+def test_small_components_of_a_group_are_removed_with_26_connectivity():
+    labels = np.zeros((12, 12, 12), np.uint8)
+    labels[1:4, 1:4, 1:4] = ET  # 27 voxels
+    labels[8, 8, 8] = ET  # 2 voxels touching only by a corner: one component under 26-connectivity
+    labels[9, 9, 9] = ET
+    labels[6, 1, 10] = ET  # 1 voxel
+    labels[10, 2, 2] = SNFH  # another group: untouched
+    out = remove_small_components(labels, (ET,), 2)
+    assert out[6, 1, 10] == 0 and out[8, 8, 8] == out[9, 9, 9] == ET
+    assert out[10, 2, 2] == SNFH and np.count_nonzero(out == ET) == 29
+    assert np.count_nonzero(remove_small_components(labels, (ET,), 3) == ET) == 27
+    assert labels[6, 1, 10] == ET  # the input is not modified
+
+
+def test_a_merged_group_counts_the_union_of_its_labels():
+    labels = np.zeros((8, 8, 8), np.uint8)
+    labels[2, 2, 2:4] = NETC
+    labels[2, 2, 4:6] = ET  # TC component: 4 voxels, 2 of each label
+    assert np.array_equal(remove_small_components(labels, (NETC, ET), 4), labels)
+    assert not remove_small_components(labels, (NETC, ET), 5).any()
+    assert np.count_nonzero(remove_small_components(labels, (ET,), 3)) == 2  # ET alone is 2 voxels: removed
+
+
+def test_small_enhancing_volume_becomes_necrosis():
+    labels = np.zeros((8, 8, 8), np.uint8)
+    labels[1:3, 1:3, 1:3] = ET  # 8 voxels
+    labels[5, 5, 5] = SNFH
+    relabelled = relabel_small_enhancing(labels, ET, NETC, 9)
+    assert np.count_nonzero(relabelled == NETC) == 8 and relabelled[5, 5, 5] == SNFH
+    assert np.array_equal(relabel_small_enhancing(labels, ET, NETC, 8), labels)  # not below: kept
+    assert np.array_equal(relabel_small_enhancing(labels, ET, NETC, 0), labels)
+
+
+def test_relabel_labels_come_from_the_challenge_table():
+    assert relabel_labels("gli") == (3, 1)
+    assert relabel_labels("ped") == (1, 2)
+    assert relabel_labels("2021") == (4, 1)
+    assert relabel_labels("men-rt") is None
+
+
+# ---- apply ----------------------------------------------------------------------------------------------------
+
+
+def test_threshold_zero_is_the_identity():
+    pred, _ = tumour_cases(1)[0]
+    pred[2, 2, 2] = ET
+    assert np.array_equal(apply(PostprocessingPlan.identity(GLI, (ET, NETC)), pred), pred)
+    assert np.array_equal(remove_small_components(pred, (ET,), 0), pred)
+
+
+def test_apply_repeats_until_nothing_changes():
+    """Removing a one-voxel ET bridge splits a WT component into two pieces below WT's minimum; with WT
+    before ET in the group order only a second pass removes them."""
+    labels = np.zeros((9, 3, 3), np.uint8)
+    labels[0:4, 1, 1] = 2
+    labels[4, 1, 1] = 4
+    labels[5:9, 1, 1] = 2
+    plan = PostprocessingPlan(groups=LEGACY, min_component_voxels={"WT": 5, "TC": 0, "ET": 2})
+    out = apply(plan, labels)
+    assert not out.any()
+    assert np.array_equal(apply(plan, out), out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), sizes=st.lists(st.sampled_from([0, 2, 3, 5, 9, 20]), min_size=5, max_size=5),
+       enhancing=st.sampled_from([0, 3, 10, 40]))
+def test_apply_is_idempotent(seed, sizes, enhancing):
+    rng = np.random.default_rng(seed)
+    labels = rng.choice(np.array([0, 0, 0, 0, 0, 1, 2, 3], np.uint8), size=(10, 10, 10))
+    plan = PostprocessingPlan(groups=GLI, min_component_voxels=dict(zip(GLI, sizes, strict=True)),
+                              enhancing_label=ET, necrosis_label=NETC, small_enhancing_voxels=enhancing)
+    once = apply(plan, labels)
+    assert once.dtype == labels.dtype and once.shape == labels.shape
+    assert np.array_equal(apply(plan, once), once)
+
+
+# ---- the plan file --------------------------------------------------------------------------------------------
+
+
+def test_plan_round_trips_through_json_and_bad_files_are_one_line_errors(tmp_path):
+    plan = PostprocessingPlan(groups=GLI, min_component_voxels={"ET": 50, "NETC": 0, "SNFH": 0, "TC": 0, "WT": 20},
+                              enhancing_label=ET, necrosis_label=NETC, small_enhancing_voxels=200,
+                              lesionwise_dice_before={"ET": 0.5}, lesionwise_dice_after={"ET": 0.6}, n_cases=3)
+    path = tmp_path / "postprocessing.json"
+    save_plan(plan, path)
+    assert load_plan(path) == plan
+    assert "ET components < 50 voxels removed" in plan.describe()
+    data = json.loads(path.read_text())
+    data["min_component_voxels"]["ET"] = -1
+    path.write_text(json.dumps(data))
+    with pytest.raises(DataError, match=r"postprocessing.json: malformed value .*-1 is not a count"):
+        load_plan(path)
+    path.write_text("{")
+    with pytest.raises(DataError, match="unreadable postprocessing plan"):
+        load_plan(path)
+
+
+# ---- the tuner ------------------------------------------------------------------------------------------------
+
+
+def lesionwise_dice_counting_empty_as_one(cases) -> dict[str, float]:
+    """Per group: the official lesion-wise Dice averaged over the cases, a lesion-free case counting 1."""
+    rows = [case_official_metrics(pred, ref, GLI) for pred, ref in cases]
+    values = {group: [row[f"lesionwise_dsc_mean_{group.lower()}"] for row in rows] for group in GLI}
+    return {group: float(np.mean([1.0 if math.isnan(v) else v for v in column])) for group, column in values.items()}
+
+
+def test_tuner_removes_a_planted_small_false_positive_and_reports_official_scores():
+    cases = tumour_cases(4)
+    # A case whose reference has no enhancing tumour, and a 7-voxel false-positive ET lesion far from it.
+    ref, pred = np.zeros(SHAPE, np.uint8), np.zeros(SHAPE, np.uint8)
+    draw_tumour(ref, (20, 20, 20), 8, enhancing=False)
+    draw_tumour(pred, (20, 21, 20), 8, enhancing=False)
+    pred[ball((34, 34, 34), 1)] = ET
+    cases.append((pred, ref))
+    lines = []
+    plan = tune_postprocessing(cases, GLI, relabel=None, report=lines.append)
+
+    smallest_true_et = min(np.count_nonzero(p == ET) for p, _ in cases[:4])
+    assert 7 < plan.min_component_voxels["ET"] <= smallest_true_et
+    assert plan.lesionwise_dice_after["ET"] > plan.lesionwise_dice_before["ET"]
+    assert plan.small_enhancing_voxels == 0 and plan.n_cases == 5 and len(lines) == len(GLI)
+    cleaned = apply(plan, pred)
+    assert not np.any(cleaned[ball((34, 34, 34), 1)]) and np.array_equal(cleaned[:30, :30, :30], pred[:30, :30, :30])
+    assert plan.lesionwise_dice_before == pytest.approx(lesionwise_dice_counting_empty_as_one(cases))
+    after = lesionwise_dice_counting_empty_as_one([(apply(plan, p), r) for p, r in cases])
+    assert plan.lesionwise_dice_after == pytest.approx(after)
+
+
+def test_tuner_relabels_a_small_enhancing_speck_inside_necrosis(tmp_path):
+    cases = tumour_cases(2)
+    ref, pred = np.zeros(SHAPE, np.uint8), np.zeros(SHAPE, np.uint8)
+    draw_tumour(ref, (20, 20, 20), 9, enhancing=False)
+    ref[ball((20, 20, 20), 4)] = NETC
+    pred[:] = ref
+    pred[ball((20, 20, 20), 1)] = ET  # 7 voxels of enhancing tumour inside the necrotic core
+    cases.append((pred, ref))
+    # The same cases as NIfTI files: the tuner reads paths as well as arrays.
+    paths = []
+    for index, (p, r) in enumerate(cases):
+        pred_path, ref_path = tmp_path / f"pred_{index}.nii.gz", tmp_path / f"ref_{index}.nii.gz"
+        nib.save(nib.Nifti1Image(p, np.eye(4)), pred_path)
+        nib.save(nib.Nifti1Image(r, np.eye(4)), ref_path)
+        paths.append((pred_path, ref_path))
+    plan = tune_postprocessing(paths, GLI, relabel=relabel_labels("gli"), grid=MIN_SIZE_GRID)
+
+    assert 7 < plan.small_enhancing_voxels <= min(np.count_nonzero(p == ET) for p, _ in cases[:2])
+    assert plan.lesionwise_dice_after["ET"] > plan.lesionwise_dice_before["ET"]
+    assert np.array_equal(apply(plan, pred), ref)
+
+
+def test_tuner_refuses_labels_outside_the_groups():
+    pred, ref = tumour_cases(1)[0]
+    pred[0, 0, 0] = 4
+    with pytest.raises(DataError, match=r"case #0: prediction: labels \[4\] are in no evaluation group"):
+        tune_postprocessing([(pred, ref)], GLI)
