@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from brats_swap.errors import DiskError
 
 TEMP_SUFFIX = ".tmp"
@@ -157,10 +155,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
-
-
-def atomic_write_yaml(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False))
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:

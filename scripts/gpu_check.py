@@ -354,7 +354,7 @@ def stage_pinned(check: Check) -> dict:
     planner = _planner(check, model, shape)
     cfg = named_policies(check.base_policy())["swap_all"]
     records = {record.index: record for record in planner.records(cfg)}
-    planned = arena_bytes(records[i].nbytes for i in planner.placement(cfg).swapped)
+    planned = arena_bytes(records[i].nbytes for i in planner.swapped(cfg))
     x, y = check.batch(sizes.peak_cube, batch)
     measured = measure(model, cfg, x, y, device, 1, torch.float32, arena_bytes=planned)
     swapped = measured["swapped_bytes"]
@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or use --dry-run")
     device = torch.device("cpu" if args.dry_run else "cuda")
+    if args.dry_run:  # one compute thread: a second one stalls whenever a copy thread takes its core
+        torch.set_num_threads(1)
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")

@@ -46,7 +46,7 @@ from brats_swap.memory.engine import MemoryEngine
 from brats_swap.memory.link import EmulatedLink
 from brats_swap.memory.planner import Planner, profile_device
 from brats_swap.memory.presets import named_policies
-from brats_swap.memory.simulate import GIB
+from brats_swap.memory.simulate import GIB, OpCostModel
 from brats_swap.model import build_model
 from brats_swap.train.losses import weighted_dice_loss
 
@@ -63,54 +63,76 @@ def _step_context(engine: MemoryEngine | None, policy, device: torch.device):
     return contextlib.nullcontext()
 
 
-def measure(model, policy: MemoryConfig | str, x, y, device: torch.device, steps: int, dtype: torch.dtype,
-            *, hooks_for_none: bool = True, arena_bytes: int = 0) -> dict:
-    """Run `steps` training steps under `policy` after one warm-up; step time, peaks and engine stats.
+class PolicyRun:
+    """One model training under one policy (a MemoryConfig or `SAVE_ON_CPU`), step by step, with Adam.
 
-    `policy` is a MemoryConfig or `SAVE_ON_CPU`. `hooks_for_none=False` runs mode none without hooks (a
-    fair GPU baseline; no stats). Peak: `torch.cuda.max_memory_allocated` on CUDA, else the engine's peak
-    resident saved bytes.
+    `hooks_for_none=False` runs mode none without hooks (a fair GPU baseline; no stats). The first step
+    warms up (allocator, cuDNN algorithms, the arena, the learned backward order) and is not timed.
     """
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    engine = None
-    if isinstance(policy, MemoryConfig) and (policy.mode != "none" or hooks_for_none):
-        engine = MemoryEngine(model, policy, device, measure=True, arena_bytes=arena_bytes)
-    autocast = dtype != torch.float32 and device.type == "cuda"
-    times = []
-    try:
-        for step in range(steps + 1):
-            if step == 1 and device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            started = time.perf_counter()
-            with _step_context(engine, policy, device), torch.autocast(device.type, dtype=dtype, enabled=autocast):
-                loss = weighted_dice_loss(model(x).float(), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if step:
-                times.append(time.perf_counter() - started)
-        row = {"step_s": statistics.median(times), "step_times_s": [round(t, 4) for t in times]}
-        if engine is not None:
-            stats = engine.last_stats()
+
+    def __init__(self, model, policy: MemoryConfig | str, x, y, device: torch.device, dtype: torch.dtype,
+                 *, hooks_for_none: bool = True, arena_bytes: int = 0):
+        self.model, self.policy, self.x, self.y, self.device, self.dtype = model, policy, x, y, device, dtype
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        self.engine = None
+        if isinstance(policy, MemoryConfig) and (policy.mode != "none" or hooks_for_none):
+            self.engine = MemoryEngine(model, policy, device, measure=True, arena_bytes=arena_bytes)
+        self.times: list[float] = []
+        self.steps = 0
+
+    def step(self) -> None:
+        cuda = self.device.type == "cuda"
+        if self.steps == 1 and cuda:  # the peak of the steps after the warm-up
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32 and cuda)
+        started = time.perf_counter()
+        with _step_context(self.engine, self.policy, self.device), autocast:
+            loss = weighted_dice_loss(self.model(self.x).float(), self.y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        if self.steps:
+            self.times.append(time.perf_counter() - started)
+        self.steps += 1
+
+    def result(self) -> dict:
+        """Median step time and the peak: `torch.cuda.max_memory_allocated` on CUDA, else the engine's peak
+        resident saved bytes; the engine's statistics of the last step."""
+        row = {"step_s": statistics.median(self.times), "step_times_s": [round(t, 4) for t in self.times]}
+        if self.engine is not None:
+            stats = self.engine.last_stats()
             row.update(saved_bytes=stats.saved_bytes, swapped_bytes=stats.swapped_out_bytes,
                        peak_resident_saved_bytes=stats.peak_resident_saved_bytes,
                        prefetch_misses=stats.prefetch_misses, late_reloads=stats.late_reloads,
                        arena_bytes=stats.arena_bytes)
-        if device.type == "cuda":
-            row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        elif engine is not None:
+        if self.device.type == "cuda":
+            row["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        elif self.engine is not None:
             row["peak_bytes"] = row["peak_resident_saved_bytes"]
         return row
-    finally:
-        if engine is not None:
-            engine.close()
-        del optimizer
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.optimizer = self.engine = None
         gc.collect()
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def measure(model, policy: MemoryConfig | str, x, y, device: torch.device, steps: int, dtype: torch.dtype,
+            *, hooks_for_none: bool = True, arena_bytes: int = 0) -> dict:
+    """`steps` training steps under `policy` after one warm-up, one after the other (`PolicyRun.result`)."""
+    run = PolicyRun(model, policy, x, y, device, dtype, hooks_for_none=hooks_for_none, arena_bytes=arena_bytes)
+    try:
+        for _ in range(steps + 1):
+            run.step()
+        return run.result()
+    finally:
+        run.close()
 
 
 def relative_error(predicted: float, measured: float) -> float | None:
@@ -238,6 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bandwidth", type=float, default=None, help="host<->device GB/s (default: measured)")
     parser.add_argument("--emulate-gbs", type=float, default=None,
                         help="CPU: copy through an emulated link of this GB/s (memory.swap.emulate_gbs)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default on CPU: 1, leaving a core to the copy threads)")
     parser.add_argument("--json", type=Path, default=None, help="result file (a .md table is written next to it)")
     parser.add_argument("--out", type=Path, default=None, help="folder for validate_plan.{json,md} (instead of --json)")
     args = parser.parse_args(argv)
@@ -246,32 +270,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def cost_model(model, device: torch.device, args, cube: int, dtype: torch.dtype) -> tuple:
-    """The planner's time model for this run: profiled on `device`; with an emulated link, that link."""
-    # The time model is fitted on this device at the smallest cube (GPU: at least 96³ to fill it).
+def profile(model, device: torch.device, cube: int, batch: int, dtype: torch.dtype, steps: int) -> OpCostModel:
+    """The planner's profile of `model` on `device` (GPU: at least 96³, to fill the card)."""
     profile_cube = cube if device.type == "cpu" else max(96, cube)
-    cost = profile_device(model, device, cube=profile_cube, batch=args.batch, dtype=dtype,
-                          loss_fn=weighted_dice_loss)
+    return profile_device(model, device, cube=profile_cube, batch=batch, dtype=dtype, loss_fn=weighted_dice_loss,
+                          steps=steps)
+
+
+def price_link(cost: OpCostModel, args) -> dict | None:
+    """Give the time model this run's link: the emulated one (bandwidth, asynchronous copies, the compute
+    its copy threads take: `calibrate_interference`) or `--bandwidth`. Returns the calibration."""
     interference = None
     if args.emulate_gbs is not None:
         interference = calibrate_interference(args.emulate_gbs)
         cost.sync_copies = False
+        cost.host_lead_kernels = 0  # the host is the compute: a finished copy is found at once
         cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = args.emulate_gbs * 1e9
         cost.copy_interference_s_per_byte = interference["seconds_per_byte"]
         cost.name += f", emulated link {args.emulate_gbs:g} GB/s"
     if args.bandwidth is not None:
         cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = args.bandwidth * 1e9
-    return cost, interference
+    return interference
 
 
 def policies_for(planner: Planner, base: MemoryConfig, budget_gib: float | None, names,
-                 half_budget: bool = False) -> dict[str, MemoryConfig]:
-    """none, every preset, and the auto plan for `budget_gib` (or, with `half_budget`, for half of none's
-    predicted peak), restricted to `names` when given."""
+                 default_budget: bool = False) -> dict[str, MemoryConfig]:
+    """none, every preset, and the auto plan for `budget_gib` (with `default_budget` and no budget: half
+    way between the planner's floor and none's predicted peak, so auto has to act), restricted to `names`."""
     policies = named_policies(base)
-    if budget_gib is None and half_budget:
-        budget_gib = planner.memory(policies["none"]).peak_bytes / 2 / GIB
-    if budget_gib is not None:
+    want_auto = not names or "auto" in names
+    if want_auto and budget_gib is None and default_budget:
+        budget_gib = (planner.floor_bytes() + planner.memory(policies["none"]).peak_bytes) / 2 / GIB
+    if want_auto and budget_gib is not None:
         best, _ = planner.auto(budget_gib * GIB, base)
         if best is not None:
             policies["auto"] = best.policy
@@ -280,47 +310,83 @@ def policies_for(planner: Planner, base: MemoryConfig, budget_gib: float | None,
     return policies
 
 
-def validate_cube(model, cube: int, args, device, dtype, cost, base: MemoryConfig) -> list[dict]:
+def measure_interleaved(model, policies: dict, x, y, args, dtype: torch.dtype) -> tuple[dict, list]:
+    """CPU: every policy on its own copy of `model`, one step each per round (the first a warm-up), and the
+    planner's profile once per round, so that a machine whose load drifts (other processes on a shared
+    CPU) shifts the profile and every policy alike. Returns the results and the profiled scales."""
+    device = torch.device("cpu")
+    runs = {name: PolicyRun(copy.deepcopy(model), cfg, x, y, device, dtype) for name, cfg in policies.items()}
+    scales = []
+    try:
+        for _ in range(args.steps + 1):
+            fitted = profile(model, device, x.shape[2], args.batch, dtype, steps=1)
+            scales.append((fitted.fwd_scale, fitted.bwd_scale))
+            for run in runs.values():
+                run.step()
+        return {name: run.result() for name, run in runs.items()}, scales
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def validate_cube(model, cube: int, args, device, dtype, cost: OpCostModel, base: MemoryConfig) -> tuple[list, dict]:
+    """Rows for one cube, and the cost model that priced them."""
     shape = (args.batch, 4, cube, cube, cube)
     planner = Planner(model, shape, dtype=dtype, cost=cost, loss_fn=weighted_dice_loss)
     x = torch.randn(shape, device=device)
     y = (torch.rand(args.batch, 3, cube, cube, cube, device=device) > 0.8).float()
-    rows = []
-    policies = policies_for(planner, base, args.budget, args.policies, half_budget=device.type == "cpu")
-    for name, cfg in policies.items():
-        predicted_memory, predicted_time = planner.memory(cfg), planner.time(cfg)
-        try:
-            measured = measure(model, cfg, x, y, device, args.steps, dtype)
-        except torch.OutOfMemoryError:
-            print(f"{cube}³ {name}: out of memory", file=sys.stderr)
-            continue
-        predicted_peak = (predicted_memory.peak_bytes if device.type == "cuda"
-                          else predicted_memory.peak_resident_saved_bytes)
-        row = {
-            "cube": cube, "batch": args.batch, "policy": name,
-            "predicted_step_s": predicted_time.step_s, "measured_step_s": measured["step_s"],
-            "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured["peak_bytes"],
-            "peak_error": relative_error(predicted_peak, measured["peak_bytes"]),
-            "step_error": relative_error(predicted_time.step_s, measured["step_s"]),
-            "measured_step_times_s": measured["step_times_s"],
-            "predicted_saved_bytes": predicted_memory.saved_bytes, "measured_saved_bytes": measured["saved_bytes"],
-            "saved_bytes_equal": predicted_memory.saved_bytes == measured["saved_bytes"],
-            "swapped_bytes_equal": predicted_memory.swapped_bytes == measured["swapped_bytes"],
-            "resident_bytes_equal": (predicted_memory.peak_resident_saved_bytes
-                                     == measured["peak_resident_saved_bytes"]),
-            "predicted_exposed_transfer_s": predicted_time.exposed_transfer_s,
-            "measured_prefetch_misses": measured["prefetch_misses"],
-            "policy_config": {"mode": cfg.mode, "swap": vars(cfg.swap), "recompute": vars(cfg.recompute)},
-        }
-        rows.append(row)
-        print(f"{cube}³ {name:26s} peak {predicted_peak / 2**20:.1f} vs {measured['peak_bytes'] / 2**20:.1f} MiB, "
-              f"step {predicted_time.step_s:.4f} vs {measured['step_s']:.4f} s", flush=True)
-    return rows
+    policies = policies_for(planner, base, args.budget, args.policies, default_budget=device.type == "cpu")
+    if device.type == "cpu":
+        measured, scales = measure_interleaved(model, policies, x, y, args, dtype)
+        cost = copy.deepcopy(cost)
+        cost.fwd_scale = statistics.median(s[0] for s in scales)
+        cost.bwd_scale = statistics.median(s[1] for s in scales)
+        planner = Planner(model, shape, dtype=dtype, cost=cost, loss_fn=weighted_dice_loss)
+    else:
+        measured = {}
+        for name, cfg in policies.items():
+            try:
+                measured[name] = measure(model, cfg, x, y, device, args.steps, dtype)
+            except torch.OutOfMemoryError:
+                print(f"{cube}³ {name}: out of memory", file=sys.stderr)
+    rows = [compare(planner, cfg, name, cube, args.batch, measured[name], device)
+            for name, cfg in policies.items() if name in measured]
+    return rows, cost.as_dict()
+
+
+def compare(planner: Planner, cfg: MemoryConfig, name: str, cube: int, batch: int, measured: dict,
+            device: torch.device) -> dict:
+    """One row: the planner's prediction of `cfg` next to the measurement."""
+    predicted_memory, predicted_time = planner.memory(cfg), planner.time(cfg)
+    predicted_peak = (predicted_memory.peak_bytes if device.type == "cuda"
+                      else predicted_memory.peak_resident_saved_bytes)
+    row = {
+        "cube": cube, "batch": batch, "policy": name,
+        "predicted_step_s": predicted_time.step_s, "measured_step_s": measured["step_s"],
+        "predicted_peak_bytes": predicted_peak, "measured_peak_bytes": measured["peak_bytes"],
+        "peak_error": relative_error(predicted_peak, measured["peak_bytes"]),
+        "step_error": relative_error(predicted_time.step_s, measured["step_s"]),
+        "measured_step_times_s": measured["step_times_s"],
+        "predicted_saved_bytes": predicted_memory.saved_bytes, "measured_saved_bytes": measured["saved_bytes"],
+        "saved_bytes_equal": predicted_memory.saved_bytes == measured["saved_bytes"],
+        "swapped_bytes_equal": predicted_memory.swapped_bytes == measured["swapped_bytes"],
+        "resident_bytes_equal": predicted_memory.peak_resident_saved_bytes == measured["peak_resident_saved_bytes"],
+        "predicted_exposed_transfer_s": predicted_time.exposed_transfer_s,
+        "measured_prefetch_misses": measured["prefetch_misses"],
+        "policy_config": {"mode": cfg.mode, "swap": vars(cfg.swap), "recompute": vars(cfg.recompute)},
+    }
+    print(f"{cube}³ {name:26s} peak {predicted_peak / 2**20:.1f} vs {measured['peak_bytes'] / 2**20:.1f} MiB, "
+          f"step {predicted_time.step_s:.4f} vs {measured['step_s']:.4f} s", flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.threads is not None or device.type == "cpu":
+        # One compute thread by default: on a shared 2-core machine a second OpenMP thread that loses its
+        # core to another process stalls every parallel region, which no cost model can price.
+        torch.set_num_threads(args.threads or 1)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cubes = args.cubes or ([128, 192] if device.type == "cuda" else [48])
     base_filters = args.base_filters or (16 if device.type == "cuda" else 4)
@@ -330,16 +396,20 @@ def main(argv: list[str] | None = None) -> dict:
     base.swap.emulate_gbs = args.emulate_gbs
     torch.manual_seed(0)
     model = build_model(ModelConfig(base_filters=base_filters)).to(device)
-    cost, interference = cost_model(model, device, args, min(cubes), dtype)
+    cost = profile(model, device, min(cubes), args.batch, dtype, steps=args.steps)
+    interference = price_link(cost, args)
     started = time.perf_counter()
-    rows = [row for cube in cubes for row in validate_cube(model, cube, args, device, dtype, cost, base)]
+    rows, cost_models = [], {}
+    for cube in cubes:
+        cube_rows, cost_models[cube] = validate_cube(model, cube, args, device, dtype, cost, base)
+        rows += cube_rows
     result = {
         "command": " ".join(["scripts/validate_plan.py", *(argv if argv is not None else sys.argv[1:])]),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": args.dtype, "base_filters": base_filters,
         "threads": torch.get_num_threads(), "emulate_gbs": args.emulate_gbs, "interference": interference,
-        "cost_model": copy.deepcopy(cost.as_dict()), "seconds": round(time.perf_counter() - started, 1),
+        "cost_models": cost_models, "seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
     }
     if args.json is not None:

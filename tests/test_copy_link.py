@@ -161,3 +161,200 @@ def test_host_memory_shortfall_is_a_one_line_config_error():
 
 
 # --------------------------------------------------------------------------------------------- the engine
+
+# Emulated link settings: (GB/s, random delay per copy up to s, swap.max_inflight_bytes). At 16³ the
+# copies are small, so the slow settings are what keeps them in flight when the engine needs them; the
+# 64 KiB in-flight budget forces releases that wait for one specific copy.
+LINK_SETTINGS = {
+    "0.02GBs": (0.02, 0.0, 4 << 30),
+    "0.2GBs_delays": (0.2, 0.004, 4 << 30),
+    "1GBs_delays_budget": (1.0, 0.002, 64 << 10),
+    "5GBs": (5.0, 0.0, 4 << 30),
+}
+SLOW = ("0.02GBs", "0.2GBs_delays", "1GBs_delays_budget")
+SWAPPING = ("swap_all", "swap_first_n", "swap_no_decoder", "swap_no_decoder_lookahead", "hybrid")
+
+
+class Residual(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv3d(channels, channels, 3, padding=1)
+        self.norm = nn.InstanceNorm3d(channels, affine=True)
+        self.act = nn.LeakyReLU(0.01)
+        self.drop = nn.Dropout3d(0.2)
+        self.conv2 = nn.Conv3d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(self.drop(self.act(self.norm(self.conv1(x)))))
+
+
+class ResidualNet(nn.Module):
+    """Not a U-Net: a stem, residual blocks, a per-voxel Linear on a channels-last view (a saved,
+    non-contiguous view), and a pooled Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv3d(2, 6, 3, padding=1)
+        self.blocks = nn.ModuleList([Residual(6), Residual(6)])
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        h = self.mix(h.permute(0, 2, 3, 4, 1)).relu()
+        return self.head(h.mean((1, 2, 3)))
+
+
+def _unet() -> nn.Module:
+    return build_model(ModelConfig(base_filters=4, dropout=0.3))
+
+
+def _unet_batch(step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(1, 4, 16, 16, 16, generator=generator)
+    y = (torch.rand(1, 3, 16, 16, 16, generator=generator) > 0.7).float()
+    return x, y
+
+
+def _dice(probs, target):
+    dims = (0, 2, 3, 4)
+    return 1 - (2 * (probs * target).sum(dims) + 1e-5).div(probs.sum(dims) + target.sum(dims) + 1e-5).mean()
+
+
+def _residual_batch(step: int):
+    generator = torch.Generator().manual_seed(200 + step)
+    return torch.randn(2, 2, 20, 20, 20, generator=generator), torch.randn(2, 3, generator=generator)
+
+
+def _mse(out, target):
+    return (out - target).pow(2).mean()
+
+
+UNET = (_unet, _unet_batch, _dice)
+RESIDUAL = (ResidualNet, _residual_batch, _mse)
+
+
+def _train(model_kind, policy, steps: int = 3):
+    """Losses, gradients and parameters after each of `steps` SGD steps (dropout seeded per step)."""
+    factory, make_batch, loss_fn = model_kind
+    torch.manual_seed(0)
+    model = factory()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = MemoryEngine(model, policy) if policy is not None else None
+    history = []
+    try:
+        for step in range(steps):
+            x, y = make_batch(step)
+            torch.manual_seed(step)
+            if engine is not None:
+                with engine.step():
+                    loss = loss_fn(model(x), y)
+            else:
+                loss = loss_fn(model(x), y)
+            loss.backward()
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            history.append((loss.detach().clone(), grads, [p.detach().clone() for p in model.parameters()]))
+        return history, engine.last_stats() if engine is not None else None
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def _assert_bitwise(history, reference, what: str) -> None:
+    for step, ((loss, grads, params), (ref_loss, ref_grads, ref_params)) in enumerate(
+            zip(history, reference, strict=True)):
+        assert torch.equal(loss, ref_loss), f"{what}: loss differs at step {step}"
+        for i, (grad, ref) in enumerate(zip(grads, ref_grads, strict=True)):
+            assert torch.equal(grad, ref), f"{what}: gradient {i} differs at step {step}"
+        for param, ref in zip(params, ref_params, strict=True):
+            assert torch.equal(param, ref), f"{what}: parameters differ after step {step}"
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {"unet": _train(UNET, None)[0], "residual": _train(RESIDUAL, None)[0]}
+
+
+@pytest.fixture
+def blocked_waits(monkeypatch):
+    """Counts the engine's waits on copies that had not finished yet: proof the copies were in flight."""
+    counter = {"blocked": 0}
+    original = ThreadCopyEvent.wait
+
+    def spy(event):
+        if not event.done():
+            counter["blocked"] += 1
+        return original(event)
+
+    monkeypatch.setattr(ThreadCopyEvent, "wait", spy)
+    return counter
+
+
+def _link_policies(setting: str) -> dict:
+    gbs, delay, inflight = LINK_SETTINGS[setting]
+    base = memory_config_from({"swap": {"min_bytes": 0, "emulate_gbs": gbs, "copy_delay_s": delay,
+                                        "max_inflight_bytes": inflight}})
+    return named_policies(base)
+
+
+@pytest.mark.parametrize("setting", list(LINK_SETTINGS))
+def test_unet_presets_are_bitwise_through_the_emulated_link(setting, references, blocked_waits):
+    policies = _link_policies(setting)
+    # recompute and norm_act copy nothing: once is enough.
+    names = [n for n in policies if n != "none" and (n in SWAPPING or setting == "0.02GBs")]
+    for name in names:
+        history, stats = _train(UNET, policies[name])
+        _assert_bitwise(history, references["unet"], f"{name} at {setting}")
+        if name in SWAPPING:
+            assert stats.swapped_out_bytes > 0 and stats.swapped_in_bytes > 0, name
+    if setting in SLOW:
+        assert blocked_waits["blocked"] > 0  # the engine did find copies in flight, and waited
+
+
+@pytest.mark.parametrize("setting", ["0.02GBs", "1GBs_delays_budget"])
+def test_a_non_unet_model_is_bitwise_through_the_emulated_link(setting, references, blocked_waits):
+    gbs, delay, inflight = LINK_SETTINGS[setting]
+    link = {"min_bytes": 0, "emulate_gbs": gbs, "copy_delay_s": delay, "max_inflight_bytes": inflight}
+    policies = {
+        "swap": {"mode": "swap", "swap": link},
+        "swap_lookahead_0": {"mode": "swap", "swap": {**link, "lookahead": 0}},
+        "swap_first_4": {"mode": "swap", "swap": {**link, "tensors": 4}},
+        "hybrid": {"mode": "hybrid", "swap": link, "recompute": {"norm_act": True}},
+        "recompute_blocks": {"mode": "hybrid", "swap": link, "recompute": {"modules": ["blocks.1"]}},
+    }
+    for name, policy in policies.items():
+        history, stats = _train(RESIDUAL, policy)
+        _assert_bitwise(history, references["residual"], f"{name} at {setting}")
+        assert stats.swapped_in_bytes > 0, name
+    assert blocked_waits["blocked"] > 0
+
+
+def test_control_without_the_wait_the_test_catches_it(references, monkeypatch):
+    """The same check with the one wait removed (the engine reads a reload, and the reload reads the host
+    slot, without waiting for the copy): the gradients differ, so the tests above would catch it."""
+    monkeypatch.setattr(ThreadCopyEvent, "wait", lambda event: None)
+    policy = _link_policies("0.02GBs")["swap_all"]
+    try:
+        history, _ = _train(UNET, policy)
+    except RuntimeError:
+        return  # an engine that raises is caught too
+    with pytest.raises(AssertionError, match="differ"):
+        _assert_bitwise(history, references["unet"], "swap_all without waits")
+
+
+def test_a_planned_arena_the_host_cannot_hold_fails_before_the_first_step(monkeypatch):
+    import brats_swap.memory.arena as arena_module
+
+    monkeypatch.setattr(arena_module, "available_host_bytes", lambda: 1 << 20)
+    net = ResidualNet()
+    with pytest.raises(ConfigError, match="memory.swap: the host arena needs"):
+        MemoryEngine(net, {"mode": "swap"}, "cpu", arena_bytes=64 << 20)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    engine = MemoryEngine(ResidualNet(), {"mode": "swap"}, "cpu", arena_bytes=512 << 10)
+    assert engine.last_stats().arena_bytes == 512 << 10  # allocated at construction, exactly
+    engine.close()
+    assert engine.last_stats().arena_bytes == 0  # returned on close

@@ -21,6 +21,9 @@ POLICIES = {
     "norm_act": {"mode": "recompute", "recompute": {"norm_act": True}},
     "hybrid": {"mode": "hybrid", "swap": {"min_bytes": 0, "lookahead": 2},
                "recompute": {"norm_act": True, "modules": ["encoder.level1", "decoder.level2"]}},
+    # A per-tensor mix: norm_act everywhere but one storage, which is stored and swapped instead.
+    "norm_act_stored": {"mode": "hybrid", "swap": {"min_bytes": 0, "include": ["encoder.level0.context.block2.act"]},
+                        "recompute": {"norm_act": True, "norm_act_exclude": ["encoder.level0.context.block2.act"]}},
 }
 
 

@@ -28,7 +28,8 @@ def plan(
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32, bf16 or fp16 (default: the dtype train.amp "
                                               "trains in).")] = None,
     bandwidth: Annotated[float | None, typer.Option("--bandwidth", help="Host<->device GB/s per direction "
-                                                    "(default: memory.bandwidth_gbs, measured, or 25).")] = None,
+                                                    "(default: memory.bandwidth_gbs, else measured on CUDA, else "
+                                                    "50: a PCIe 5 x16 link).")] = None,
     device: Annotated[str, typer.Option("--device", help="Time model: auto (measure CUDA if present, else "
                                         "assume an H200-class GPU), cuda, gpu, cpu.")] = "auto",
     profile: Annotated[Path | None, typer.Option("--profile", help="Saved cost profile JSON "
@@ -64,11 +65,18 @@ def plan(
         console.print(f"wrote {timeline}")
 
 
+def _short(names: list[str], shown: int = 3) -> str:
+    """A list of module globs for one line: the first few, then how many more (--json has them all)."""
+    if len(names) <= shown:
+        return str(names)
+    return str(names[:shown])[:-1] + f", ... {len(names) - shown} more]"
+
+
 def print_report(report: PlanReport) -> None:
     shape = "x".join(str(v) for v in report.input_shape[2:])
     budget = f"{report.budget_gib:g} GiB" if report.budget_gib is not None else "none"
     table = Table(title=f"memory plan: {shape}, batch {report.batch}, {report.dtype}, budget {budget}, "
-                        f"floor {report.floor_gib:.2f} GiB, link {report.bandwidth_gbs:.0f} GB/s",
+                        f"floor {report.floor_gib:.2f} GiB, link {report.bandwidth_gbs:g} GB/s",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("policy", "peak\nGiB", "swapped\nGiB", "recompute\nGFLOP", "step\ns", "vs\nnone", "fits"):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
@@ -84,10 +92,13 @@ def print_report(report: PlanReport) -> None:
         cfg = report.chosen.policy
         knobs = f"mode={cfg.mode}"
         if cfg.mode in ("swap", "hybrid"):
-            knobs += (f" swap.tensors={cfg.swap.tensors} swap.lookahead={cfg.swap.lookahead}"
-                      f" swap.exclude={cfg.swap.exclude} swap.compress={cfg.swap.compress}")
+            knobs += (f" swap.tensors={cfg.swap.tensors} swap.include={_short(cfg.swap.include)}"
+                      f" swap.exclude={_short(cfg.swap.exclude)} swap.lookahead={cfg.swap.lookahead}"
+                      f" swap.max_inflight_bytes={cfg.swap.max_inflight_bytes} swap.compress={cfg.swap.compress}")
         if cfg.mode in ("recompute", "hybrid"):
-            knobs += f" recompute.norm_act={cfg.recompute.norm_act} recompute.modules={cfg.recompute.modules}"
+            knobs += (f" recompute.norm_act={cfg.recompute.norm_act}"
+                      f" recompute.norm_act_exclude={_short(cfg.recompute.norm_act_exclude)}"
+                      f" recompute.modules={_short(cfg.recompute.modules)}")
         console.print(f"chosen: {report.chosen.name} ({knobs}): {report.reason}")
     else:
         console.print(f"[bold red]{report.reason}[/]")

@@ -41,26 +41,32 @@ def train(
 ) -> None:
     """Train one fold (default fold 0 of cv.folds: the paper's 80/20 split) into the run folder.
 
-    With --resume and no --config, the run's own config.yaml is used (plus any --set).
+    Cases of data.root that data.cache lacks (or holds stale) are prepared first, so this works straight
+    from a download. With --resume and no --config, the run's own config.yaml is used (plus any --set).
 
     Example: brats-swap train --config configs/quickstart.yaml --set train.max_epochs=5
     """
-    if nproc is not None:
-        import sys
-
-        from brats_swap.distributed import launch_torchrun
-
-        raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
     from brats_swap.distributed import is_main_process
-    from brats_swap.train.loop import train_fold
-    from brats_swap.train.report import summary_panel
+    from brats_swap.train.data import prepare_run_data
 
     run_config = RunFolder(run).config if run is not None else None
     if config is None and resume and run_config is not None and run_config.is_file():
         config = run_config
     resolved = resolve_config(config, set_)
+    if nproc is not None:
+        import sys
+
+        from brats_swap.distributed import launch_torchrun
+
+        prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
+        raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
+    from brats_swap.train.loop import train_fold
+    from brats_swap.train.report import summary_panel
+
     run_dir = default_run_dir(resolved, run)
     with _run_lock_of_this_rank(run_dir):  # a second train/cv on this run exits 75 before touching anything
+        if _first_process():  # under torchrun the other ranks wait for rank 0 in the process group's set-up
+            prepare_run_data(resolved.data)
         result = train_fold(resolved, run_dir, fold or 0, resume=resume)
     if is_main_process():  # under torchrun every rank runs this command; one summary is enough
         console.print(summary_panel(result, resolved))
@@ -68,17 +74,22 @@ def train(
         raise TrainingInterrupted(f"{run_dir}: stopped at an epoch boundary; continue with --resume")
 
 
+def _first_process() -> bool:
+    """A plain process, or rank 0 of a torchrun job."""
+    import os
+
+    from brats_swap.distributed import launched_by_torchrun
+
+    return not launched_by_torchrun() or os.environ["RANK"] == "0"
+
+
 def _run_lock_of_this_rank(run_dir: Path):
     """The run folder's lock (brats_swap.cv.lock); under torchrun rank 0 holds it for all ranks."""
     import contextlib
-    import os
 
     from brats_swap.cv.lock import run_lock
-    from brats_swap.distributed import launched_by_torchrun
 
-    if launched_by_torchrun() and os.environ["RANK"] != "0":
-        return contextlib.nullcontext()
-    return run_lock(run_dir)
+    return run_lock(run_dir) if _first_process() else contextlib.nullcontext()
 
 
 @handle_errors
@@ -94,11 +105,15 @@ def evaluate(
     out: Annotated[Path | None, typer.Option("--out", help="Report folder for --predictions (default: the "
                                                            "predictions folder).", show_default=False)] = None,
     edition: Annotated[str, typer.Option("--edition", help="Label convention for --predictions.")] = "auto",
+    tta: Annotated[bool, typer.Option("--tta", help="--run: average the 8 mirrorings of each case (test-time "
+                                                    "augmentation, as predict --tta).")] = False,
     set_: SetOption = None,
 ) -> None:
     """Score a trained run's validation cases, or any tool's predictions, with the BraTS metrics.
 
-    Writes metrics.csv, summary.json, summary.md and dice_boxplot.png; prints the WT/TC/ET table.
+    Writes metrics.csv, summary.json, summary.md and dice_boxplot.png (the 2017-2021 metrics: WT/TC/ET Dice,
+    sensitivity, specificity, HD95) and official.csv, official_summary.json (the official 2023+ lesion-wise
+    metrics of the challenge's groups); prints both tables.
 
     Examples: brats-swap evaluate --run runs/quickstart;
     brats-swap evaluate --predictions nnunet_out/ --data data/BraTS2021 --out reports/nnunet
@@ -108,6 +123,8 @@ def evaluate(
     if predictions is not None:
         if run is not None:
             raise ConfigError("evaluate: give either --run or --predictions, not both")
+        if tta:
+            raise ConfigError("evaluate --tta: only with --run (--predictions scores files that are already made)")
         if data is None:
             raise ConfigError("evaluate --predictions: --data DIR (the dataset with the ground truth) is required")
         from brats_swap.evaluate.run import evaluate_predictions
@@ -115,6 +132,7 @@ def evaluate(
         out_dir = out if out is not None else predictions
         summary = evaluate_predictions(predictions, data, out_dir, edition=edition)
         print_summary(summary, console, title=f"{predictions} vs {data}")
+        _print_official(out_dir, f"{predictions} vs {data}: official BraTS metrics")
         console.print(f"report: {out_dir}", markup=False, highlight=False)
         return
     if run is None:
@@ -128,9 +146,21 @@ def evaluate(
     resolved = load_config(run_folder.config, set_ or [])
     folds = [fold] if fold is not None else _trained_folds(run_folder)
     for k in folds:
-        summary = evaluate_fold(resolved, run_folder, k, checkpoint=checkpoint, data_root=data)
-        print_summary(summary, console, title=f"{resolved.name} fold {k} ({checkpoint} checkpoint)")
+        summary = evaluate_fold(resolved, run_folder, k, checkpoint=checkpoint, data_root=data, tta=tta)
+        title = f"{resolved.name} fold {k} ({checkpoint} checkpoint{', 8-mirror TTA' if tta else ''})"
+        print_summary(summary, console, title=title)
+        _print_official(run_folder.fold(k).root, f"{title}: official BraTS metrics")
         console.print(f"report: {run_folder.fold(k).root}", markup=False, highlight=False)
+
+
+def _print_official(report_dir: Path, title: str) -> None:
+    """The official lesion-wise table of the report just written in `report_dir`."""
+    from brats_swap.evaluate.official import print_official_summary, read_official_summary
+
+    official = read_official_summary(report_dir)
+    if official is not None:
+        groups, summary = official
+        print_official_summary(summary, groups, console, title=title)
 
 
 def _trained_folds(run: RunFolder) -> list[int]:
@@ -146,16 +176,26 @@ def predict(
     run: Annotated[Path, typer.Option("--run", help="Trained run folder.")],
     input_path: Annotated[Path, typer.Option("--input", "-i", help="A case folder or a dataset folder.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for <case id>.nii.gz.")],
-    fold: FoldOption = None,
+    folds: Annotated[str, typer.Option("--folds", "--fold", "-f", help="all (average the probabilities of every "
+                                       "fold with the checkpoint), a fold K, or folds K,K.")] = "all",
     checkpoint: CheckpointOption = "best",
+    tta: Annotated[bool, typer.Option("--tta", help="Average the 8 mirrorings of each case (test-time "
+                                                    "augmentation; 8x the inference time).")] = False,
+    save_probabilities: Annotated[bool, typer.Option("--save-probabilities", help="Also write <case id>.npz: the "
+                                                     "probabilities on the original grid and their channel "
+                                                     "names.")] = False,
+    postprocessing: Annotated[bool, typer.Option("--postprocessing/--no-postprocessing", help="Apply the run's "
+                                                 "postprocessing.json (tuned by cv) when there is one.")] = True,
 ) -> None:
-    """Segment new cases with a trained fold; labels in the edition's convention, original grid and affine.
+    """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
+    original grid and affine; a fold ensemble, optional mirroring TTA and the cv-tuned postprocessing.
 
-    Example: brats-swap predict --run runs/quickstart --input data/new_cases --out predictions/
+    Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
     """
     from brats_swap.evaluate.run import predict as predict_cases
 
-    written = predict_cases(run, input_path, out, fold=fold or 0, checkpoint=checkpoint)
+    written = predict_cases(run, input_path, out, folds, checkpoint, tta=tta, probabilities=save_probabilities,
+                            postprocess=postprocessing)
     console.print(f"wrote {len(written)} segmentation(s) to {out}", markup=False, highlight=False)
 
 

@@ -67,7 +67,7 @@ class SwapConfig:
     min_bytes: int = 1 << 20  # smaller saved tensors are never swapped
     compress: Literal["none", "bf16"] = "none"  # bf16 is lossy; off by default
     sync: bool = False  # debug: synchronize after every copy
-    max_inflight_bytes: int = 4 << 30  # cap on device bytes held by unfinished device-to-host copies
+    max_inflight_bytes: int = 4 << 30  # a swapped tensor is released (waiting for its copy) once this many bytes were saved after it
     emulate_gbs: float | None = None  # CPU only: asynchronous copies over an emulated link of this GB/s
     copy_delay_s: float = 0.0  # test knob: each copy first waits a random 0..copy_delay_s (widens races)
 
@@ -76,6 +76,9 @@ class SwapConfig:
 class RecomputeConfig:
     modules: list[str] = field(default_factory=list)  # module-name globs wrapped in non-reentrant checkpointing
     norm_act: bool = False  # keep conv outputs, recompute instance norm + LeakyReLU in backward
+    # module-name globs whose norm/act outputs norm_act leaves stored (kept or swapped), e.g. where a copy
+    # hides behind compute but a recomputation would cost time (the planner chooses them per tensor)
+    norm_act_exclude: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from brats_swap.cv.runner import CVOutcome, FoldRunner, load_run_splits
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.folder import COMPARE_ARMS, SPLITS_FILE, RunFolder
 from brats_swap.splits import read_splits
+from brats_swap.train.data import prepare_run_data
 
 
 @dataclass
@@ -88,12 +89,14 @@ def run_compare(config: Config, run_dir: Path, folds: int | None = None, max_hou
     """Train and evaluate the first `folds` folds (default: all of cv.folds) in both arms, then compare.
 
     Resumable and locked like `run_cv` (the same `cv_invocation`): the comparison folder and each arm
-    folder are locked; cv.log lines go to the comparison folder and to each arm.
+    folder are locked; cv.log lines go to the comparison folder and to each arm. Cases of `data.root` the
+    cache lacks are prepared first.
     """
     run = RunFolder.of(run_dir)
     configs = arm_configs(config)
     outcome = CompareOutcome(run_dir=run.root, folds=[])
     with cv_invocation(run, config, max_hours, outcome, lambda: "compare " + outcome.describe(), clock=clock) as stop:
+        prepare_run_data(config.data, progress=console is not None)  # once, for both arms (they share the cache)
         outcome.folds = _compared_folds(config, run, folds)
         arms = {arm: run.arm(arm) for arm in COMPARE_ARMS}
         with run_lock(arms["full"]), run_lock(arms["patch"]):

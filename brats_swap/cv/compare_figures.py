@@ -10,23 +10,28 @@ import numpy as np
 from brats_swap.config import Config
 from brats_swap.cv.state import read_fold_state
 from brats_swap.cv.summary import pyplot, savefig_deterministic
-from brats_swap.data.editions import REGIONS, region_masks
+from brats_swap.data.challenges import get_challenge, isin
 from brats_swap.errors import DataError
+from brats_swap.run.dice import dice_column
 from brats_swap.run.folder import COMPARE_ARMS, RunFolder
 
 ARM_TITLES = {"full": "whole volume", "patch": "patches"}
 ARM_COLOURS = {"full": "tab:blue", "patch": "tab:orange"}
+# Overlay RGBA per region, painted in the run's region order (largest first, so nested regions show on top):
+# the BraTS colours edema green, tumour core red, enhancing yellow; cavity blue, cyst cyan, GTV red.
+REGION_COLOURS = {"WT": (0.1, 0.8, 0.1, 0.45), "TC": (0.9, 0.1, 0.1, 0.55), "ET": (1.0, 0.9, 0.0, 0.65),
+                  "RC": (0.2, 0.4, 1.0, 0.55), "CC": (0.0, 0.9, 0.9, 0.6), "GTV": (0.9, 0.1, 0.1, 0.55)}
+OTHER_REGION_COLOUR = (0.8, 0.3, 0.9, 0.55)  # a region chosen with model.regions (NETC, SNFH, ED, ...)
 
 
 def paired_boxplot(comparison: dict, path: Path) -> None:
     """Per region, whole-volume and patch Dice side by side, each case's pair joined by a line (Fig. 5)."""
     plt = pyplot()
-    cases = comparison["cases"]
+    cases, regions = comparison["cases"], comparison["regions"]
     figure, axis = plt.subplots(figsize=(6.5, 4))
-    for i, region in enumerate(REGIONS):
-        key = region.lower()
-        full = [c[f"full_dice_{key}"] for c in cases]
-        patch = [c[f"patch_dice_{key}"] for c in cases]
+    for i, region in enumerate(regions):
+        full = [c[f"full_{dice_column(region)}"] for c in cases]
+        patch = [c[f"patch_{dice_column(region)}"] for c in cases]
         positions = (3 * i + 1, 3 * i + 2)
         for values, position, arm in ((full, positions[0], "full"), (patch, positions[1], "patch")):
             box = axis.boxplot([values], positions=[position], widths=0.6, showfliers=False, patch_artist=True)
@@ -35,7 +40,7 @@ def paired_boxplot(comparison: dict, path: Path) -> None:
                 artist.set_alpha(0.35)
         for a, b in zip(full, patch, strict=True):
             axis.plot(positions, (a, b), color="grey", alpha=0.4, linewidth=0.8, marker="o", markersize=2.5)
-    axis.set_xticks([3 * i + 1.5 for i in range(len(REGIONS))], REGIONS)
+    axis.set_xticks([3 * i + 1.5 for i in range(len(regions))], regions)
     axis.set_ylim(-0.02, 1.02)
     axis.set_ylabel("Dice (per case)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=ARM_COLOURS[a], alpha=0.35) for a in COMPARE_ARMS]
@@ -47,20 +52,21 @@ def paired_boxplot(comparison: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def _label_rgb(label_slice: np.ndarray, edition: str) -> np.ndarray:
-    """RGBA overlay: edema green, tumour core (non-enhancing) red, enhancing yellow (BraTS colours)."""
-    masks = region_masks(label_slice, edition)
+def _label_rgb(label_slice: np.ndarray, edition: str, regions: list[str]) -> np.ndarray:
+    """RGBA overlay of the run's regions (`REGION_COLOURS`): for WT/TC/ET edema green, tumour core
+    (non-enhancing) red, enhancing yellow, the BraTS colours."""
+    spec = get_challenge(edition)
     rgba = np.zeros(label_slice.shape + (4,), dtype=np.float32)
-    rgba[masks["WT"]] = (0.1, 0.8, 0.1, 0.45)
-    rgba[masks["TC"]] = (0.9, 0.1, 0.1, 0.55)
-    rgba[masks["ET"]] = (1.0, 0.9, 0.0, 0.65)
+    for region in regions:
+        rgba[isin(label_slice, spec.groups[region])] = REGION_COLOURS.get(region, OTHER_REGION_COLOUR)
     return rgba
 
 
 def _case_files(config: Config) -> dict:
     from brats_swap.data.discovery import discover_cases
 
-    return {case.case_id: case for case in discover_cases(config.data.root, config.data.edition, config.data.modalities)}
+    return {case.case_id: case for case in discover_cases(config.data.root, config.data.edition, config.data.modalities,
+                                                          config.data.challenge)}
 
 
 def _overlay_panels(config: Config, run: RunFolder, comparison: dict, n_cases: int) -> list[tuple]:
@@ -69,7 +75,7 @@ def _overlay_panels(config: Config, run: RunFolder, comparison: dict, n_cases: i
     import nibabel as nib
 
     def mean_dice(case: dict, arm: str) -> float:
-        return statistics.fmean(case[f"{arm}_dice_{r.lower()}"] for r in REGIONS)
+        return statistics.fmean(case[f"{arm}_{dice_column(r)}"] for r in comparison["regions"])
 
     ranked = sorted(comparison["cases"], key=lambda c: -abs(mean_dice(c, "full") - mean_dice(c, "patch")))
     try:
@@ -99,18 +105,19 @@ def overlay_figure(config: Config, run_dir: RunFolder | Path, comparison: dict, 
     panels = _overlay_panels(config, RunFolder.of(run_dir), comparison, n_cases)
     if not panels:
         return False
+    regions = comparison["regions"]
     plt = pyplot()
     figure, axes = plt.subplots(len(panels), 3, figsize=(9, 3.1 * len(panels)), squeeze=False)
     for row, (case, image, truth, predicted, edition) in enumerate(panels):
         columns = [("ground truth", truth)] + [
-            (f"{ARM_TITLES[a]} (Dice WT/TC/ET "
-             + "/".join(f"{case[f'{a}_dice_{r.lower()}']:.2f}" for r in REGIONS) + ")", predicted[a]) for a in COMPARE_ARMS
+            (f"{ARM_TITLES[a]} (Dice {'/'.join(regions)} "
+             + "/".join(f"{case[f'{a}_{dice_column(r)}']:.2f}" for r in regions) + ")", predicted[a]) for a in COMPARE_ARMS
         ]
         for col, (title, label) in enumerate(columns):
             axis = axes[row][col]
             # Radiological view: rows = y, columns = x, anterior up.
             axis.imshow(np.rot90(image), cmap="gray")
-            axis.imshow(np.rot90(_label_rgb(label, edition)))
+            axis.imshow(np.rot90(_label_rgb(label, edition, regions)))
             axis.set_title(f"{case['case']}\n{title}" if col == 0 else title, fontsize=8)
             axis.axis("off")
     figure.suptitle("Largest whole-volume vs patch differences (axial slice with most tumour)", fontsize=10)

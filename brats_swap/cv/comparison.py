@@ -16,7 +16,15 @@ from brats_swap.config import Config
 from brats_swap.cv.compare_figures import overlay_figure, paired_boxplot, training_curves
 from brats_swap.cv.state import FoldState, read_fold_state
 from brats_swap.cv.summary import METRIC_TITLES, METRICS, format_mean_std, mean_std, read_case_rows, utc_now
-from brats_swap.data.editions import REGIONS
+from brats_swap.evaluate.official import (
+    format_official,
+    json_safe,
+    merge_groups,
+    read_official_rows,
+    read_official_summary,
+    summarize_official,
+)
+from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.folder import COMPARE_ARMS, RunFolder
 
 
@@ -89,9 +97,10 @@ def build_comparison(run_dir: RunFolder | Path, folds: list[int]) -> dict:
     run = RunFolder.of(run_dir)
     rows = _paired_rows(run, folds)
     cases = len(rows["full"])
+    regions = regions_of_columns(key for row in rows["full"] for key in row)  # the run's regions, as scored
     metrics: dict = {}
     for metric in METRICS:
-        for region in REGIONS:
+        for region in regions:
             column = f"{metric}_{region.lower()}"
             if not all(column in r for arm in COMPARE_ARMS for r in rows[arm]) or not cases:
                 continue
@@ -102,15 +111,60 @@ def build_comparison(run_dir: RunFolder | Path, folds: list[int]) -> dict:
         "folds": folds,
         "folds_compared": sorted({r["fold"] for r in rows["full"]}),
         "paired_cases": cases,
+        "regions": list(regions),
         "metrics": metrics,
+        "official": _official_comparison(run, rows),
         "timing": {arm: _arm_timing(run.arm(arm), folds) for arm in COMPARE_ARMS},
         "cases": [
             {"case": f["case"], "fold": f["fold"],
-             **{f"{arm}_dice_{r.lower()}": row.get(f"dice_{r.lower()}") for arm, row in (("full", f), ("patch", p))
-                for r in REGIONS}}
+             **{f"{arm}_{dice_column(r)}": row.get(dice_column(r)) for arm, row in (("full", f), ("patch", p))
+                for r in regions}}
             for f, p in zip(rows["full"], rows["patch"], strict=True)
         ],
     }
+
+
+# The official columns compare.md shows per group: (title, column stem, digits).
+_OFFICIAL_COMPARED = (("Lesion-wise Dice", "lesionwise_dsc_mean", 3), ("Lesion-wise HD95 (mm)", "lesionwise_hd95_mean", 2),
+                      ("Lesion F1", "all_instance_f1", 3), ("Dice", "global_dsc", 3))
+
+
+def _official_comparison(run: RunFolder, rows: dict[str, list[dict]]) -> dict | None:
+    """Both arms' official summaries over the paired cases ({"groups", "full", "patch"}); None when a
+    compared fold has no official.csv."""
+    paired = {(row["fold"], row["case"]) for row in rows["full"]}
+    if not paired:
+        return None
+    summaries: dict = {}
+    groups: dict = {}
+    for arm in COMPARE_ARMS:
+        arm_rows = []
+        for k in sorted({fold for fold, _ in paired}):
+            folder = run.arm(arm).fold(k).root
+            fold_rows, report = read_official_rows(folder), read_official_summary(folder)
+            if fold_rows is None or report is None:
+                return None
+            arm_rows += [row for row in fold_rows if (k, row["case"]) in paired]
+            groups = merge_groups(groups, report[0])
+        summaries[arm] = summarize_official(arm_rows)
+    return {"groups": {name: list(labels) for name, labels in groups.items()}, **summaries}
+
+
+def _official_table(official: dict | None) -> list[str]:
+    """compare.md's official section: per group, the mean of each compared column in both arms."""
+    if not official:
+        return []
+    lines = ["## Official BraTS metrics (lesion-wise; mean over the paired cases)", "",
+             "| group | metric | whole volume | patches | difference (whole − patch) |", "|---|---|---|---|---|"]
+    for group in official["groups"]:
+        for title, stem, digits in _OFFICIAL_COMPARED:
+            means = {arm: official[arm].get(f"{stem}_{group.lower()}", {}).get("mean") for arm in COMPARE_ARMS}
+            finite = all(value is not None and math.isfinite(value) for value in means.values())
+            difference = means["full"] - means["patch"] if finite else None
+            lines.append(f"| {group} | {title} | {format_official(means['full'], digits)} "
+                         f"| {format_official(means['patch'], digits)} | {_fmt(difference, digits, signed=True)} |")
+    return [*lines, "", "A case without a lesion of the group in either map is left out of that group's mean; inf: "
+            "some case has lesions but no matched pair.", ""]
 
 
 def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
@@ -181,6 +235,7 @@ def render_compare_markdown(config: Config, comparison: dict, run: RunFolder) ->
         "",
         *_metric_table(comparison),
         "",
+        *_official_table(comparison.get("official")),
         "## Training cost",
         "",
         *_cost_table(comparison["timing"]),
@@ -211,7 +266,7 @@ def write_comparison(config: Config, run_dir: RunFolder | Path, folds: list[int]
     if training_curves(run, folds, run.training_curves):
         drawn.append(run.training_curves)
     comparison["figures"] = [run.relative(path) for path in drawn]
-    atomic_write_json(run.compare_json, comparison)
+    atomic_write_json(run.compare_json, json_safe(comparison))  # NaN -> null, inf -> "inf"
     markdown = render_compare_markdown(config, comparison, run)
     # Link only the figures that exist (e.g. no overlays when predictions were not saved).
     for figure in (run.compare_boxplot, run.compare_overlays, run.training_curves):

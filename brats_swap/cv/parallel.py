@@ -1,8 +1,8 @@
 """`brats-swap cv --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
 
 `run_cv` (cv/runner.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
-runner does (the same `cv_invocation`: run lock first, `--max-hours`, SIGTERM, the cv.log line; splits.json
-made once; the summary at the end) and, while it holds the lock, hands the unfinished folds to a pool
+runner does (the same `cv_invocation`: run lock first, `--max-hours`, SIGTERM, the cv.log line; missing
+cases prepared and splits.json made once; the summary at the end) and, while it holds the lock, hands the unfinished folds to a pool
 of N worker processes (`concurrent.futures.ProcessPoolExecutor` with the `spawn` start method: fresh
 interpreters, no CUDA state copied by fork). Each worker advances one fold exactly as the sequential runner
 does, through the same `FoldRunner.advance` (resume from checkpoint_latest.pt, train, write
@@ -41,6 +41,7 @@ from brats_swap.cv.runner import CVOutcome, FoldRunner, resolve_folds
 from brats_swap.cv.state import read_fold_state
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import CV_WORKER_LOG, RunFolder
+from brats_swap.train.data import prepare_run_data
 
 
 @dataclass
@@ -80,6 +81,7 @@ def run_parallel_folds(config: Config, run_dir: Path, folds: str | int | list[in
     # time.monotonic is system-wide on Linux, so the workers can share the parent's deadline.
     with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started,
                        clock=time.monotonic) as stop:
+        prepare_run_data(config.data, progress=console is not None)  # here, before any worker reads the cache
         runner = FoldRunner(config, run_dir, stop, console=console)  # splits.json, made under the lock
         outcome.folds = resolve_folds(folds, runner.n_folds)
         pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]

@@ -9,12 +9,14 @@ one cron invocation at a time, and picks how the folds are trained:
 Each way, one invocation:
 
 1. takes the run folder's lock (before writing anything; a second invocation gets exit 75);
-2. reads (or makes, once) `splits.json`;
+2. prepares the cases of `data.root` that `data.cache` lacks or holds stale (once, in this process, before
+   any fold or rank starts: `train.data.prepare_run_data`), then reads (or makes, once) `splits.json`;
 3. for each selected fold that is not done: resumes its training from `checkpoint_latest.pt` (or starts
    it), then evaluates it on its validation cases; a fold is done when trained and evaluated;
 4. stops at an epoch boundary when the `--max-hours` window would be overrun or SIGTERM arrives (the
    checkpoint is written by the training loop; the next invocation carries on);
-5. rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
+5. once every fold is done, tunes `postprocessing.json` on the out-of-fold predictions (again only when
+   they changed: cv/postprocessing.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
 6. appends one line to `cv.log` saying what it did, how long it took and how it ended.
 
 Steps 1, 4 (the window and SIGTERM) and 6 are set up once, by `cv_invocation` (cv/invocation.py).
@@ -34,6 +36,7 @@ from pathlib import Path
 from brats_swap.config import Config
 from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import StopControl
+from brats_swap.cv.postprocessing import tune_after_cv
 from brats_swap.cv.state import FoldState, read_fold_state
 from brats_swap.cv.summary import utc_now, write_cv_summary
 from brats_swap.data.cache import list_prepared
@@ -42,6 +45,7 @@ from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.run import evaluate_fold
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import fold_cases, load_or_create_splits
+from brats_swap.train.data import prepare_run_data
 from brats_swap.train.loop import train_fold
 
 FoldSelection = str | int | Iterable[int]
@@ -117,7 +121,7 @@ def load_run_splits(config: Config, run_dir: RunFolder | Path) -> dict:
     cache = Path(config.data.cache)
     case_ids = list_prepared(cache) if cache.exists() else []
     if not case_ids:
-        raise DataError(f"{cache}: no prepared cases (data.cache); run `brats-swap data prepare` first")
+        raise DataError(f"{cache}: no prepared cases (data.cache), and none to prepare from data.root")
     return load_or_create_splits(RunFolder.of(run_dir).root, case_ids, config.cv.folds, config.seed)
 
 
@@ -184,6 +188,7 @@ class FoldRunner:
         outcome.stop_reason = self.stop.reason
         states = self.states(outcome.folds)
         outcome.done = [k for k in outcome.folds if states[k].done]
+        tune_after_cv(self.config, self.run, self.splits, say=self._say)  # once every fold is done
         outcome.summary = self.write_summary(outcome.folds)
 
 
@@ -221,6 +226,7 @@ def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = "all", 
     """`run_cv` in this process, one fold after the other; `train` replaces `train_fold` (see FoldRunner)."""
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
     with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started, clock=clock) as stop:
+        prepare_run_data(config.data, progress=console is not None)
         runner = FoldRunner(config, run_dir, stop, console=console, train=train)
         outcome.folds = resolve_folds(folds, runner.n_folds)
         for k in outcome.folds:

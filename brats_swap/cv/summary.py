@@ -19,20 +19,34 @@ from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
 from brats_swap.cv.state import FoldState
 from brats_swap.data.editions import REGIONS
 from brats_swap.errors import DataError
-from brats_swap.run.folder import RunFolder
+from brats_swap.evaluate.official import (
+    json_safe,
+    merge_groups,
+    official_markdown_table,
+    read_official_rows,
+    read_official_summary,
+    summarize_official,
+)
+from brats_swap.evaluate.postprocess import load_plan
+from brats_swap.run.dice import dice_column, regions_of_columns
+from brats_swap.run.folder import POSTPROCESSING_FILE, RunFolder
 
 METRICS = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
 CASE_COLUMNS = ("case_id", "case", "subject")
-_REGION_KEYS = tuple(region.lower() for region in REGIONS)
 
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def metric_columns() -> list[str]:
-    return [f"{m}_{r.lower()}" for m in METRICS for r in REGIONS]
+def metric_columns(regions: tuple[str, ...] = REGIONS) -> list[str]:
+    return [f"{m}_{r.lower()}" for m in METRICS for r in regions]
+
+
+def _row_regions(rows) -> tuple[str, ...]:
+    """The regions the metric rows hold (the run's: `dice_<region>` columns), in column order."""
+    return regions_of_columns(key for row in rows for key in row)
 
 
 def read_case_rows(run_dir: RunFolder | Path, fold: int) -> list[dict]:
@@ -44,12 +58,13 @@ def read_case_rows(run_dir: RunFolder | Path, fold: int) -> list[dict]:
     except OSError as exc:
         raise DataError(f"{path}: cannot read the fold's metrics ({exc.__class__.__name__})") from exc
     rows = []
+    columns = metric_columns(_row_regions(raw_rows[:1]))
     for raw in raw_rows:
         case = next((raw[c] for c in CASE_COLUMNS if raw.get(c)), None)
         if case is None:
             continue  # a summary line (e.g. "mean") rather than a case
         row: dict = {"case": case, "fold": fold}
-        for column in metric_columns():
+        for column in columns:
             if raw.get(column) not in (None, ""):
                 try:
                     row[column] = float(raw[column])
@@ -76,7 +91,7 @@ def mean_std(values: list[float]) -> dict:
 def fold_means(rows: list[dict]) -> dict[str, float | None]:
     """Mean over the fold's cases per metric column (non-finite values, e.g. an undefined HD95, skipped)."""
     out = {}
-    for column in metric_columns():
+    for column in metric_columns(_row_regions(rows)):
         finite = finite_values([r[column] for r in rows if column in r])
         out[column] = statistics.fmean(finite) if finite else None
     return out
@@ -85,11 +100,12 @@ def fold_means(rows: list[dict]) -> dict[str, float | None]:
 def aggregate(case_rows_by_fold: dict[int, list[dict]]) -> dict:
     """{metric: {region: {mean, std, n (folds), per_fold: [...], case_mean, case_std, cases}}}."""
     per_fold = {k: fold_means(rows) for k, rows in case_rows_by_fold.items()}
+    regions = _row_regions(row for rows in case_rows_by_fold.values() for row in rows)
     table: dict = {}
     for metric in METRICS:
-        for region in REGIONS:
+        for region in regions:
             column = f"{metric}_{region.lower()}"
-            fold_values = [per_fold[k][column] for k in sorted(per_fold)]
+            fold_values = [per_fold[k].get(column) for k in sorted(per_fold)]
             if all(v is None for v in fold_values):
                 continue
             over_folds = mean_std([v for v in fold_values if v is not None])
@@ -112,11 +128,12 @@ def format_mean_std(cell: dict | None, digits: int = 3) -> str:
 
 
 def markdown_metric_table(table: dict, digits: int = 3) -> str:
-    lines = ["| metric | " + " | ".join(REGIONS) + " |", "|---|" + "---|" * len(REGIONS)]
+    regions = list(dict.fromkeys(region for by_region in table.values() for region in by_region))
+    lines = ["| metric | " + " | ".join(regions) + " |", "|---|" + "---|" * len(regions)]
     for metric in METRICS:
         if metric not in table:
             continue
-        cells = [format_mean_std(table[metric].get(region), 2 if metric == "hd95" else digits) for region in REGIONS]
+        cells = [format_mean_std(table[metric].get(region), 2 if metric == "hd95" else digits) for region in regions]
         lines.append(f"| {METRIC_TITLES[metric]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -144,6 +161,7 @@ def fold_record(state: FoldState, rows: list[dict] | None, split_sizes: tuple[in
 def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
     """cv_summary.md; `boxplot_link` is the box plot's path relative to the run folder."""
     done, total = len(summary["folds_done"]), len(summary["folds"])
+    regions = summary["regions"]
     lines = [
         f"# Cross-validation: {summary['name']}",
         "",
@@ -158,24 +176,96 @@ def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
         "## Folds",
         "",
         "| fold | status | train/val cases | epochs | best epoch | early stop | hours | s/epoch (median) "
-        + "".join(f"| Dice {region} " for region in REGIONS) + "|",
-        "|---|---|---|---|---|---|---|---|" + "---|" * len(REGIONS),
+        + "".join(f"| Dice {region} " for region in regions) + "|",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(regions),
     ]
     for record in summary["folds"]:
         mean = record["mean"] or {}
-        dice = {r: "—" if mean.get(f"dice_{r}") is None else f"{mean[f'dice_{r}']:.3f}" for r in _REGION_KEYS}
+        dice = {r: "—" if mean.get(dice_column(r)) is None else f"{mean[dice_column(r)]:.3f}" for r in regions}
 
         epoch_s = record["median_epoch_seconds"]
         lines.append(
             f"| {record['fold']} | {record['status']} | {record['train_cases']}/{record['val_cases']} "
             f"| {record['epochs']} | {record['best_epoch'] if record['best_epoch'] is not None else '—'} "
             f"| {'yes' if record['stopped_early'] else 'no'} | {record['train_hours']:.3f} "
-            f"| {f'{epoch_s:.1f}' if epoch_s is not None else '—'} | " + " | ".join(dice[r] for r in _REGION_KEYS) + " |"
+            f"| {f'{epoch_s:.1f}' if epoch_s is not None else '—'} | " + " | ".join(dice[r] for r in regions) + " |"
         )
+    lines += official_markdown_lines(summary.get("official")) + postprocessing_markdown_lines(summary)
     lines += ["", f"Total training time: {summary['total_train_hours']:.3f} h.", ""]
     if summary["table"]:
         lines += [f"![per-case Dice]({boxplot_link})", ""]
     return "\n".join(lines)
+
+
+def official_cv_summary(run_dir: RunFolder | Path, folds: list[int]) -> dict | None:
+    """The official lesion-wise metrics over every out-of-fold case of these folds (pooled, as the official
+    report averages over cases): {"groups", "cases", "summary": `summarize_official`}; None when no fold has
+    an official.csv (folds evaluated before the official metrics existed)."""
+    run = RunFolder.of(run_dir)
+    rows: list[dict] = []
+    groups: dict = {}
+    for k in folds:
+        fold_rows = read_official_rows(run.fold(k).root)
+        report = read_official_summary(run.fold(k).root)
+        if fold_rows is None or report is None:
+            continue
+        rows += fold_rows
+        groups = merge_groups(groups, report[0])
+    if not rows:
+        return None
+    return {"groups": {name: list(labels) for name, labels in groups.items()}, "cases": len(rows),
+            "summary": summarize_official(rows)}
+
+
+def official_markdown_lines(official: dict | None) -> list[str]:
+    """cv_summary.md's section of the official metrics (none without them)."""
+    if not official:
+        return []
+    return [
+        "",
+        f"## Official BraTS metrics (lesion-wise), over the {official['cases']} out-of-fold cases",
+        "",
+        official_markdown_table(official["summary"], official["groups"]).rstrip("\n"),
+        "",
+        "Means over cases (a case without a lesion of the group on either side is left out; inf: some case has "
+        "lesions but no matched pair, so no lesion-wise HD95); TP / FP / FN are lesion counts summed over cases. "
+        "Computed with panoptica as the BraTS 2023+ evaluation configures it.",
+    ]
+
+
+def postprocessing_record(run_dir: RunFolder | Path) -> dict | None:
+    """The run's postprocessing.json (`PostprocessingPlan.to_dict()` plus "description"), None if absent."""
+    run = RunFolder.of(run_dir)
+    if not run.postprocessing.is_file():
+        return None
+    plan = load_plan(run.postprocessing)
+    return {**plan.to_dict(), "description": plan.describe()}
+
+
+def postprocessing_markdown_lines(summary: dict) -> list[str]:
+    """cv_summary.md's postprocessing section: the chosen rules and the lesion-wise Dice before/after."""
+    plan = summary.get("postprocessing")
+    if plan is None:
+        if not summary["complete"]:
+            return []
+        return ["", "## Postprocessing", "", "Not tuned: the out-of-fold predictions or the reference "
+                "segmentations were not available (see the cv output)."]
+    lines = [
+        "",
+        f"## Postprocessing, tuned on the {plan['n_cases']} out-of-fold predictions",
+        "",
+        f"Chosen: {plan['description']} (`{POSTPROCESSING_FILE}`, applied by `brats-swap predict`).",
+        "",
+        "| group | minimum component (voxels) | lesion-wise Dice before | after |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in plan["groups"]:
+        before, after = plan["lesionwise_dice_before"].get(name), plan["lesionwise_dice_after"].get(name)
+        lines.append(f"| {name} | {plan['min_component_voxels'].get(name, 0)} "
+                     f"| {'—' if before is None else f'{before:.4f}'} | {'—' if after is None else f'{after:.4f}'} |")
+    lines += ["", "Lesion-wise Dice: the official per-case mean over matched lesions, averaged over the cases; here a "
+              "case without a lesion of the group on either side counts 1 (a correct empty prediction)."]
+    return lines
 
 
 def savefig_deterministic(figure, path: Path) -> None:
@@ -197,10 +287,11 @@ def pyplot():
 def dice_boxplot(case_rows: list[dict], path: Path, title: str) -> None:
     """Per-case Dice per region over all folds (one box per region, every case drawn as a dot)."""
     plt = pyplot()
-    data = [[r[f"dice_{region.lower()}"] for r in case_rows if f"dice_{region.lower()}" in r] for region in REGIONS]
+    regions = _row_regions(case_rows)
+    data = [[r[dice_column(region)] for r in case_rows if dice_column(region) in r] for region in regions]
     figure, axis = plt.subplots(figsize=(5, 4))
     axis.boxplot(data, showfliers=False)
-    axis.set_xticks(range(1, len(REGIONS) + 1), REGIONS)
+    axis.set_xticks(range(1, len(regions) + 1), regions)
     for i, values in enumerate(data, start=1):
         # A deterministic spread of the dots (no random jitter: the PNG must be reproducible).
         offsets = [(-0.12 + 0.24 * j / max(len(values) - 1, 1)) for j in range(len(values))]
@@ -228,7 +319,12 @@ def build_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: 
         "folds_done": [k for k in folds if states[k].done],
         "folds": records,
         "total_train_hours": sum(states[k].train_seconds for k in folds) / 3600.0,
+        # The run's regions: those its folds were scored (else validated) on; WT/TC/ET before either.
+        "regions": list(_row_regions(row for rows in rows_by_fold.values() for row in rows)
+                        or _row_regions(record for k in folds for record in states[k].history) or REGIONS),
         "table": aggregate(rows_by_fold) if rows_by_fold else {},
+        "official": official_cv_summary(run_dir, sorted(rows_by_fold)),
+        "postprocessing": postprocessing_record(run_dir),
     }
     return summary, rows_by_fold
 
@@ -238,7 +334,7 @@ def write_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: 
     """Write cv_summary.json, cv_summary.md and figures/dice_boxplot.png (atomically); return the summary."""
     run = RunFolder.of(run_dir)
     summary, rows_by_fold = build_cv_summary(name, run, splits, folds, states)
-    atomic_write_json(run.cv_summary_json, summary)
+    atomic_write_json(run.cv_summary_json, json_safe(summary))  # NaN -> null, inf -> "inf"
     atomic_write_text(run.cv_summary_md, render_cv_markdown(summary, run.relative(run.cv_boxplot)))
     all_rows = [r for k in sorted(rows_by_fold) for r in rows_by_fold[k]]
     if all_rows:

@@ -1,6 +1,6 @@
 """From a loaded case to the network's cube, and from the cube back to the original grid.
 
-The steps (model.md §1.10 and §5):
+The steps (those of Ellis's `3DUnetCNN` preprocessing, which the paper used, plus the map back):
 
 1. Crop to the bounding box of the voxels that are non-zero in any modality (or the segmentation), plus a
    1-voxel margin: what Ellis's `crop_img(..., pad=1)` did. BraTS volumes are skull-stripped with a zero

@@ -1,4 +1,5 @@
-"""BraTS metrics per case and region (WT, TC, ET), with the CaPTk rules for empty masks, and the reports.
+"""BraTS metrics per case and region (WT, TC, ET; + RC, CC or GTV for the 2023+ challenges that have them: a
+run's regions), with the CaPTk rules for empty masks, and the reports.
 
 Per region, on the binary masks P (prediction) and T (truth) of one case, over the whole grid given:
 
@@ -9,7 +10,7 @@ Per region, on the binary masks P (prediction) and T (truth) of one case, over t
     HD95 (mm)    95th-percentile Hausdorff   0 if both are empty; the grid's diagonal in mm if exactly
                                              one is empty (373.13 for 240x240x155 at 1 mm)
 
-These are the BraTS 2017-2021 CaPTk conventions (`shared/reference/model.md` §3.1, §3.6). MONAI's
+These are the BraTS 2017-2021 conventions of CaPTk, the challenge's scoring tool in those years. MONAI's
 DiceMetric/ConfusionMatrixMetric would return NaN for empty truth and drop those cases from the mean, so
 the counts are done here directly; HD95 uses MONAI's `compute_hausdorff_distance` (the maximum of the
 two directed 95th percentiles of the surface distances, as the challenge tools compute it).
@@ -27,17 +28,20 @@ from pathlib import Path
 import numpy as np
 
 from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
-from brats_swap.data.editions import REGIONS, EditionSpec, get_edition, region_masks
-from brats_swap.run.dice import dice_sensitivity_specificity
+from brats_swap.data.challenges import REGIONS, ChallengeSpec, get_challenge, isin
+from brats_swap.evaluate.official import Groups, json_safe, official_markdown_table, write_official_report
+from brats_swap.model.targets import region_names
+from brats_swap.run.dice import dice_sensitivity_specificity, regions_of_columns
 
 METRICS: tuple[str, ...] = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
 
 
-def metric_keys(hd95: bool = True) -> list[str]:
-    """CSV/summary column order: dice_wt, dice_tc, dice_et, sensitivity_wt, ..., hd95_et."""
+def metric_keys(hd95: bool = True, regions: Sequence[str] = REGIONS) -> list[str]:
+    """CSV/summary column order: dice_wt, dice_tc, dice_et, sensitivity_wt, ..., hd95_et (for `regions`,
+    a run's regions: `brats_swap.model.targets.run_regions`)."""
     names = METRICS if hd95 else METRICS[:-1]
-    return [f"{metric}_{region.lower()}" for metric in names for region in REGIONS]
+    return [f"{metric}_{region.lower()}" for metric in names for region in regions]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -82,25 +86,27 @@ def _as_numpy(label) -> np.ndarray:
     return np.asarray(label)
 
 
-def case_metrics(pred_label, true_label, edition: EditionSpec | str, spacing: Sequence[float] = (1.0, 1.0, 1.0),
-                 hd95: bool = True) -> dict[str, float]:
+def case_metrics(pred_label, true_label, edition: ChallengeSpec | str, spacing: Sequence[float] = (1.0, 1.0, 1.0),
+                 hd95: bool = True, regions: Sequence[str] | None = None) -> dict[str, float]:
     """All metrics of one case from two label maps (raw edition label values, same grid, numpy or torch).
 
-    Keys in `metric_keys(hd95)` order: dice_wt, dice_tc, dice_et, sensitivity_wt, ..., hd95_et.
-    `spacing` is the voxel size in mm along each axis of the grid (used by HD95 only).
+    Keys in `metric_keys(hd95, regions)` order: dice_wt, dice_tc, dice_et, sensitivity_wt, ..., hd95_et.
+    `regions`: the run's `model.regions` (default: the table's regions, WT/TC/ET for 2017-2021, + RC / CC /
+    GTV where the challenge has them). `spacing` is the voxel size in mm along each axis (HD95 only).
     """
-    spec = get_edition(edition) if isinstance(edition, str) else edition
+    spec = get_challenge(edition)
+    names = region_names(spec, regions)
     pred_label = _as_numpy(pred_label)
     true_label = _as_numpy(true_label)
     if pred_label.shape != true_label.shape:
         raise ValueError(f"prediction {pred_label.shape} and truth {true_label.shape} label maps differ in shape")
     if len(spacing) != true_label.ndim:
         raise ValueError(f"spacing {tuple(spacing)} does not match a {true_label.ndim}-D label map")
-    pred_regions = region_masks(pred_label, spec)
-    true_regions = region_masks(true_label, spec)
+    pred_regions = {name: isin(pred_label, spec.groups[name]) for name in names}
+    true_regions = {name: isin(true_label, spec.groups[name]) for name in names}
 
     values: dict[str, float] = {}
-    for region in REGIONS:
+    for region in names:
         key = region.lower()
         dice, sens, spec_ = dice_sensitivity_specificity(pred_regions[region], true_regions[region])
         values[f"dice_{key}"] = dice
@@ -108,7 +114,7 @@ def case_metrics(pred_label, true_label, edition: EditionSpec | str, spacing: Se
         values[f"specificity_{key}"] = spec_
         if hd95:
             values[f"hd95_{key}"] = hausdorff95(pred_regions[region], true_regions[region], spacing)
-    return {key: values[key] for key in metric_keys(hd95)}
+    return {key: values[key] for key in metric_keys(hd95, names)}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -118,7 +124,8 @@ def case_metrics(pred_label, true_label, edition: EditionSpec | str, spacing: Se
 
 def _present_keys(rows: Sequence[dict]) -> list[str]:
     present = set().union(*(row.keys() for row in rows)) if rows else set()
-    return [key for key in metric_keys(hd95=True) if key in present]
+    regions = regions_of_columns(key for row in rows for key in row)
+    return [key for key in metric_keys(hd95=True, regions=regions) if key in present]
 
 
 def summarize(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -145,10 +152,11 @@ def _format(metric: str, stats: dict[str, float]) -> str:
 
 
 def _table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    metrics = [m for m in METRICS if any(f"{m}_{r.lower()}" in summary for r in REGIONS)]
+    regions = regions_of_columns(summary)
+    metrics = [m for m in METRICS if any(f"{m}_{r.lower()}" in summary for r in regions)]
     header = ["Region"] + [METRIC_TITLES[m] for m in metrics]
     body = []
-    for region in REGIONS:
+    for region in regions:
         cells = [region]
         for metric in metrics:
             stats = summary.get(f"{metric}_{region.lower()}")
@@ -158,7 +166,7 @@ def _table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def markdown_table(summary: dict) -> str:
-    """A Markdown table, one row per region (WT, TC, ET), one column per metric: mean ± std."""
+    """A Markdown table, one row per region (WT, TC, ET, ...), one column per metric: mean ± std."""
     header, body = _table_rows(summary)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
     lines += ["| " + " | ".join(cells) + " |" for cells in body]
@@ -194,12 +202,13 @@ def _save_dice_boxplot(rows: Sequence[dict], path: Path, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    data = [[float(row[f"dice_{r.lower()}"]) for row in rows if f"dice_{r.lower()}" in row] for r in REGIONS]
+    regions = regions_of_columns(key for row in rows for key in row)
+    data = [[float(row[f"dice_{r.lower()}"]) for row in rows if f"dice_{r.lower()}" in row] for r in regions]
     figure = Figure(figsize=(5, 4), dpi=120)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     axes.boxplot(data, showmeans=True)
-    axes.set_xticks(range(1, len(REGIONS) + 1), list(REGIONS))
+    axes.set_xticks(range(1, len(regions) + 1), list(regions))
     axes.set_ylabel("Dice per case")
     axes.set_ylim(-0.02, 1.02)
     axes.set_title(title or f"Dice per region ({len(rows)} cases)")
@@ -209,19 +218,31 @@ def _save_dice_boxplot(rows: Sequence[dict], path: Path, title: str) -> None:
         figure.savefig(tmp, format="png")
 
 
-def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str = "") -> dict:
-    """Write metrics.csv, summary.json, summary.md and dice_boxplot.png into `out_dir` (each atomically).
+def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str = "",
+                         official_rows: Sequence[dict] | None = None, groups: Groups | None = None) -> dict:
+    """Write metrics.csv, summary.json, summary.md and dice_boxplot.png into `out_dir` (each atomically);
+    with `official_rows` (per case, `case_official_metrics` columns) and their evaluation `groups`, also
+    official.csv and official_summary.json (`write_official_report`) and their table in summary.md.
 
-    Returns the summary (`summarize(rows)`), which is also the content of summary.json.
+    Returns the summary (`summarize(rows)`), which is also the content of summary.json (a statistic that
+    could not be computed, NaN in the returned dict, is null there).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
     atomic_write_text(out_dir / "metrics.csv", _metrics_csv(rows))
-    atomic_write_json(out_dir / "summary.json", summary)
+    atomic_write_json(out_dir / "summary.json", json_safe(summary))
     heading = f"# {title}\n\n" if title else ""
     n_cases = len(rows)
-    atomic_write_text(out_dir / "summary.md", f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases\n")
+    official = ""
+    if official_rows is not None:
+        official_summary = write_official_report(official_rows, groups or {}, out_dir)
+        official = (f"\n## Official BraTS metrics (lesion-wise, 2023+)\n\n{official_markdown_table(official_summary, groups or {})}"
+                    "\nMeans over cases (a case without a lesion of the group on either side is left out); TP / FP / FN "
+                    "are lesion counts summed over cases; HD95 as the official evaluation computes it (mm on 1 mm data), inf "
+                    "when some case has lesions but no matched pair.\n")
+    atomic_write_text(out_dir / "summary.md",
+                      f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases\n{official}")
     if rows:
         _save_dice_boxplot(rows, out_dir / "dice_boxplot.png", title)
     return summary

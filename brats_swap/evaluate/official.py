@@ -31,15 +31,20 @@ instance segmentation maps", https://github.com/BrainLesion/panoptica#citation.
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
+import json
 import math
 import warnings
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 
+from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.errors import DataError
+from brats_swap.run.folder import OFFICIAL_CSV, OFFICIAL_SUMMARY_JSON
 
 # Diameter of the SRI-24 atlas grid (240x240x155 at 1 mm) in mm: the official report writes this instead
 # of an infinite global HD95.
@@ -247,7 +252,7 @@ def summarize_official(rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
 
 
 # Table columns: (title, column stem, digits).
-_TABLE = (
+TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("Dice", "global_dsc", 3),
     ("NSD", "global_nsd", 3),
     ("HD95", "global_hd95", 2),
@@ -260,18 +265,26 @@ _TABLE = (
 
 def official_table_rows(summary: Mapping[str, Mapping[str, float]], groups: Groups) -> tuple[list[str], list[list[str]]]:
     """Header and one row per group: the means of the ranking metrics and the total TP / FP / FN."""
-    header = ["Group"] + [title for title, _, _ in _TABLE] + ["TP", "FP", "FN"]
+    header = ["Group"] + [title for title, _, _ in TABLE_COLUMNS] + ["TP", "FP", "FN"]
     body = []
     for name in groups:
         cells = [name]
-        for _, stem, digits in _TABLE:
+        for _, stem, digits in TABLE_COLUMNS:
             stats = summary.get(f"{stem}_{name.lower()}")
-            cells.append(f"{stats['mean']:.{digits}f}" if stats and stats["n"] else "")
+            cells.append(format_official(stats["mean"], digits) if stats and stats["n"] else "—")
         for stem in COUNT_METRICS:
             stats = summary.get(f"{stem}_{name.lower()}")
-            cells.append(f"{int(stats['total'])}" if stats else "")
+            cells.append(f"{int(stats['total'])}" if stats else "—")
         body.append(cells)
     return header, body
+
+
+def format_official(value: float | None, digits: int) -> str:
+    """A table cell: "inf" for an infinite mean (a case with lesions but no matched pair has an infinite
+    lesion-wise HD95), "—" for an undefined one (None or NaN: no case with a lesion of the group)."""
+    if value is None or math.isnan(value):
+        return "—"
+    return "inf" if math.isinf(value) else f"{value:.{digits}f}"
 
 
 def official_markdown_table(summary: Mapping[str, Mapping[str, float]], groups: Groups) -> str:
@@ -293,3 +306,111 @@ def print_official_summary(summary: Mapping[str, Mapping[str, float]], groups: G
     for cells in body:
         table.add_row(*cells)
     console.print(table)
+
+
+# ---- the report files ---------------------------------------------------------------------------------------
+# JSON has no NaN or infinity: `json_safe` writes NaN as null and ±infinity as the strings "inf" / "-inf";
+# `from_json` reads them back. The CSV files write them as Python does ("nan", "inf"), which float() reads.
+
+
+def json_safe(value):
+    """`value` (nested dicts, lists, numbers) with NaN -> None and ±inf -> "inf"/"-inf", for valid JSON."""
+    if isinstance(value, Mapping):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+    return value
+
+
+def from_json(value):
+    """The inverse of `json_safe` for a summary's statistics: None -> NaN, "inf"/"-inf" -> ±infinity."""
+    if isinstance(value, Mapping):
+        return {key: from_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [from_json(item) for item in value]
+    if value is None:
+        return float("nan")
+    if value in ("inf", "-inf"):
+        return float(value)
+    return value
+
+
+def merge_groups(*groups: Groups) -> dict[str, tuple[int, ...]]:
+    """The groups of several challenges in first-seen order (a name keeps its first labels): the table
+    rows of a report over cases of several challenges."""
+    merged: dict[str, tuple[int, ...]] = {}
+    for member in groups:
+        for name, labels in member.items():
+            merged.setdefault(str(name), tuple(int(label) for label in labels))
+    return merged
+
+
+def official_csv_text(rows: Sequence[Mapping]) -> str:
+    """`case` then every official column present in `rows`, one line per case (missing cells empty)."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        seen.update((key, None) for key in row if key != "case")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=["case", *seen], extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: row.get(key, "") for key in ["case", *seen]})
+    return buffer.getvalue()
+
+
+def write_official_report(rows: Sequence[Mapping], groups: Groups, out_dir: str | Path) -> dict:
+    """Write `official.csv` (one row per case) and `official_summary.json` ({"groups", "cases", "summary":
+    `summarize_official(rows)`}, JSON-safe) into `out_dir`, atomically; return the summary (floats)."""
+    out_dir = Path(out_dir)
+    summary = summarize_official(rows)
+    atomic_write_text(out_dir / OFFICIAL_CSV, official_csv_text(rows))
+    atomic_write_json(out_dir / OFFICIAL_SUMMARY_JSON, json_safe(
+        {"groups": {name: list(labels) for name, labels in groups.items()}, "cases": len(rows), "summary": summary}))
+    return summary
+
+
+def read_official_summary(folder: str | Path) -> tuple[dict[str, tuple[int, ...]], dict] | None:
+    """(groups, summary) of the `official_summary.json` in `folder`, None when there is none; DataError
+    naming the file when it is unreadable."""
+    path = Path(folder) / OFFICIAL_SUMMARY_JSON
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        groups = {str(name): tuple(int(v) for v in labels) for name, labels in data["groups"].items()}
+        return groups, from_json(data["summary"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable official summary ({exc.__class__.__name__}: {exc})") from None
+
+
+def read_official_rows(folder: str | Path) -> list[dict] | None:
+    """The per-case rows of the `official.csv` in `folder` (numbers as floats, counts as ints), None when
+    there is none; DataError naming the file and cell when a value is not a number."""
+    path = Path(folder) / OFFICIAL_CSV
+    if not path.is_file():
+        return None
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            raw_rows = list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read the official metrics ({exc.__class__.__name__})") from None
+    rows = []
+    for raw in raw_rows:
+        row: dict = {"case": raw.get("case", "")}
+        for key, text in raw.items():
+            if key == "case" or text in (None, ""):
+                continue
+            try:
+                value = float(text)
+            except ValueError:
+                raise DataError(f"{path}: case {row['case']!r} has {key}={text!r}, not a number") from None
+            counted = any(key.startswith(stem + "_") for stem in COUNT_METRICS) and math.isfinite(value)
+            row[key] = int(value) if counted else value
+        rows.append(row)
+    return rows

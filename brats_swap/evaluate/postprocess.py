@@ -109,6 +109,8 @@ class PostprocessingPlan:
     group name -> minimum component size (0 keeps every component). `enhancing_label`/`necrosis_label`
     and `small_enhancing_voxels` (0 = off) describe the relabelling. `lesionwise_dice_before/after`: the
     tuner's per-group objective (see the module docstring) without and with the plan, over `n_cases`.
+    `tuned_on`: a digest of the label maps it was tuned on (cross-validation re-tunes only when they
+    change; "" when unknown).
     """
 
     groups: dict[str, tuple[int, ...]]
@@ -119,6 +121,7 @@ class PostprocessingPlan:
     lesionwise_dice_before: dict[str, float] = field(default_factory=dict)
     lesionwise_dice_after: dict[str, float] = field(default_factory=dict)
     n_cases: int = 0
+    tuned_on: str = ""
 
     @classmethod
     def identity(cls, groups: Groups, relabel: tuple[int, int] | None = None) -> PostprocessingPlan:
@@ -147,6 +150,7 @@ class PostprocessingPlan:
             "lesionwise_dice_before": dict(self.lesionwise_dice_before),
             "lesionwise_dice_after": dict(self.lesionwise_dice_after),
             "n_cases": self.n_cases,
+            "tuned_on": self.tuned_on,
         }
 
     @classmethod
@@ -165,7 +169,7 @@ class PostprocessingPlan:
                        small_enhancing_voxels=_count(data["small_enhancing_voxels"]),
                        lesionwise_dice_before={str(k): float(v) for k, v in data["lesionwise_dice_before"].items()},
                        lesionwise_dice_after={str(k): float(v) for k, v in data["lesionwise_dice_after"].items()},
-                       n_cases=_count(data["n_cases"]))
+                       n_cases=_count(data["n_cases"]), tuned_on=_text(data["tuned_on"]))
         except (AttributeError, TypeError, ValueError) as exc:
             raise DataError(f"{where}: malformed value ({exc})") from None
         if set(sizes) != set(groups):
@@ -183,6 +187,12 @@ def _count(value) -> int:
 
 def _optional_count(value) -> int | None:
     return None if value is None else _count(value)
+
+
+def _text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{value!r} is not a string")
+    return value
 
 
 def save_plan(plan: PostprocessingPlan, path: str | os.PathLike) -> None:

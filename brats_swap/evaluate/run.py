@@ -7,30 +7,44 @@
 - `evaluate_predictions`: `<case id>.nii.gz` files from any tool (nnU-Net names them so) against a
   dataset's ground truth, with the same metrics and report.
 - `predict`: new cases (a case folder or a dataset folder), preprocessed on the fly with the run's data
-  config (no cache), written as `<out>/<case id>.nii.gz`.
+  config (no cache), segmented by one fold or the average of several folds' probabilities (each model
+  loaded once for the whole folder), optionally with the 8-mirror test-time augmentation, postprocessed
+  with the run's `postprocessing.json` when there is one, written as `<out>/<case id>.nii.gz` (and the
+  probabilities as `<out>/<case id>.npz` on request).
+
+Both evaluations score every case twice: the legacy BraTS 2017-2021 metrics (`evaluate.metrics`: Dice,
+sensitivity, specificity, HD95 of WT/TC/ET) and the official 2023+ lesion-wise metrics of the case's
+challenge groups (`evaluate.official`, written to official.csv / official_summary.json).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.progress import Progress
 
+from brats_swap.atomic import atomic_path
 from brats_swap.config import Config
 from brats_swap.data.cache import load_prepared
+from brats_swap.data.challenges import evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.editions import get_edition
 from brats_swap.data.nifti import read_volume, save_label_nifti
 from brats_swap.data.preprocess import header_from_meta, probabilities_to_original_grid
-from brats_swap.errors import DataError
+from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.metrics import case_metrics, write_metrics_report
-from brats_swap.model.targets import labels_from_probs
+from brats_swap.evaluate.official import case_official_metrics, merge_groups
+from brats_swap.evaluate.postprocess import PostprocessingPlan, load_plan
+from brats_swap.evaluate.postprocess import apply as apply_postprocessing
+from brats_swap.model.targets import labels_from_probs, output_names
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
-from brats_swap.run.folder import RunFolder
-from brats_swap.run.inference import predict_cube
+from brats_swap.run.folder import BEST, LATEST, RunFolder
+from brats_swap.run.inference import predict_cube, predict_ensemble
 from brats_swap.run.trained import load_for_inference, load_run_config
 from brats_swap.splits import fold_cases, read_splits
 
@@ -40,14 +54,48 @@ def _progress(show: bool) -> Progress:
 
 
 def _segment(model: torch.nn.Module, image, meta: dict, edition: str, config: Config,
-             device: torch.device) -> tuple[np.ndarray, np.ndarray]:
+             device: torch.device, tta: bool = False, case_id: str = "") -> tuple[np.ndarray, np.ndarray]:
     """One case: the probabilities in the network's cube, and the labels (uint8, the edition's convention)
     on the original grid described by `meta`."""
     cube = torch.from_numpy(np.asarray(image, dtype=np.float32))[None]
-    probs = predict_cube(model, cube, config, device)[0].numpy()
-    original_probs = probabilities_to_original_grid(probs, meta)
-    labels = labels_from_probs(original_probs, edition, config.model.outputs, config.evaluate.threshold)
-    return probs, np.asarray(labels, dtype=np.uint8)
+    probs = predict_cube(model, cube, config, device, tta=tta)[0].numpy()
+    return probs, _labels(probabilities_to_original_grid(probs, meta), edition, config, case_id)
+
+
+def _labels(probs: np.ndarray, edition: str, config: Config, case_id: str = "") -> np.ndarray:
+    """uint8 labels in the edition's values from (C, ...) probabilities, as the model's outputs and the
+    evaluation threshold say; DataError when the model's channels do not fit the case's label table."""
+    expected = output_names(edition, config.model.outputs, config.model.regions)
+    if probs.shape[0] != len(expected):
+        raise DataError(f"case {case_id}: the model predicts {probs.shape[0]} channels, but its {config.model.outputs} "
+                        f"for the {edition} label table are {len(expected)} ({', '.join(expected)}); was the run "
+                        "trained on another table? (data.challenge / data.edition force one)")
+    labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
+                               regions=config.model.regions)
+    return np.asarray(labels, dtype=np.uint8)
+
+
+@dataclass
+class _Scores:
+    """The per-case rows of one evaluation: legacy metrics, official metrics, and the groups they used."""
+
+    hd95: bool
+    regions: Sequence[str] = ()  # the run's model.regions (empty: the table's default regions)
+    rows: list[dict] = field(default_factory=list)
+    official_rows: list[dict] = field(default_factory=list)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def add(self, case_id: str, prediction: np.ndarray, truth: np.ndarray, edition: str,
+            spacing: Sequence[float] = (1.0, 1.0, 1.0)) -> None:
+        groups = evaluation_groups(edition)
+        self.rows.append({"case": case_id, **case_metrics(prediction, truth, edition, spacing=spacing,
+                                                          hd95=self.hd95, regions=self.regions)})
+        self.official_rows.append({"case": case_id, **case_official_metrics(prediction, truth, groups, spacing,
+                                                                             what=f"case {case_id}")})
+        self.groups = merge_groups(self.groups, groups)
+
+    def write(self, out_dir: Path, title: str) -> dict:
+        return write_metrics_report(self.rows, out_dir, title, official_rows=self.official_rows, groups=self.groups)
 
 
 def _read_label(case_id: str, path: Path, edition: str) -> tuple[np.ndarray, np.ndarray, object]:
@@ -67,7 +115,7 @@ def _spacing(header) -> tuple[float, float, float]:
 
 
 def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, checkpoint: str = "best",
-                  data_root: Path | None = None, progress: bool = True) -> dict:
+                  data_root: Path | None = None, progress: bool = True, tta: bool = False) -> dict:
     """Predict and score the validation cases of one fold (see the module docstring).
 
     Args:
@@ -78,31 +126,35 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
         checkpoint: "best", "latest" or a path to a checkpoint file.
         data_root: dataset folder with the original segmentations (default `data.root`).
         progress: show a progress bar.
+        tta: average the 8 mirrorings (`brats_swap.run.inference`); the saved predictions are then the
+            mirrored ones too.
 
     Returns:
-        The summary written to `fold_<k>/summary.json` by `write_metrics_report`.
+        The legacy summary written to `fold_<k>/summary.json` by `write_metrics_report` (the official one is
+        in `fold_<k>/official_summary.json`).
     """
     run = RunFolder.of(run_dir)
     folder = run.fold(fold)
     _, val_ids = fold_cases(read_splits(run.splits), fold)
     model, predict_config, device = load_for_inference(run, fold, checkpoint, config)
-    outputs = predict_config.model.outputs
     cache = Path(config.data.cache)
     on_original_grid = config.evaluate.grid == "original"
     root = Path(data_root) if data_root is not None else Path(config.data.root)
-    cases = {c.case_id: c for c in discover_cases(root, config.data.edition, config.data.modalities)}
+    cases = {c.case_id: c for c in discover_cases(root, config.data.edition, config.data.modalities,
+                                                  config.data.challenge)}
     missing = [c for c in val_ids if c not in cases or cases[c].seg is None]
     if missing:
         raise DataError(f"{root}: case {missing[0]} of fold {fold} has no segmentation file there "
                         "(pass --data with the dataset the run was prepared from)")
 
-    rows = []
+    scores = _Scores(hd95=config.evaluate.hd95, regions=predict_config.model.regions)
     with _progress(progress) as bar:
         task = bar.add_task(f"evaluate fold {fold}", total=len(val_ids))
         for case_id in val_ids:
             prepared = load_prepared(cache, case_id, mmap=True)
             edition = prepared.meta["edition"]
-            probs, prediction = _segment(model, prepared.image, prepared.meta, edition, predict_config, device)
+            probs, prediction = _segment(model, prepared.image, prepared.meta, edition, predict_config, device, tta,
+                                         case_id)
             truth, truth_affine, truth_header = _read_label(case_id, cases[case_id].seg, edition)
             # The prediction takes the image's grid (affine and header of the first modality, as prepared).
             if prediction.shape != truth.shape:
@@ -113,15 +165,14 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
                 header = header_from_meta(prepared.meta) if "header" in prepared.meta else truth_header
                 save_label_nifti(prediction, affine, folder.prediction(case_id), header=header)
             if on_original_grid:
-                metrics = case_metrics(prediction, truth, edition, spacing=_spacing(truth_header),
-                                       hd95=config.evaluate.hd95)
+                scores.add(case_id, prediction, truth, edition, _spacing(truth_header))
             else:  # in the network's cube, against the cached (resampled) label
-                cube_prediction = np.asarray(labels_from_probs(probs, edition, outputs, config.evaluate.threshold))
-                metrics = case_metrics(cube_prediction, np.asarray(prepared.label), edition, hd95=config.evaluate.hd95)
-            rows.append({"case": case_id, **metrics})
+                scores.add(case_id, _labels(probs, edition, predict_config, case_id), np.asarray(prepared.label),
+                           edition)
             bar.advance(task)
-    title = f"{config.name} fold {fold} ({checkpoint} checkpoint, {config.evaluate.grid} grid)"
-    return write_metrics_report(rows, folder.root, title)
+    title = (f"{config.name} fold {fold} ({checkpoint} checkpoint, {config.evaluate.grid} grid"
+             f"{', 8-mirror TTA' if tta else ''})")
+    return scores.write(folder.root, title)
 
 
 def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition: str = "auto",
@@ -152,7 +203,7 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
         warn(f"{pred_dir}: no prediction for {len(unscored)} of {len(cases)} cases (e.g. {unscored[0]}); "
               "they are left out of the scores")
 
-    rows = []
+    scores = _Scores(hd95=hd95)
     with _progress(progress) as bar:
         task = bar.add_task("score predictions", total=len(scored))
         for case in scored:
@@ -161,34 +212,150 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
             if prediction.shape != truth.shape:
                 raise DataError(f"case {case.case_id}: file {predictions[case.case_id].name}: shape {prediction.shape} "
                                 f"differs from the ground truth {truth.shape}")
-            metrics = case_metrics(prediction, truth, case.edition, spacing=_spacing(truth_header), hd95=hd95)
-            rows.append({"case": case.case_id, **metrics})
+            scores.add(case.case_id, prediction, truth, case.edition, _spacing(truth_header))
             bar.advance(task)
-    return write_metrics_report(rows, out_dir, f"{pred_dir.name} vs {Path(data_root).name}")
+    return scores.write(out_dir, f"{pred_dir.name} vs {Path(data_root).name}")
 
 
-def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, fold: int = 0, checkpoint: str = "best",
-            *, progress: bool = True) -> list[Path]:
-    """Segment new cases with a trained fold; returns the written `<out_dir>/<case id>.nii.gz` paths.
+FoldSelection = str | int | Sequence[int]
+
+
+def select_folds(run_dir: Path | RunFolder, folds: FoldSelection = "all", checkpoint: str = "best") -> list[int]:
+    """The folds to predict with: "all" (every fold folder holding the checkpoint: `checkpoint_best.pt`, or
+    `checkpoint_latest.pt` for "latest"), a fold number, "K,K" or a sequence of numbers; ConfigError naming
+    `--folds` for a fold without that checkpoint. With a checkpoint file path there is one model: fold 0
+    (or the one fold given) only names it."""
+    run = RunFolder.of(run_dir)
+    if checkpoint not in ("best", "latest"):
+        return [0] if isinstance(folds, str) and folds.strip().lower() == "all" else _parse_folds(folds)[:1]
+    name = BEST if checkpoint == "best" else LATEST
+
+    def has_checkpoint(k: int) -> bool:
+        folder = run.fold(k)
+        return folder.best.is_file() if checkpoint == "best" else folder.latest.is_file() or folder.previous.is_file()
+
+    available = [k for k in run.existing_folds() if has_checkpoint(k)]
+    if isinstance(folds, str) and folds.strip().lower() == "all":
+        if not available:
+            raise ConfigError(f"{run.root}: no fold has a {name}; train first (brats-swap train or cv)")
+        return available
+    chosen = _parse_folds(folds)
+    for k in chosen:
+        if not has_checkpoint(k):
+            raise ConfigError(f"--folds: {run.fold(k).root} has no {name} (folds that have one: "
+                              f"{', '.join(map(str, available)) or 'none'})")
+    return chosen
+
+
+def _parse_folds(folds: FoldSelection) -> list[int]:
+    try:
+        if isinstance(folds, str):
+            chosen = [int(k) for k in folds.split(",")]
+        else:
+            chosen = [int(folds)] if isinstance(folds, int) else [int(k) for k in folds]
+    except ValueError:
+        raise ConfigError(f"--folds {folds!r}: expected 'all', a fold number or numbers like 0,2") from None
+    if not chosen or min(chosen) < 0:
+        raise ConfigError(f"--folds {folds!r}: expected 'all', a fold number or numbers like 0,2")
+    return sorted(set(chosen))
+
+
+def _load_ensemble(run: RunFolder, folds: list[int], checkpoint: str,
+                   config: Config) -> tuple[list[tuple[torch.nn.Module, Config]], torch.device]:
+    """Each fold's model, loaded once, with the config it predicts with; ConfigError when the folds' outputs
+    differ (their probabilities could not be averaged)."""
+    members, device = [], None
+    for k in folds:
+        model, predict_config, device = load_for_inference(run, k, checkpoint, config)
+        members.append((model, predict_config))
+    kinds = {(c.model.outputs, tuple(c.model.regions)) for _, c in members}
+    if len(kinds) > 1:
+        raise ConfigError(f"{run.root}: folds {', '.join(map(str, folds))} were trained with different model.outputs/"
+                          "model.regions; predict with one of them (--folds K)")
+    return members, device
+
+
+def _run_postprocessing(run: RunFolder, enabled: bool) -> PostprocessingPlan | None:
+    """The plan of the run's postprocessing.json when enabled and present."""
+    return load_plan(run.postprocessing) if enabled and run.postprocessing.is_file() else None
+
+
+def _check_plan_fits(plan: PostprocessingPlan, cases: Sequence, where: Path) -> None:
+    """DataError (one line) when a case's evaluation groups are not the ones the plan was tuned for."""
+    for case in cases:
+        groups = evaluation_groups(case.edition)
+        if plan.groups != groups:
+            raise DataError(f"{where}: tuned for the groups {_describe(plan.groups)}, but case {case.case_id} "
+                            f"({case.edition}) has {_describe(groups)}; predict with --no-postprocessing")
+
+
+def _describe(groups: dict) -> str:
+    return ", ".join(f"{name} {list(labels)}" for name, labels in groups.items())
+
+
+def save_probabilities(path: Path, probabilities: np.ndarray, channels: Sequence[str], outputs: str) -> Path:
+    """Write `<case>.npz` (atomically, compressed): `probabilities` float32 (C, X, Y, Z) on the original grid,
+    `channels` their names (regions, or labels for label outputs) and `outputs` ("regions" or "labels")."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as handle:
+        np.savez_compressed(handle, probabilities=np.asarray(probabilities, dtype=np.float32),
+                            channels=np.asarray(list(channels)), outputs=np.asarray(outputs))
+    return path
+
+
+def _case_progress(show: bool) -> Progress:
+    from rich.progress import TextColumn
+
+    return progress_bar("{task.description}", TextColumn("{task.fields[case]}"), console=console,
+                        transient=True, disable=not show)
+
+
+def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: FoldSelection = "all",
+            checkpoint: str = "best", *, tta: bool = False, probabilities: bool = False, postprocess: bool = True,
+            progress: bool = True) -> list[Path]:
+    """Segment new cases; returns the written `<out_dir>/<case id>.nii.gz` paths.
 
     `input_path` is one case folder or a dataset folder; images are preprocessed on the fly with the
-    run's data config (crop, normalisation, fit to the cube), no cache is needed.
+    run's data config (crop, normalisation, fit to the cube), no cache is needed. `folds` (`select_folds`):
+    the probabilities of these folds' models are averaged, each model loaded once for all cases. `tta`:
+    each model averages the 8 mirrorings. `postprocess`: apply the run's postprocessing.json if there is
+    one. `probabilities`: also write `<case id>.npz` (`save_probabilities`; before postprocessing). The
+    labels are in the case's challenge values, on the grid and with the affine of its first modality.
     """
     from brats_swap.data.nifti import load_case
     from brats_swap.data.preprocess import preprocess_case, preprocess_settings
 
-    config = load_run_config(run_dir)
-    model, predict_config, device = load_for_inference(run_dir, fold, checkpoint, config)
-    cases = discover_cases(input_path, config.data.edition, config.data.modalities)
+    run = RunFolder.of(run_dir)
+    config = load_run_config(run)
+    chosen = select_folds(run, folds, checkpoint)
+    members, device = _load_ensemble(run, chosen, checkpoint, config)
+    plan = _run_postprocessing(run, postprocess)
+    cases = discover_cases(input_path, config.data.edition, config.data.modalities, config.data.challenge)
+    if plan is not None:
+        _check_plan_fits(plan, cases, run.postprocessing)
+    settings, first = preprocess_settings(config.data), members[0][1]
+    if progress:
+        console.print(f"predict: fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint)"
+                      f"{', 8-mirror TTA' if tta else ''}; postprocessing: "
+                      f"{plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}",
+                      markup=False, highlight=False)
     out_dir = Path(out_dir)
     written = []
-    with _progress(progress) as bar:
-        task = bar.add_task("predict", total=len(cases))
+    with _case_progress(progress) as bar:
+        task = bar.add_task("predict", total=len(cases), case="")
         for case in cases:
+            bar.update(task, case=case.case_id)
             loaded = load_case(case, config.data.modalities)
-            cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
-            _, label = _segment(model, cube_image, meta, loaded.edition, predict_config, device)
-            written.append(save_label_nifti(label, loaded.affine, out_dir / f"{case.case_id}.nii.gz",
-                                            header=loaded.header))
+            cube_image, _, meta = preprocess_case(loaded, settings)
+            cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
+            probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
+            label = _labels(probs, loaded.edition, first, case.case_id)
+            if plan is not None:
+                label = apply_postprocessing(plan, label)
+            path = save_label_nifti(label, loaded.affine, out_dir / f"{case.case_id}.nii.gz", header=loaded.header)
+            if probabilities:
+                save_probabilities(out_dir / f"{case.case_id}.npz", probs,
+                                   output_names(loaded.edition, first.model.outputs, first.model.regions),
+                                   first.model.outputs)
+            written.append(path)
             bar.advance(task)
     return written

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -32,6 +33,11 @@ from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.rulebook import SWAP
 from brats_swap.memory.stats import StepStats
 from brats_swap.memory.swap import SavedTensorEngine, tensors_in
+
+# Models with a live engine (model -> weak reference to it): the engine's hooks, wrappers and per-step
+# state must not be copied with the model (`trace.meta_copy` refuses such a model rather than duplicate
+# the engine's weak storage references, which would be freed twice).
+ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 COMPUTE_TYPES: tuple[type[nn.Module], ...] = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
@@ -130,8 +136,10 @@ class MemoryEngine:
     Arguments beyond the contract: `blocks` (module names, modules or (name, module) pairs used as
     prefetch blocks; default `discover_blocks`), `measure` (install the hooks in mode none to report
     saved bytes), `prefetch=False` (every reload is a synchronous miss; for tests), `arena_bytes`
-    (pre-size the host arena, e.g. from the planner's prediction), `log` (a list that receives the
-    rulebook's per-tensor event sequence of every step; tests compare it with the simulator's).
+    (the host arena's size, `arena.arena_bytes` of the planner's swapped storages; with `device` it is
+    allocated here, so a host that cannot hold it is a one-line `ConfigError` before the first step),
+    `log` (a list that receives the rulebook's per-tensor event sequence of every step; tests compare it
+    with the simulator's).
     """
 
     def __init__(self, model: nn.Module, memory_cfg: MemoryConfig | dict | str | None = None,
@@ -158,6 +166,9 @@ class MemoryEngine:
 
         self.core = SavedTensorEngine(cfg, param_storages=self._param_storages, prefetch=prefetch,
                                       arena_bytes=arena_bytes, log=log)
+        if arena_bytes and self.device is not None and self.device.type != "meta":
+            self.core.reserve_arena(self.device)
+        ATTACHED[model] = weakref.ref(self)
         self.blocks = _resolve_blocks(model, blocks)
         block_ids = {id(module) for _name, module in self.blocks}
         for name, module in model.named_modules():
@@ -241,6 +252,9 @@ class MemoryEngine:
             self.core.recipes = None
         if self.core is not None:
             self.core.close()
+        attached = ATTACHED.get(self.model)
+        if attached is not None and attached() is self:
+            del ATTACHED[self.model]
 
     def __enter__(self) -> MemoryEngine:
         return self

@@ -57,7 +57,15 @@ from brats_swap.memory.simulate import (
     replay,
     simulate_memory,
 )
-from brats_swap.memory.trace import MODULE_END, MODULE_START, SAVE, UNPACK_BEGIN, Trace, trace_step
+from brats_swap.memory.trace import (
+    MODULE_END,
+    MODULE_START,
+    SAVE,
+    UNPACK_BEGIN,
+    UNPACK_END,
+    Trace,
+    trace_step,
+)
 
 # Fraction of the budget a plan may use: the rest is allocator slack (block rounding, fragmentation) and
 # cuDNN workspace the trace does not see. TFLMS's simulator uses 0.9 for the same reason.
@@ -202,19 +210,23 @@ class Planner:
     def variant_key(cfg: MemoryConfig) -> tuple:
         """Policies that share a forward share a trace: the recompute part changes it, swapping does not."""
         if cfg.mode not in RECOMPUTE_MODES:
-            return ((), False)
-        return (tuple(cfg.recompute.modules), bool(cfg.recompute.norm_act))
+            return ((), False, ())
+        recompute = cfg.recompute
+        return (tuple(recompute.modules), bool(recompute.norm_act),
+                tuple(recompute.norm_act_exclude) if recompute.norm_act else ())
 
     def trace(self, cfg: MemoryConfig | None = None) -> Trace:
-        key = self.variant_key(cfg) if cfg is not None else ((), False)
+        key = self.variant_key(cfg) if cfg is not None else ((), False, ())
         if key not in self._traces:
-            recompute = RecomputeConfig(modules=list(key[0]), norm_act=key[1]) if key != ((), False) else None
+            recompute = None
+            if key != ((), False, ()):
+                recompute = RecomputeConfig(modules=list(key[0]), norm_act=key[1], norm_act_exclude=list(key[2]))
             self._traces[key] = trace_step(self.model, self.input_shape, dtype=self.dtype, loss_fn=self.loss_fn,
                                            recompute=recompute, step=self.step)
         return self._traces[key]
 
     def durations(self, cfg: MemoryConfig | None = None) -> list[float]:
-        key = self.variant_key(cfg) if cfg is not None else ((), False)
+        key = (self.variant_key(cfg) if cfg is not None else ((), False, ()), repr(self.cost))
         if key not in self._durations:
             self._durations[key] = self.cost.durations(self.trace(cfg))
         return self._durations[key]
@@ -230,7 +242,7 @@ class Planner:
     # ---- pricing -------------------------------------------------------------------------------------
     def schedule(self, cfg: MemoryConfig, keep_lanes: bool = False) -> Schedule:
         """The rulebook's replay of `cfg` on this planner's clock (cached per policy)."""
-        key = repr((self.variant_key(cfg), cfg.mode, cfg.swap))
+        key = repr((self.variant_key(cfg), cfg.mode, cfg.swap, self.cost))
         if keep_lanes or key not in self._schedules:
             schedule = replay(self.trace(cfg), cfg, cost=self.cost, durations=self.durations(cfg),
                               keep_lanes=keep_lanes)
@@ -268,14 +280,17 @@ class Planner:
     def auto(self, budget_bytes: float, base: MemoryConfig | None = None,
              allow_compress: bool | None = None) -> tuple[PolicyPrediction | None, list[PolicyPrediction]]:
         """The fastest policy whose predicted peak fits `budget_bytes * BUDGET_HEADROOM` (None if none),
-        and every fitting policy priced on the way (module docstring)."""
+        and every fitting policy priced on the way (module docstring). Recompute variants are tried
+        cheapest first; one whose compute alone is no faster than the best plan so far is skipped."""
         base = copy.deepcopy(base or MemoryConfig())
         if allow_compress is None:
             allow_compress = base.swap.compress == "bf16"
         limit = budget_bytes * BUDGET_HEADROOM
         fitting = [p for p in (self.predict(name, cfg, budget_bytes) for name, cfg in named_policies(base).items())
                    if p.fits]
-        for variant in self._variants(base, limit):
+        for variant, compute_s in sorted(self._variants(base, limit), key=lambda item: item[1]):
+            if compute_s >= min((p.step_s for p in fitting), default=float("inf")):
+                continue
             fitting += _SwapSearch(self, variant, limit, allow_compress).plans(budget_bytes)
         if not fitting:
             return None, []
@@ -283,32 +298,88 @@ class Planner:
         best.name = "auto"
         return best, fitting
 
-    def _variants(self, base: MemoryConfig, limit: float) -> list[MemoryConfig]:
-        """The recompute variants `auto` tries: none, norm_act, and checkpointing of the cheapest blocks in
-        amounts sized to the bytes the link cannot hide before the peak (module docstring)."""
+    def _variants(self, base: MemoryConfig, limit: float) -> list[tuple[MemoryConfig, float]]:
+        """The recompute variants `auto` tries, each with its compute seconds (estimated for the ones not
+        traced yet): none; norm_act; norm_act with the storages whose own rebuild costs most stored and
+        swapped instead, where their copies can hide; checkpointing of the cheapest blocks in amounts
+        sized to the bytes the link cannot hide before the peak (module docstring)."""
         plain = _variant(base, RecomputeConfig())
-        variants = [plain, _variant(base, RecomputeConfig(norm_act=True))]
+        norm_act = _variant(base, RecomputeConfig(norm_act=True))
+        variants = [(plain, sum(self.durations(plain))), (norm_act, sum(self.durations(norm_act)))]
+        stored = _stored_rebuilds(self, norm_act)
+        if stored:
+            names, saved_s = stored
+            variants.append((_variant(base, RecomputeConfig(norm_act=True, norm_act_exclude=names)),
+                             variants[1][1] - saved_s))
         keep_all = self.memory(plain, keep_timeline=True)
         deficit = keep_all.peak_bytes - limit
         if deficit <= 0:
             return variants
         starts = list(accumulate(self.durations(plain), initial=0.0))
-        hideable = self.cost.d2h_bytes_per_s * starts[keep_all.peak_op]
+        hideable = self.cost.d2h_bytes_per_s * starts[keep_all.peak_op]  # what the link moves before the peak
+
+        def with_stall(compute_s: float, excess: float) -> float:
+            """A lower bound of the step: the bytes over the limit that even a busy link cannot move out
+            before the peak stall the compute."""
+            return compute_s + max(0.0, excess - hideable) / self.cost.d2h_bytes_per_s
+
+        variants[0] = (plain, with_stall(variants[0][1], deficit))
         needed = max(deficit - hideable, deficit * 0.25)
         ranking = checkpoint_ranking(self.trace(plain), self.durations(plain),
                                      resident_records(self.trace(plain), self.schedule(plain), keep_all.peak_op))
-        chosen: list[tuple[str, ...]] = []
+        chosen: dict[tuple[str, ...], float] = {}
         for share in CHECKPOINT_SHARES:
-            names, freed = [], 0
-            for name, _seconds, nbytes in ranking:
+            names, freed, seconds = [], 0, 0.0
+            for name, block_s, nbytes in ranking:
                 if freed >= share * needed:
                     break
                 names.append(name)
-                freed += nbytes
-            if names and tuple(names) not in chosen:
-                chosen.append(tuple(names))
-        variants += [_variant(base, RecomputeConfig(modules=list(names))) for names in chosen]
+                freed, seconds = freed + nbytes, seconds + block_s
+            if names:
+                chosen[tuple(names)] = with_stall(starts[-1] + seconds, deficit - freed)
+        variants += [(_variant(base, RecomputeConfig(modules=list(names))), compute_s)
+                     for names, compute_s in chosen.items()]
         return variants
+
+
+def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str], float] | None:
+    """Modules whose norm_act storage costs a rebuild of its own (not shared with another storage of the
+    same stored input, see `swap.RecentRebuilds`) and whose copy out and back fits comfortably between
+    its save and its use: storing and swapping them saves their rebuild. Returns (escaped module names,
+    rebuild seconds saved), most expensive first while the copies take at most half the forward."""
+    trace, durations = planner.trace(norm_act), planner.durations(norm_act)
+    cum = list(accumulate(durations, initial=0.0))
+    cost: dict[int, float] = {}
+    pack_op, first_use, open_unpacks = {}, {}, []
+    for op, kind, a, _ in trace.events:
+        if kind == SAVE:
+            pack_op[a] = op
+        elif kind == UNPACK_BEGIN:
+            first_use.setdefault(a, op)
+            open_unpacks.append((a, op))
+        elif kind == UNPACK_END and open_unpacks and open_unpacks[-1][0] == a:
+            _, start = open_unpacks.pop()
+            cost[a] = cost.get(a, 0.0) + cum[op] - cum[start]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for traced in trace.records:
+        if traced.record.recompute:
+            groups.setdefault(tuple(traced.deps), []).append(traced.record.index)
+    candidates = [index for members in groups.values() if min(cost.get(i, 0.0) for i in members) > 0
+                  for index in members]
+    link_budget = 0.5 * cum[trace.fwd_end]
+    names, saved = [], 0.0
+    def gap(index: int) -> float:  # seconds between the save and the first use
+        return cum[first_use.get(index, trace.n_ops)] - cum[pack_op[index]]
+
+    for index in sorted(candidates, key=lambda i: (-cost[i], -gap(i))):
+        record = trace.records[index].record
+        round_trip = 2 * transfer_bytes(record, norm_act.swap) / planner.cost.d2h_bytes_per_s
+        if round_trip > link_budget or gap(index) < 2 * round_trip:
+            continue
+        link_budget -= round_trip
+        names.append(glob.escape(record.module))
+        saved += cost[index]
+    return (names, saved) if names else None
 
 
 def _variant(base: MemoryConfig, recompute: RecomputeConfig) -> MemoryConfig:
@@ -405,12 +476,14 @@ class _SwapSearch:
         out = []
         for count in sorted({low, min(len(order), low + max(1, low // 4))}):
             for compress in ("none", "bf16") if self.allow_compress else ("none",):
-                for inflight in INFLIGHT_BUDGETS:
-                    for lookahead in LOOKAHEADS:
-                        cfg = self._config(count, inflight, lookahead, compress)
-                        prediction = planner.predict("auto", cfg, budget_bytes)
+                for lookahead in LOOKAHEADS:
+                    # A larger in-flight budget waits less and holds more: the largest that fits is the pick.
+                    for inflight in reversed(INFLIGHT_BUDGETS):
+                        prediction = planner.predict("auto", self._config(count, inflight, lookahead, compress),
+                                                     budget_bytes)
                         if prediction.fits:
                             out.append(prediction)
+                            break
         return out
 
     def _candidates(self, keep_all: MemoryResult) -> list[_Unit]:

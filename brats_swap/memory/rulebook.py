@@ -21,8 +21,9 @@ Events, in the order a step produces them (the executor calls the method in brac
 
 Decision per storage (`Decider.decide`; reasons are part of the result):
 
-1. recompute: a norm_act recipe rebuilds it (`recompute.NormActRecipes`); one decision per storage, a
-   recomputed storage is never also stored or swapped;
+1. recompute: a norm_act recipe rebuilds it (`recompute.NormActRecipes`), unless its module matches
+   `recompute.norm_act_exclude` (then it is stored like any other storage, so rules 2-3 apply); one
+   decision per storage, a recomputed storage is never also stored or swapped;
 2. keep: a parameter or buffer (or an autocast copy of one), the batch input or another argument of
    the model's forward (the caller holds them: a copy would free nothing), any storage when the mode
    does not swap, a tensor that is not plain dense (sparse, quantized, conjugate/negative views, tensor
@@ -198,6 +199,7 @@ class Rulebook:
         self.prefetch = prefetch
         self.lookahead = memory_cfg.swap.lookahead
         self.decider = Decider(memory_cfg.swap, swapping=memory_cfg.mode in SWAP_MODES)
+        self.norm_act_exclude = list(memory_cfg.recompute.norm_act_exclude)
         self.entries: list[Entry] = []
         self.stats = StepStats()
         self.log = log
@@ -246,10 +248,12 @@ class Rulebook:
              deps: Iterable[Entry] = (), payload: Any = None) -> Entry:
         """The first save of a storage: a new record, decided, and for a swap the copy out issued."""
         module, block, use_marker = self.where()
+        recompute = recompute and not module_matches(module, self.norm_act_exclude)
         record = SavedRecord(index=len(self.entries), nbytes=nbytes, module=module, block=block, is_param=is_param,
                              recompute=recompute, dtype=dtype, is_input=is_input, dense=dense)
         decision = self.decider.decide(record)
-        entry = Entry(record, decision, transfer_bytes(record, self.swap_cfg), use_marker, list(deps), payload)
+        entry = Entry(record, decision, transfer_bytes(record, self.swap_cfg), use_marker,
+                      list(deps) if recompute else [], payload)
         self.entries.append(entry)
         if not is_param:
             self.saved_total += nbytes

@@ -80,6 +80,9 @@ class OpCostModel:
     # How many kernels the device may lag behind the host when the host asks whether a copy finished
     # (module docstring): CUDA's launch queue on a GPU; 0 on the CPU, whose host is the compute.
     host_lead_kernels: int | None = 1024
+    # The emulated CPU link (`memory.swap.emulate_gbs`): compute seconds its copy threads take from the
+    # step per byte they move (on 2 cores a copy preempts an intra-op thread); 0 for real copy engines.
+    copy_interference_s_per_byte: float = 0.0
 
     def durations(self, trace: Trace) -> list[float]:
         """Seconds of each op of `trace` (0 for ops that launch no kernel)."""
@@ -215,6 +218,12 @@ class _Clock:
         self.d2h_free = timing.out_done = self._copy("d2h", start, seconds, f"s{entry.index}")
         if self.cost.sync_copies:
             self.stall_until(timing.out_done)
+        self._interfere(entry)
+
+    def _interfere(self, entry: Entry) -> None:
+        """The compute time a CPU copy thread takes from the step for this copy (`OpCostModel`)."""
+        if self.cost.copy_interference_s_per_byte:
+            self.stall_until(self.now + entry.transfer_bytes * self.cost.copy_interference_s_per_byte)
 
     def copy_out_done(self, entry: Entry) -> bool:
         if self.cost.sync_copies:
@@ -252,6 +261,7 @@ class _Clock:
         self.schedule.reloads.append(timing.reload)
         if self.cost.sync_copies:
             self.stall_until(timing.in_done)
+        self._interfere(entry)
 
     def await_reload(self, entry: Entry) -> None:
         self.stall_until(entry.payload.in_done)

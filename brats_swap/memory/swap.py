@@ -309,6 +309,11 @@ class SavedTensorEngine:
             self._links[device] = open_link(device, self.swap_cfg)
         return self._links[device]
 
+    def reserve_arena(self, device: torch.device) -> None:
+        """Allocate (and pin, on CUDA) the planned host arena now, so that a host without the memory
+        fails with a one-line error before the first step instead of in the middle of a forward."""
+        self._arena(device)
+
     def _arena(self, device: torch.device) -> HostArena:
         pin = device.type == "cuda"
         if pin not in self._arenas:
@@ -342,8 +347,10 @@ class SavedTensorEngine:
         entry = self.rulebook.save(**facts, recompute=recipe is not None, deps=deps, payload=slot)
         if entry.decision != SWAP:
             slot.gpu_ref = None  # kept: the handles hold it; recomputed: rebuilt from the recipe
-        if recipe is not None:
+        if entry.decision == RECOMPUTE:
             self.rebuilds.note(recipe, entry)
+        else:
+            slot.recipe = None  # stored after all (`recompute.norm_act_exclude`)
         self.index.add(t, entry)
         return entry
 

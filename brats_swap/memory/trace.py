@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from brats_swap.config import MemoryConfig, RecomputeConfig
-from brats_swap.memory.engine import discover_blocks
+from brats_swap.memory.engine import ATTACHED, discover_blocks
 from brats_swap.memory.policy import SavedRecord, is_param_cast
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.rulebook import RECOMPUTE, Entry, Rulebook
@@ -240,7 +240,7 @@ class _TraceExecutor:
 
 
 class _Tracer(TorchDispatchMode):
-    def __init__(self, param_storages: set[int]):
+    def __init__(self, param_storages: set[int], recompute: RecomputeConfig | None):
         super().__init__()
         self.ops: list[OpInfo] = []
         self.storages: list[Storage] = []
@@ -252,7 +252,8 @@ class _Tracer(TorchDispatchMode):
         self.unpacking = -1  # record index while the unpack hook allocates its artifact
         self.recomputing = 0
         self.module_stack: list[str] = []  # every running module (forward and recomputation): op owners
-        self.rulebook = Rulebook(MemoryConfig(), _TraceExecutor(self))
+        # Everything kept (mode none), the variant's recomputation as the engine decides it.
+        self.rulebook = Rulebook(MemoryConfig(recompute=recompute or RecomputeConfig()), _TraceExecutor(self))
         self.index = StorageIndex()
         self.rebuilds = RecentRebuilds()
         self.records: list[TracedRecord] = []
@@ -339,9 +340,9 @@ class _Tracer(TorchDispatchMode):
         deps = recipe_entries(recipe) if recipe is not None else []
         entry = self.rulebook.save(**facts, recompute=recipe is not None, deps=deps)
         sid = self.storage_id(tensor.untyped_storage())
-        self.records.append(TracedRecord(entry.record, sid, deps=[dep.index for dep in deps]))
+        self.records.append(TracedRecord(entry.record, sid, deps=[dep.index for dep in entry.deps]))
         self.index.add(tensor, entry)
-        if recipe is not None:
+        if entry.decision == RECOMPUTE:
             self.recipe_of[entry.index] = recipe
             self.rebuilds.note(recipe, entry)
         return entry
@@ -459,7 +460,12 @@ def _bytes_accessed(tensors: list[torch.Tensor]) -> int:
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of `model` whose parameters and buffers live on `meta` (no data copied)."""
+    """A deep copy of `model` whose parameters and buffers live on `meta` (no data copied). A model with
+    a live `MemoryEngine` is refused: copying the engine's hooks would copy its state with them."""
+    attached = ATTACHED.get(model)
+    if attached is not None and attached() is not None:
+        raise ValueError("brats_swap.memory.trace: the model has a MemoryEngine attached; plan before building "
+                         "the engine or after engine.close()")
     memo: dict[int, object] = {}
     for param in model.parameters():
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
@@ -476,6 +482,8 @@ def variant_name(recompute: RecomputeConfig | None) -> str:
         parts.append("checkpoint[" + ",".join(recompute.modules) + "]")
     if recompute.norm_act:
         parts.append("norm_act")
+        if recompute.norm_act_exclude:
+            parts.append("stored[" + ",".join(recompute.norm_act_exclude) + "]")
     return "+".join(parts) or "plain"
 
 
@@ -559,7 +567,7 @@ def trace_step(
     meta_model.train(train)
     params = list(meta_model.parameters())
     buffers = list(meta_model.buffers())
-    tracer = _Tracer({t.untyped_storage()._cdata for t in params + buffers})
+    tracer = _Tracer({t.untyped_storage()._cdata for t in params + buffers}, recompute)
     handles = _instrument(meta_model, tracer, blocks, dtype, recompute)
 
     # The batch and its target are storages of the step, allocated before it and held by the caller to

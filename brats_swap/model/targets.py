@@ -17,6 +17,10 @@ nested inside it are taken away) and every label of the table must be in some re
 labels -> targets -> labels is exact, whatever the challenge; `region_tree` checks it and names
 `model.regions` when it does not hold.
 
+A run's regions and output count are said in one place, `run_regions` and `run_output_count` (the table
+the run's cases were prepared with + the `model` section): training builds the network and validates with
+them, trained models are loaded with them, and evaluation scores `dice_<region>` for the same regions.
+
 Label values always come from the challenge table (`brats_swap.data.challenges`), never from literals.
 Everything works on torch tensors and numpy arrays, with or without a batch dimension: a label map has
 3 spatial axes (D, H, W) or (B, D, H, W); probabilities/targets have a channel axis just before them.
@@ -31,6 +35,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from brats_swap.config import ModelConfig
 from brats_swap.data.challenges import ChallengeSpec, get_challenge, isin
 from brats_swap.errors import ConfigError
 
@@ -116,6 +121,20 @@ def output_names(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequ
 def num_outputs(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequence[str] | None = None) -> int:
     """How many sigmoid channels the network needs for this table, output kind (and `model.regions`)."""
     return len(output_names(challenge, outputs, regions))
+
+
+def run_regions(challenge: ChallengeSpec | str, model_cfg: ModelConfig) -> tuple[str, ...]:
+    """The regions of a run on `challenge`: what it trains (`model.outputs: regions`, in channel order) and
+    what its validation and evaluation score as `dice_<region>` (either output kind). `model.regions`, or the
+    challenge's defaults: WT, TC, ET for 2017–2021 (so legacy runs keep exactly those columns), + RC for GLI
+    post-treatment and MET, + CC for PED, GTV for MEN-RT."""
+    return region_names(challenge, model_cfg.regions)
+
+
+def run_output_count(challenge: ChallengeSpec | str, model_cfg: ModelConfig) -> int:
+    """The network's output channels for a run on `challenge` (`model.outputs`, `model.regions`); ConfigError
+    naming `model.regions` when labels could not be recovered from those regions."""
+    return num_outputs(challenge, model_cfg.outputs, model_cfg.regions)
 
 
 def _stack(masks: list, channel_dim: int):

@@ -1,6 +1,7 @@
 """The Isensee 2017 3D U-Net exactly as Ellis's Keras `isensee2017_model` (the IBM data-swapping paper's model).
 
-Sources and every detail are in `shared/reference/model.md` §1. In short, for depth 5 and 16 base filters:
+Sources: Isensee et al. 2017 (BraTS 2017 proceedings, arXiv:1802.10508) as implemented in Ellis's
+`3DUnetCNN` (`isensee2017_model`), which the IBM paper trained. For depth 5 and 16 base filters:
 
     encoder level l (filters F_l = 16 * 2**l):
         h = in_conv(x)                          3³ ConvNormAct, stride 1 at level 0, stride 2 below
@@ -68,7 +69,10 @@ def _channel_chunks(x: torch.Tensor) -> list[slice]:
     channels = x.shape[1]
     wanted = min(_NORM_MAX_CHUNKS, max(1, (x.numel() * 4) // _NORM_CHUNK_BYTES))
     size = max(2, -(-channels // wanted))
-    return [slice(start, start + size) for start in range(0, channels, size)]
+    starts = list(range(0, channels, size))
+    if len(starts) > 1 and channels - starts[-1] == 1:
+        starts.pop()  # a last slice of one channel joins the one before it
+    return [slice(start, stop) for start, stop in zip(starts, starts[1:] + [channels], strict=True)]
 
 
 class _KerasInstanceNormFunction(torch.autograd.Function):

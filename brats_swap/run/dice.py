@@ -8,13 +8,23 @@ On the boolean masks P (prediction) and T (truth) of one region of one case:
 
 Training's validation Dice and evaluation's metrics both count with `dice_sensitivity_specificity`, so the
 model is selected by exactly the number the reports show.
+
+The regions are a run's (`brats_swap.model.targets.run_regions`: WT/TC/ET for 2017–2021, + RC, CC or GTV
+for the 2023+ challenges that have them) and name the columns `dice_<region>` (lower-case). Logs,
+summaries and comparisons read the regions back from those columns (`regions_of_columns`), so they show
+whatever regions the run was scored on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
-from brats_swap.data.editions import REGIONS, EditionSpec, get_edition, region_masks
+from brats_swap.data.challenges import ChallengeSpec, get_challenge, isin
+from brats_swap.model.targets import region_names
+
+DICE_PREFIX = "dice_"
 
 
 def dice_sensitivity_specificity(pred: np.ndarray, truth: np.ndarray) -> tuple[float, float, float]:
@@ -38,10 +48,23 @@ def dice_sensitivity_specificity(pred: np.ndarray, truth: np.ndarray) -> tuple[f
     return dice, sensitivity, specificity
 
 
-def region_dice(pred_label: np.ndarray, true_label: np.ndarray, edition: EditionSpec | str) -> dict[str, float]:
-    """Dice per region of two label maps (raw edition label values, same grid): {"dice_wt", "dice_tc", "dice_et"}."""
-    spec = get_edition(edition) if isinstance(edition, str) else edition
-    pred_regions = region_masks(pred_label, spec)
-    true_regions = region_masks(true_label, spec)
-    return {f"dice_{region.lower()}": dice_sensitivity_specificity(pred_regions[region], true_regions[region])[0]
-            for region in REGIONS}
+def dice_column(region: str) -> str:
+    """The column of a region's Dice: "WT" -> "dice_wt"."""
+    return f"{DICE_PREFIX}{region.lower()}"
+
+
+def regions_of_columns(columns: Iterable[str]) -> tuple[str, ...]:
+    """The regions that `dice_<region>` columns (or record keys) name, in order of first appearance:
+    ["case", "dice_wt", "dice_tc", "dice_et", "hd95_wt"] -> ("WT", "TC", "ET")."""
+    found = dict.fromkeys(column[len(DICE_PREFIX):].upper() for column in columns if column.startswith(DICE_PREFIX))
+    return tuple(found)
+
+
+def region_dice(pred_label: np.ndarray, true_label: np.ndarray, edition: ChallengeSpec | str,
+                regions: Sequence[str] | None = None) -> dict[str, float]:
+    """Dice per region of two label maps (raw label values of the table, same grid): {"dice_wt": ..., ...}
+    for `regions` (default: the table's default regions, WT/TC/ET for 2017–2021)."""
+    spec = get_challenge(edition)
+    return {dice_column(region): dice_sensitivity_specificity(isin(pred_label, spec.groups[region]),
+                                                              isin(true_label, spec.groups[region]))[0]
+            for region in region_names(spec, regions)}

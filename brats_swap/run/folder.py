@@ -8,6 +8,7 @@ Like nnU-Net's output folder, the layout is a contract users script against:
       fold_<k>/checkpoint_latest.pt  checkpoint_prev.pt  checkpoint_best.pt
                train.log  tb/  state.json  memory_plan.json  cv_worker.log
                metrics.csv  summary.json  summary.md  dice_boxplot.png  predictions/<case>.nii.gz
+               official.csv  official_summary.json      (the official BraTS lesion-wise metrics)
       full/  patch/                      (compare --patch: each arm is a run folder of its own)
 ```
 
@@ -51,6 +52,8 @@ METRICS_CSV = "metrics.csv"
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 DICE_BOXPLOT = "dice_boxplot.png"
+OFFICIAL_CSV = "official.csv"
+OFFICIAL_SUMMARY_JSON = "official_summary.json"
 PREDICTIONS_DIR = "predictions"
 FOLD_PREFIX = "fold_"
 
@@ -124,6 +127,14 @@ class FoldFolder:
     @property
     def dice_boxplot(self) -> Path:
         return self.root / DICE_BOXPLOT
+
+    @property
+    def official_csv(self) -> Path:
+        return self.root / OFFICIAL_CSV
+
+    @property
+    def official_summary_json(self) -> Path:
+        return self.root / OFFICIAL_SUMMARY_JSON
 
     @property
     def predictions(self) -> Path:

@@ -16,6 +16,7 @@ import yaml
 from brats_swap.config import Config, config_from_saved
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.model import build_model
+from brats_swap.model.targets import run_output_count
 from brats_swap.run.checkpoint import load_checkpoint, load_latest
 from brats_swap.run.console import warn
 from brats_swap.run.device import resolve_device
@@ -39,7 +40,11 @@ def load_trained_model(run: RunFolder | Path, fold: int, checkpoint: str = "best
     folder = RunFolder.of(run).fold(fold)
     state = _checkpoint_state(folder, checkpoint)
     trained_config = config_from_saved(state["config"])
-    model = build_model(trained_config.model, out_channels=3)
+    if "edition" not in state:
+        raise CheckpointError(f"{folder.root}: checkpoint {checkpoint!r} does not record the label table it was "
+                              "trained on (no 'edition' entry); it was not written by brats-swap train")
+    # The output channels follow the table the fold was trained on (e.g. 4 regions for PED, 1 for MEN-RT).
+    model = build_model(trained_config.model, out_channels=run_output_count(state["edition"], trained_config.model))
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:

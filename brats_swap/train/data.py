@@ -23,11 +23,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from brats_swap.config import Config
-from brats_swap.data.cache import load_prepared
+from brats_swap.config import Config, DataConfig
+from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
+from brats_swap.data.discovery import resolve_convention
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
 from brats_swap.model.targets import targets_from_labels
+from brats_swap.run.console import console, warn
 
 # The 48 symmetries of a cube (the full octahedral group with reflections): 6 axis permutations x 8 flips.
 # Ellis's `generate_permutation_keys` enumerates the same group as rotate/transpose/flip combinations.
@@ -90,6 +92,42 @@ def build_monai_augment():
     ])
 
 
+def prepare_run_data(data_cfg: DataConfig, *, progress: bool = True) -> PrepareReport:
+    """Bring `data.cache` up to date with `data.root` before a run reads it (`prepare_missing`: new or changed
+    cases only, with a progress bar). `brats-swap train`, `cv` and `compare` call it first, once, on the main
+    process, so one command goes from a download to a trained model. Skipped cases get one warning each."""
+    report = prepare_missing(data_cfg, progress=progress)
+    for case_id, problem in report.failed.items():
+        warn(f"{data_cfg.cache}: skipped case {case_id} ({problem})")
+    if report.prepared:
+        console.print(f"{data_cfg.cache}: prepared {len(report.prepared)} case(s) from {data_cfg.root}, "
+                      f"{len(report.up_to_date)} already up to date", markup=False, highlight=False)
+    return report
+
+
+def run_table(cache: Path, case_ids: Sequence[str], data_cfg: DataConfig) -> str:
+    """The label table ("2021", "gli-post", "ped", ...) that every one of `case_ids` was prepared with.
+
+    A run trains one set of outputs, so DataError when the cases hold several tables (e.g. GLI pre-operative
+    and post-treatment scans in one folder: `data.challenge` reads them all with one), or when
+    `data.challenge` / `data.edition` force another table than the cache was prepared with.
+    """
+    first_case: dict[str, str] = {}
+    for case_id in case_ids:
+        first_case.setdefault(load_prepared(cache, case_id).meta["edition"], case_id)
+    if len(first_case) > 1:
+        found = ", ".join(f"{table} (e.g. {case})" for table, case in first_case.items())
+        raise DataError(f"{cache}: the prepared cases hold several label tables: {found}; a run trains on one, "
+                        "set data.challenge to read every case with it")
+    (table, case_id), = first_case.items()
+    if data_cfg.challenge != "auto" or data_cfg.edition != "auto":
+        forced = resolve_convention(case_id, None, data_cfg.edition, data_cfg.challenge)
+        if forced != table:
+            raise DataError(f"{cache}: cases were prepared with the {table} table but the config forces {forced} "
+                            "(data.challenge / data.edition); prepare them again from data.root")
+    return table
+
+
 @dataclass(frozen=True)
 class SampleKey:
     """Where a sample sits in the run; the dataset derives all of its randomness from this."""
@@ -105,8 +143,9 @@ class CubeDataset(Dataset):
     Args:
         cache: prepared-cache folder.
         case_ids: the cases of this split.
-        edition: BraTS edition of the labels (targets and regions follow it).
+        edition: label table of the cases ("2021", "gli-post", "ped", ...; targets and regions follow it).
         outputs: `model.outputs` ("labels" or "regions"): which sigmoid channels the targets have.
+        regions: `model.regions` (the region targets with outputs "regions"; empty: the table's defaults).
         crop: patch size for patch mode, or None for the whole cube.
         patches_per_case: patches drawn per case per epoch (patch mode).
         augment: "cube48" for the 48 cube symmetries, "none" for no symmetry augmentation.
@@ -114,14 +153,14 @@ class CubeDataset(Dataset):
         seed: base seed of every random choice.
         foreground_fraction: share of patches centred on a tumour voxel (patch mode).
 
-    Items are dicts: `image` float32 (C, D, H, W), `target` float32 (3, D, H, W), `label` uint8 (D, H, W),
+    Items are dicts: `image` float32 (C, D, H, W), `target` float32 (outputs, D, H, W), `label` uint8 (D, H, W),
     `case_id` str.
     """
 
     def __init__(
-        self, cache: Path, case_ids: Sequence[str], *, edition: str, outputs: str, crop: Sequence[int] | None = None,
-        patches_per_case: int = 1, augment: str = "none", monai_augment: bool = False, seed: int = 0,
-        foreground_fraction: float = 0.33,
+        self, cache: Path, case_ids: Sequence[str], *, edition: str, outputs: str, regions: Sequence[str] = (),
+        crop: Sequence[int] | None = None, patches_per_case: int = 1, augment: str = "none",
+        monai_augment: bool = False, seed: int = 0, foreground_fraction: float = 0.33,
     ) -> None:
         if not case_ids:
             raise DataError(f"{cache}: no cases to load for this split")
@@ -129,6 +168,7 @@ class CubeDataset(Dataset):
         self.case_ids = list(case_ids)
         self.edition = edition
         self.outputs = outputs
+        self.regions = tuple(regions)
         self.crop = tuple(crop) if crop is not None else None
         self.patches_per_case = patches_per_case if crop is not None else 1
         self.augment = augment
@@ -175,7 +215,7 @@ class CubeDataset(Dataset):
             label = np.rint(torch.as_tensor(out["label"]).numpy()[0]).astype(np.uint8)
 
         label_tensor = torch.from_numpy(np.ascontiguousarray(label))
-        target = targets_from_labels(label_tensor[None].long(), self.edition, self.outputs)[0].float()
+        target = targets_from_labels(label_tensor[None].long(), self.edition, self.outputs, self.regions)[0].float()
         return {"image": torch.from_numpy(np.ascontiguousarray(image)), "target": target, "label": label_tensor,
                 "case_id": case_id}
 
@@ -262,12 +302,13 @@ def build_train_data(
     crop = train_cfg.patch if train_cfg.mode == "patch" else None
     seed = config.seed * 1000 + fold  # folds draw different streams from one config seed
     train_dataset = CubeDataset(
-        cache, train_ids, edition=edition, outputs=config.model.outputs, crop=crop,
+        cache, train_ids, edition=edition, outputs=config.model.outputs, regions=config.model.regions, crop=crop,
         patches_per_case=train_cfg.patches_per_case, augment=train_cfg.augment,
         monai_augment=train_cfg.monai_augment, seed=seed, foreground_fraction=train_cfg.patch_foreground,
     )
     # Validation sees whole cubes: the cube Dice is the model selection signal in both modes.
-    val_dataset = CubeDataset(cache, val_ids, edition=edition, outputs=config.model.outputs, seed=seed)
+    val_dataset = CubeDataset(cache, val_ids, edition=edition, outputs=config.model.outputs,
+                              regions=config.model.regions, seed=seed)
 
     world_size = ctx.world_size if ctx is not None else 1
     global_batch = train_cfg.batch_size * world_size

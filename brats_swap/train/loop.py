@@ -6,8 +6,9 @@
                                  (and `restore` of the checkpoint's state when resuming)
     while epochs are left:
         train_epoch              memory engine wraps forward + loss, backward outside, AMP optional
-        validate (when due)      val loss and Dice WT/TC/ET on whole cubes (sliding window for patch
-                                 models); reduce LR on plateau, early stopping, best mean val Dice
+        validate (when due)      val loss and Dice per region (WT/TC/ET, + RC/CC/GTV where the challenge
+                                 has them) on whole cubes (sliding window for patch models); reduce LR
+                                 on plateau, early stopping, best mean val Dice
         end_epoch                log (train.log, TensorBoard), checkpoint_best.pt, checkpoint_latest.pt
     finish                       the TrainResult
 
@@ -56,8 +57,7 @@ from brats_swap.config import (
     config_to_yaml,
     diff_configs,
 )
-from brats_swap.data.cache import list_prepared, load_prepared
-from brats_swap.data.editions import REGIONS
+from brats_swap.data.cache import list_prepared
 from brats_swap.distributed import (
     DistContext,
     all_reduce_max,
@@ -72,17 +72,17 @@ from brats_swap.distributed import (
 from brats_swap.errors import ConfigError, DataError, NumericalError, TrainingInterrupted
 from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
-from brats_swap.model.targets import labels_from_probs
+from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions
 from brats_swap.progress import progress_bar
 from brats_swap.run.checkpoint import capture_rng_states, load_latest, restore_rng_states, save_checkpoint
 from brats_swap.run.console import console, warn
 from brats_swap.run.device import autocast_context, peak_memory_bytes, seed_everything, torch_settings
-from brats_swap.run.dice import region_dice
+from brats_swap.run.dice import dice_column, region_dice
 from brats_swap.run.environment import environment_record
 from brats_swap.run.folder import FoldFolder, RunFolder
 from brats_swap.run.inference import predict_cube
 from brats_swap.splits import fold_cases, load_or_create_splits
-from brats_swap.train.data import TrainData, build_train_data
+from brats_swap.train.data import TrainData, build_train_data, run_table
 from brats_swap.train.losses import weighted_dice_loss
 from brats_swap.train.planning import out_of_memory_error, plan_memory, training_input_shape
 from brats_swap.train.report import TrainLog
@@ -96,7 +96,7 @@ class TrainResult:
     fold: int
     epochs_completed: int = 0
     best_epoch: int | None = None  # 1-based epoch of checkpoint_best.pt
-    best_val_dice: float | None = None  # mean over WT/TC/ET of the best validation
+    best_val_dice: float | None = None  # mean over the run's regions (WT/TC/ET for 2017-2021) of the best validation
     stopped_early: bool = False
     finished: bool = False  # max_epochs reached or early stopping: nothing left to train
     interrupted: bool = False  # stop_requested() at an epoch boundary: latest saved, resume later
@@ -185,7 +185,8 @@ def train_fold(
         config: resolved configuration.
         run_dir: run folder (or its path); `config.yaml`, `env.json`, `splits.json` are written there,
             the fold's checkpoints and logs into its `fold_<fold>/`.
-        fold: which fold of `splits.json` (made from `list_prepared(data.cache)` if absent).
+        fold: which fold of `splits.json` (made from `list_prepared(data.cache)` if absent). The cache must
+            be prepared (`brats-swap train` / `cv` first call `train.data.prepare_run_data`).
         resume: continue from `fold_<k>/checkpoint_latest.pt` (falling back to `checkpoint_prev.pt`);
             start fresh with a warning if there is none; return at once if the fold already finished.
         stop_requested: polled at each epoch boundary; when it returns True, the latest checkpoint is
@@ -237,7 +238,8 @@ def _resume_state(config: Config, folder: FoldFolder, resume: bool) -> dict[str,
 
 def _check_same_architecture(state: dict[str, Any], config: Config, changed: list[str], used: Path) -> None:
     """Refuse, before anything is written, a --resume whose model cannot load the checkpoint's weights."""
-    expected = {k: tuple(v.shape) for k, v in build_model(config.model, out_channels=3).state_dict().items()}
+    out_channels = run_output_count(state["edition"], config.model)
+    expected = {k: tuple(v.shape) for k, v in build_model(config.model, out_channels).state_dict().items()}
     saved = {k: tuple(v.shape) for k, v in state["model"].items()}
     if expected != saved:
         keys = [k for k in changed if k.startswith(("model.", "data.modalities"))] or ["model"]
@@ -263,7 +265,9 @@ class FoldRecipe:
     """
 
     # Built by `setup`.
-    edition: str  # label convention of the prepared data
+    edition: str  # label table of the prepared data ("2021", "gli-post", "ped", ...)
+    regions: tuple[str, ...]  # the run's regions (`run_regions`): validation Dice per region
+    out_channels: int  # the network's outputs (`run_output_count`)
     model: torch.nn.Module  # the plain module: state dicts and validation
     train_model: torch.nn.Module  # `model`, or DDP around it when distributed
     memory_cfg: MemoryConfig  # the resolved policy the engine runs and the checkpoint records
@@ -328,7 +332,12 @@ class FoldRecipe:
         cache = Path(self.config.data.cache)
         case_ids = list_prepared(cache) if cache.exists() else []
         if not case_ids:
-            raise DataError(f"{cache}: no prepared cases (data.cache); run `brats-swap data prepare` first")
+            raise DataError(f"{cache}: no prepared cases (data.cache); `brats-swap train` prepares data.root into "
+                            "it, or run `brats-swap data prepare`")
+        # Outputs and regions follow the cases' label table; a bad model.regions stops here, before any write.
+        self.edition = run_table(cache, case_ids, self.config.data)
+        self.regions = run_regions(self.edition, self.config.model)
+        self.out_channels = run_output_count(self.edition, self.config.model)
         if self.ctx.is_main:
             self.folder.root.mkdir(parents=True, exist_ok=True)
             # A run killed mid-write (SIGKILL, power loss) leaves checkpoint-sized temp files; their writer is gone.
@@ -339,15 +348,13 @@ class FoldRecipe:
             atomic_write_json(self.run.env, {**environment_record(self.device), "world_size": self.ctx.world_size})
         splits = run_on_main(self.ctx, load_or_create_splits, self.run, case_ids, self.config.cv.folds,
                              self.config.seed)
-        train_ids, val_ids = fold_cases(splits, self.folder.fold)
-        self.edition = load_prepared(cache, train_ids[0]).meta["edition"]
-        return train_ids, val_ids
+        return fold_cases(splits, self.folder.fold)
 
     def _build(self, train_ids: list[str], val_ids: list[str], resumed: bool) -> None:
         """Model, memory engine (mode auto planned once per fold), optimiser, scheduler, scaler, loaders."""
         config, train_cfg, device = self.config, self.config.train, self.device
         seed_everything(config.seed)
-        self.model = build_model(config.model, out_channels=3).to(device)
+        self.model = build_model(config.model, out_channels=self.out_channels).to(device)
         input_shape = training_input_shape(config)
         self.sample_shape = input_shape[2:]
         # The one resolved policy: what the engine runs, the checkpoint saves and train.log records.
@@ -457,7 +464,8 @@ class FoldRecipe:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         except torch.OutOfMemoryError:
-            raise out_of_memory_error(self.device, self.config, where, self.memory_cfg) from None
+            raise out_of_memory_error(self.device, self.config, where, self.memory_cfg,
+                                      out_channels=self.out_channels) from None
         return loss_value
 
     def _validation_due(self) -> bool:
@@ -470,7 +478,7 @@ class FoldRecipe:
         val = validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device, self.ctx)
         record: dict[str, Any] = {**val, "val_seconds": time.perf_counter() - started}
         self.scheduler.step(val["val_loss"])
-        mean_dice = float(np.mean([val[f"dice_{r.lower()}"] for r in REGIONS]))
+        mean_dice = float(np.mean([val[dice_column(r)] for r in self.regions]))
         record["val_dice_mean"] = mean_dice
         loop, epoch = self.loop, self.loop.epoch + 1
         # Early stopping follows Keras' EarlyStopping(monitor=val_loss, min_delta=0, patience=50).
@@ -560,24 +568,27 @@ class FoldRecipe:
 @torch.no_grad()
 def validation_scores(config: Config, model: torch.nn.Module, loader, edition: str, device: torch.device,
                       ctx: DistContext | None = None) -> dict[str, float]:
-    """Mean val loss and Dice WT/TC/ET on whole cubes (sliding window for patch models), BraTS empty rules.
+    """Mean val loss and Dice per region of the run (`run_regions`: `dice_wt`, `dice_tc`, `dice_et`, ...) on
+    whole cubes (sliding window for patch models), BraTS empty rules.
 
     Means are over cases. Distributed, each rank scores its share of the cases and the per-case results are
     gathered; DistributedSampler pads the last share with repeated cases, which are counted once.
     """
     model.eval()
+    regions = run_regions(edition, config.model)
     per_case: dict[str, tuple[float, ...]] = {}
     for batch in loader:
         probs = predict_cube(model, batch["image"], config, device)
-        labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold).numpy()
+        labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
+                                   regions=config.model.regions).numpy()
         for i, (case_id, pred, true) in enumerate(zip(batch["case_id"], labels, batch["label"].numpy(), strict=True)):
-            dice = region_dice(pred, true, edition)
+            dice = region_dice(pred, true, edition, regions)
             loss = float(weighted_dice_loss(probs[i:i + 1], batch["target"][i:i + 1]))
-            per_case[case_id] = (loss, *(float(dice[f"dice_{r.lower()}"]) for r in REGIONS))
+            per_case[case_id] = (loss, *(float(dice[dice_column(r)]) for r in regions))
     model.train()
     if ctx is not None and ctx.is_distributed:
         per_case = {case: row for part in gather_objects(per_case, ctx) for case, row in part.items()}
     rows = np.array([per_case[case] for case in sorted(per_case)], dtype=np.float64)
     out = {"val_loss": float(rows[:, 0].mean())}
-    out.update({f"dice_{r.lower()}": float(rows[:, 1 + i].mean()) for i, r in enumerate(REGIONS)})
+    out.update({dice_column(r): float(rows[:, 1 + i].mean()) for i, r in enumerate(regions)})
     return out

@@ -66,18 +66,25 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
 
 
 def out_of_memory_error(device: torch.device, config: Config, where: str,
-                        memory_cfg: MemoryConfig | None = None) -> DeviceOutOfMemoryError:
+                        memory_cfg: MemoryConfig | None = None, *,
+                        out_channels: int | None = None) -> DeviceOutOfMemoryError:
     """The OOM message with the planner's advice for this model, size and device: what the running policy
     `memory_cfg` (the one `plan_memory` resolved; default `config.memory`) needs, and (on CUDA) the policy
-    the planner would pick for this card."""
+    the planner would pick for this card. `out_channels`: the trained network's outputs (None: `build_model`'s
+    default)."""
     memory_cfg = memory_cfg or config.memory
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     budget = f"{0.9 * total:.0f}" if total else "N"
     shape = training_input_shape(config)
     needs = pick = ""
     try:  # advice only: whatever goes wrong here must not hide the out-of-memory error itself
-        planner = Planner(build_model(config.model, out_channels=3), shape, dtype=amp_dtype(config.train.amp),
-                          loss_fn=weighted_dice_loss)
+        model = build_model(config.model) if out_channels is None else build_model(config.model, out_channels)
+        dtype = amp_dtype(config.train.amp)
+        # Priced for the device that ran out: on CUDA a GPU's time model (assumed, not measured: the device
+        # is full), on the configured link when `memory.bandwidth_gbs` names one.
+        cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=weighted_dice_loss,
+                                  bandwidth_gbs=memory_cfg.bandwidth_gbs)
+        planner = Planner(model, shape, dtype=dtype, loss_fn=weighted_dice_loss, cost=cost)
         peak = planner.memory(memory_cfg).peak_bytes
         needs = f" the planner predicts it needs about {peak / GIB:.2f} GiB for input {list(shape)}"
         needs += f" on this {total:.0f} GiB device;" if total else ";"

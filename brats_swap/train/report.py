@@ -11,7 +11,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from brats_swap.config import Config
-from brats_swap.data.editions import REGIONS
+from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.folder import FoldFolder
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ class TrainLog:
         if "val_loss" in record:
             parts.append(f"val_loss {record['val_loss']:.4f}")
             self._scalar("val/loss", record["val_loss"], epoch)
-            for region in REGIONS:
-                key = f"dice_{region.lower()}"
+            for region in regions_of_columns(record):  # the run's regions, as validation scored them
+                key = dice_column(region)
                 parts.append(f"{key} {record[key]:.4f}")
                 self._scalar(f"val/{key}", record[key], epoch)
         parts += [f"lr {record['lr']:.3g}", f"{record['step_s']:.2f} s/step", f"epoch {record['epoch_s']:.1f} s",
@@ -87,17 +87,18 @@ def summary_panel(result: TrainResult, config: Config) -> Panel:
     table.add_column("epoch", justify="right")
     table.add_column("train loss", justify="right")
     table.add_column("val loss", justify="right")
-    for region in REGIONS:
+    history = result.history
+    regions = regions_of_columns(key for record in history for key in record)
+    for region in regions:
         table.add_column(f"Dice {region}", justify="right")
     table.add_column("s/step", justify="right")
-    history = result.history
     shown = history if len(history) <= 12 else history[:3] + history[-9:]
     for record in shown:
         val = "val_loss" in record
         table.add_row(
             f"{record['epoch']}{' *' if record.get('best') else ''}", f"{record['train_loss']:.4f}",
             f"{record['val_loss']:.4f}" if val else "",
-            *[f"{record[f'dice_{r.lower()}']:.3f}" if val else "" for r in REGIONS],
+            *[f"{record[dice_column(r)]:.3f}" if val else "" for r in regions],
             f"{record['step_s']:.2f}",
         )
     if result.finished:

@@ -1,0 +1,83 @@
+"""scripts/gpu_check.py: every stage runs tiny on the CPU (`--dry-run`) and writes its JSON section."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, restore_threads):
+    gpu_check = _load()
+    document = gpu_check.main(["--dry-run", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
+    assert written["stages"].keys() == set(gpu_check.STAGES)
+    assert {name: stage["status"] for name, stage in written["stages"].items()} == dict.fromkeys(gpu_check.STAGES, "ok")
+    assert written["dry_run"] is True and document["stages"].keys() == written["stages"].keys()
+    stages = written["stages"]
+
+    # The emulated link never beats its bandwidth (1 GB/s), and moves data at a real rate.
+    assert 0.1 < stages["bandwidth"]["d2h_gbs"] <= 1.05 and 0.1 < stages["bandwidth"]["h2d_gbs"] <= 1.05
+
+    bitwise = stages["bitwise"]
+    assert bitwise["reference_repeatable"] and bitwise["all_equal"]
+    assert {(row["policy"], row["copy_delay_s"] > 0) for row in bitwise["rows"]} == {
+        (name, delayed) for name in gpu_check.PRESET_NAMES for delayed in (False, True)}
+    assert all(row["swapped_out_bytes"] > 0 for row in bitwise["rows"] if row["policy"].startswith("swap"))
+
+    peak = stages["peak"]
+    assert {(row["policy"], row["batch"]) for row in peak["rows"]} == {
+        (name, batch) for name in ("none", *gpu_check.PRESET_NAMES, "auto") for batch in (1, 2)}
+    assert all(row["status"] == "ok" and abs(row["peak_error"]) <= 0.05 for row in peak["rows"])
+
+    times = {row["policy"]: row for row in stages["step_time"]["rows"]}
+    assert {"none", "save_on_cpu", "checkpoint_blocks", "swap_all", "hybrid"} <= times.keys()
+    assert all(row["status"] == "ok" and row["step_s"] > 0 and row["vs_none"] > 0 for row in times.values())
+
+    pinned = stages["pinned"]
+    assert pinned["arena_bytes"] == pinned["planned_arena_bytes"]  # sized from the plan, never grown
+    assert pinned["swapped_bytes"] > 0 and pinned["arena_per_swapped_byte"] <= 1.2 and pinned["within_target"]
+
+
+def test_a_failing_stage_is_recorded_and_the_json_is_written_after_each_stage(tmp_path, restore_threads):
+    gpu_check = _load()
+
+    def broken(check):
+        raise RuntimeError("the copy engine is on fire")
+
+    gpu_check.STAGES["bandwidth"] = broken
+    gpu_check.main(["--dry-run", "--out", str(tmp_path), "--stages", "environment", "bandwidth"])
+    stages = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())["stages"]
+    assert stages["environment"]["status"] == "ok"
+    assert stages["bandwidth"] == {"status": "error", "error": "RuntimeError: the copy engine is on fire",
+                                   "seconds": stages["bandwidth"]["seconds"]}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_without_a_gpu_only_the_dry_run_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _load().main(["--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

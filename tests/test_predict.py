@@ -1,0 +1,151 @@
+"""`brats-swap predict` as the leaderboard expects (fold ensemble, mirroring TTA, probabilities, the
+challenge's labels on the input's grid) and `evaluate --run --tta`, on a tiny finished 2-fold cv run."""
+
+from __future__ import annotations
+
+import csv
+
+import nibabel as nib
+import numpy as np
+import pytest
+from tiny_cv import LEGACY_LABELS, copy_run, tiny_cv_run
+from typer.testing import CliRunner
+
+from brats_swap.cli.main import app
+from brats_swap.data.discovery import discover_cases
+from brats_swap.evaluate import run as evaluate_run
+from brats_swap.evaluate.official import official_columns
+from brats_swap.evaluate.postprocess import apply, load_plan
+from brats_swap.model.targets import labels_from_probs, output_names
+
+
+@pytest.fixture(scope="module")
+def cv_run(tmp_path_factory):
+    return tiny_cv_run(tmp_path_factory)
+
+
+def test_predict_tta_all_folds_writes_labels_and_probabilities_on_the_input_grid(cv_run, tmp_path):
+    config, run, root = cv_run
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(root), "--out", str(out),
+                                      "--tta", "--folds", "all", "--save-probabilities"])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(run / "postprocessing.json")  # made by the cv, applied by default
+    cases = discover_cases(root)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{c.case_id}{suffix}" for c in cases for suffix in (".nii.gz", ".npz"))
+    for case in cases:
+        written, source = nib.load(out / f"{case.case_id}.nii.gz"), nib.load(case.images["t1"])
+        assert written.shape == source.shape
+        np.testing.assert_array_equal(written.affine, source.affine)
+        assert written.get_data_dtype() == np.uint8
+        labels = np.asarray(written.dataobj)
+        assert set(np.unique(labels).tolist()) <= LEGACY_LABELS and labels.any()
+        with np.load(out / f"{case.case_id}.npz") as saved:
+            probabilities, channels, outputs = saved["probabilities"], list(saved["channels"]), str(saved["outputs"])
+        assert probabilities.dtype == np.float32 and probabilities.shape == (3, *source.shape)
+        assert 0.0 <= probabilities.min() and probabilities.max() <= 1.0
+        assert outputs == config.model.outputs and channels == output_names(case.edition, outputs)
+        # The labels are the saved probabilities' labels under the run's postprocessing, exactly.
+        raw = np.asarray(labels_from_probs(probabilities, case.edition, outputs, config.evaluate.threshold))
+        np.testing.assert_array_equal(labels, apply(plan, raw))
+
+
+def test_all_folds_average_the_fold_probabilities_and_load_each_model_once(cv_run, tmp_path, monkeypatch):
+    _, run, root = cv_run
+    loads = []
+    original = evaluate_run.load_for_inference
+    monkeypatch.setattr(evaluate_run, "load_for_inference",
+                        lambda run_dir, fold, *args: loads.append(fold) or original(run_dir, fold, *args))
+    written = evaluate_run.predict(run, root, tmp_path / "all", "all", probabilities=True, progress=False)
+    assert len(written) == len(discover_cases(root)) and loads == [0, 1]  # once per fold, for all cases
+    for k in (0, 1):
+        evaluate_run.predict(run, root, tmp_path / f"fold{k}", k, probabilities=True, progress=False)
+    for path in written:
+        name = path.name.replace(".nii.gz", ".npz")
+        folds = [np.load(tmp_path / f"fold{k}" / name)["probabilities"] for k in (0, 1)]
+        np.testing.assert_allclose(np.load(tmp_path / "all" / name)["probabilities"], (folds[0] + folds[1]) / 2,
+                                   rtol=0, atol=1e-6)
+        assert not np.allclose(folds[0], folds[1])  # two different models: the average is not either one
+
+
+def test_tta_changes_the_probabilities_and_postprocessing_can_be_turned_off(cv_run, tmp_path):
+    _, run, root = cv_run
+    case = discover_cases(root)[0]
+    plain = evaluate_run.predict(run, case.seg.parent, tmp_path / "plain", probabilities=True, postprocess=False,
+                                 progress=False)[0]
+    mirrored = evaluate_run.predict(run, case.seg.parent, tmp_path / "tta", tta=True, probabilities=True,
+                                    postprocess=False, progress=False)[0]
+    plain_probs = np.load(plain.with_name(f"{case.case_id}.npz"))["probabilities"]
+    tta_probs = np.load(mirrored.with_name(f"{case.case_id}.npz"))["probabilities"]
+    assert np.abs(plain_probs - tta_probs).max() > 1e-4
+    # Without postprocessing the labels are the probabilities' labels as they are.
+    config = evaluate_run.load_run_config(run)
+    raw = labels_from_probs(plain_probs, case.edition, config.model.outputs, config.evaluate.threshold)
+    np.testing.assert_array_equal(np.asarray(nib.load(plain).dataobj), raw)
+
+
+def test_predict_rejects_a_fold_without_a_checkpoint_in_one_line(cv_run, tmp_path):
+    _, run, root = cv_run
+    result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(root), "--out", str(tmp_path),
+                                      "--folds", "0,5"])
+    assert result.exit_code == 2
+    assert "--folds" in result.output and "fold_5" in result.output and "folds that have one: 0, 1" in result.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_evaluate_run_with_tta_writes_the_official_metrics_next_to_the_legacy_ones(cv_run, tmp_path):
+    _, run, _ = cv_run
+    run = copy_run(run, tmp_path / "run")  # evaluation rewrites the fold's predictions and reports
+    result = CliRunner().invoke(app, ["evaluate", "--run", str(run), "--fold", "1", "--tta"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "8-mirror TTA" in result.output and "Lesion Dice" in result.output and "Sensitivity" in result.output
+    fold = run / "fold_1"
+    with open(fold / "official.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    groups = {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}
+    assert list(rows[0]) == ["case", *official_columns(groups)]
+    with open(fold / "metrics.csv", newline="") as handle:
+        assert [row["case"] for row in rows] == [row["case"] for row in csv.DictReader(handle)]
+    summary_md = (fold / "summary.md").read_text()
+    assert "| WT |" in summary_md and "## Official BraTS metrics" in summary_md and "Lesion Dice" in summary_md
+
+
+def test_evaluate_predictions_scores_the_ground_truth_perfectly_on_both_metric_sets(cv_run, tmp_path):
+    import json
+    import shutil
+
+    _, _, root = cv_run
+    predictions = tmp_path / "predictions"
+    predictions.mkdir()
+    cases = discover_cases(root)
+    for case in cases:
+        shutil.copy(case.seg, predictions / f"{case.case_id}.nii.gz")
+    evaluate_run.evaluate_predictions(predictions, root, tmp_path / "report", hd95=False, progress=False)
+    with open(tmp_path / "report" / "official.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["case"] for row in rows] == [case.case_id for case in cases]
+    for row in rows:
+        for group in ("wt", "tc", "et"):
+            if int(row[f"all_instance_tp_{group}"]):  # the group has lesions in this case
+                assert float(row[f"lesionwise_dsc_mean_{group}"]) == 1.0 and float(row[f"global_dsc_{group}"]) == 1.0
+                assert int(row[f"all_instance_fp_{group}"]) == int(row[f"all_instance_fn_{group}"]) == 0
+            else:  # nothing on either side: undefined, left out of the means
+                assert row[f"lesionwise_dsc_mean_{group}"] == "nan"
+    official = json.loads((tmp_path / "report" / "official_summary.json").read_text(),
+                          parse_constant=lambda constant: pytest.fail(f"non-JSON constant {constant}"))
+    assert official["cases"] == len(cases) and official["summary"]["global_dsc_wt"]["mean"] == 1.0
+    assert "## Official BraTS metrics" in (tmp_path / "report" / "summary.md").read_text()
+
+
+def test_a_case_of_another_label_table_is_a_one_line_error(cv_run, tmp_path):
+    from brats_swap.data.phantom import synthesize_dataset
+
+    _, run, _ = cv_run
+    ped = tmp_path / "ped"
+    (case_id,) = synthesize_dataset(ped, 1, seed=3, edition="ped", shape=(40, 40, 32))
+    result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(ped), "--out", str(tmp_path / "out"),
+                                      "--no-postprocessing"])
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and case_id in errors[0] and "3 channels" in errors[0] and "ped" in errors[0]
