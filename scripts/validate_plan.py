@@ -9,14 +9,20 @@ For each cube and policy (none, the presets of `brats_swap.memory.presets`, and 
 (median step time over `--steps` after a warm-up step, with an Adam step, as training runs).
 
 - GPU: peak = `torch.cuda.max_memory_allocated`; the time model is profiled on the card (ops and the
-  pinned link). Targets: peak within 10%, step time within 15%.
+  pinned link). Policies run one after the other. Targets: peak within 10%, step time within 15%.
 - CPU: there is no device-memory counter, so the peak compared is the engine's peak resident saved bytes.
   With `--emulate-gbs G` the engine copies through `memory.swap.emulate_gbs` (a copy thread per
   direction at G GB/s, so copies really overlap the compute) and the planner prices that link: its
-  bandwidth, asynchronous copies, and the compute time the copy threads take from the 2-core step
-  (`calibrate_interference`). Targets: step time within 15%, peak within 5%. Without it the copies are
-  synchronous and the byte counts match exactly.
-  The default `--budget` on CPU is half of the `none` policy's predicted peak, so `auto` has to act.
+  bandwidth, asynchronous copies, and the compute time the copy threads take from the step
+  (`calibrate_interference`, measured here). Targets: step time within 15%, peak within 5%. Without it
+  the copies are synchronous and the byte counts match exactly.
+  A shared CPU's speed drifts with other processes' load, so the policies run interleaved (one step of
+  each per round, each on its own copy of the model) and the planner's profile (`profile_device`) is
+  taken once per round too; the prices use its median. Torch runs one compute thread unless
+  `--threads` says otherwise: a second OpenMP thread that loses its core to another process stalls
+  every parallel region, which no time model can price.
+  The default `--budget` on CPU lies half way between the planner's floor and none's predicted peak,
+  so `auto` has to act.
 
 Writes `{"rows": [{"policy", "predicted_step_s", "measured_step_s", "predicted_peak_bytes",
 "measured_peak_bytes", ...}, ...]}` to `--json` (default docs/benchmarks/validate_plan_<device>.json, or
@@ -44,7 +50,7 @@ from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config.schema import MemoryConfig, ModelConfig
 from brats_swap.memory.engine import MemoryEngine
 from brats_swap.memory.link import EmulatedLink
-from brats_swap.memory.planner import Planner, profile_device
+from brats_swap.memory.planner import Planner, default_cost_model, profile_device
 from brats_swap.memory.presets import named_policies
 from brats_swap.memory.simulate import GIB, OpCostModel
 from brats_swap.model import build_model
@@ -270,11 +276,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def profile(model, device: torch.device, cube: int, batch: int, dtype: torch.dtype, steps: int) -> OpCostModel:
-    """The planner's profile of `model` on `device` (GPU: at least 96³, to fill the card)."""
+def cpu_rates() -> OpCostModel:
+    """The CPU roofline's two rates measured on this machine's torch threads: a conv3d's FLOP/s (FLOPs
+    counted as the tracer counts them, 2 per multiply-add) and an elementwise op's bytes/s. The planner's
+    constants assume a fixed ratio between them; when it is off, the per-phase scale that
+    `profile_device` fits over a conv-dominated step misprices the memory-bound operators that norm_act
+    replays in backward."""
+    conv = torch.nn.Conv3d(8, 8, 3, padding=1, bias=False)
+    x = torch.randn(1, 8, 32, 32, 32)
+    a, b = torch.randn(4 << 20), torch.randn(4 << 20)
+    out = torch.empty_like(a)
+    with torch.no_grad():
+        conv_s = min(_timed(lambda: conv(x)) for _ in range(5))
+        add_s = min(_timed(lambda: torch.add(a, b, out=out)) for _ in range(5))
+    cost = default_cost_model("cpu")
+    cost.flops_per_s = 2 * x.numel() * conv.weight[0].numel() / conv_s
+    cost.bytes_per_s = 3 * a.numel() * a.element_size() / add_s
+    return cost
+
+
+def profile(model, device: torch.device, cube: int, batch: int, dtype: torch.dtype, steps: int,
+            base: OpCostModel | None = None) -> OpCostModel:
+    """The planner's profile of `model` on `device` (GPU: at least 96³, to fill the card), over the
+    roofline rates of `base` when given."""
     profile_cube = cube if device.type == "cpu" else max(96, cube)
     return profile_device(model, device, cube=profile_cube, batch=batch, dtype=dtype, loss_fn=weighted_dice_loss,
-                          steps=steps)
+                          steps=steps, base=base)
 
 
 def price_link(cost: OpCostModel, args) -> dict | None:
@@ -310,7 +337,7 @@ def policies_for(planner: Planner, base: MemoryConfig, budget_gib: float | None,
     return policies
 
 
-def measure_interleaved(model, policies: dict, x, y, args, dtype: torch.dtype) -> tuple[dict, list]:
+def measure_interleaved(model, policies: dict, x, y, args, dtype: torch.dtype, cost: OpCostModel) -> tuple[dict, list]:
     """CPU: every policy on its own copy of `model`, one step each per round (the first a warm-up), and the
     planner's profile once per round, so that a machine whose load drifts (other processes on a shared
     CPU) shifts the profile and every policy alike. Returns the results and the profiled scales."""
@@ -319,7 +346,7 @@ def measure_interleaved(model, policies: dict, x, y, args, dtype: torch.dtype) -
     scales = []
     try:
         for _ in range(args.steps + 1):
-            fitted = profile(model, device, x.shape[2], args.batch, dtype, steps=1)
+            fitted = profile(model, device, x.shape[2], args.batch, dtype, steps=1, base=cost)
             scales.append((fitted.fwd_scale, fitted.bwd_scale))
             for run in runs.values():
                 run.step()
@@ -337,7 +364,7 @@ def validate_cube(model, cube: int, args, device, dtype, cost: OpCostModel, base
     y = (torch.rand(args.batch, 3, cube, cube, cube, device=device) > 0.8).float()
     policies = policies_for(planner, base, args.budget, args.policies, default_budget=device.type == "cpu")
     if device.type == "cpu":
-        measured, scales = measure_interleaved(model, policies, x, y, args, dtype)
+        measured, scales = measure_interleaved(model, policies, x, y, args, dtype, cost)
         cost = copy.deepcopy(cost)
         cost.fwd_scale = statistics.median(s[0] for s in scales)
         cost.bwd_scale = statistics.median(s[1] for s in scales)
@@ -396,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
     base.swap.emulate_gbs = args.emulate_gbs
     torch.manual_seed(0)
     model = build_model(ModelConfig(base_filters=base_filters)).to(device)
-    cost = profile(model, device, min(cubes), args.batch, dtype, steps=args.steps)
+    rates = cpu_rates() if device.type == "cpu" else None
+    cost = profile(model, device, min(cubes), args.batch, dtype, steps=args.steps, base=rates)
     interference = price_link(cost, args)
     started = time.perf_counter()
     rows, cost_models = [], {}

@@ -24,6 +24,16 @@ from brats_swap.memory.presets import named_policies
 from brats_swap.model import build_model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_compute_thread():
+    """One torch thread: the copy threads get the second core (a second OpenMP thread that loses its core
+    to a copy, or to another process on a shared machine, stalls every parallel region)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _copy_threads() -> int:
     return sum(1 for thread in threading.enumerate() if thread.name.startswith("brats-swap-"))
 

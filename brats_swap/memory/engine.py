@@ -159,7 +159,6 @@ class MemoryEngine:
         self.recipes: NormActRecipes | None = None
         self.blocks: list[tuple[str, nn.Module]] = []
         self._in_forward = False
-        self._stats = StepStats()
         self.core: SavedTensorEngine | None = None
         if not self.enabled:
             return

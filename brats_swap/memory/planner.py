@@ -12,19 +12,22 @@ configs; this package plans any model, given its loss and the dtype its activati
 whose predicted peak fits `budget x BUDGET_HEADROOM`:
 
 1. the named policies (`presets.py`);
-2. recompute variants, each with its own trace: none, `recompute.norm_act`, and checkpointing
-   (`recompute.modules`) of the blocks that free the most saved bytes per second of recomputation
-   (measured on the plain trace: a block's forward time against the bytes saved inside it), in a few
-   amounts sized to what swapping cannot hide;
+2. recompute variants, each with its own trace, cheapest first (one whose compute alone cannot beat
+   the best plan so far is skipped): none; `recompute.norm_act`; norm_act with the storages whose own
+   rebuild costs most and whose copy out and back fits between save and use stored instead
+   (`recompute.norm_act_exclude`, then swapped: swap and recompute mixed per tensor); checkpointing
+   (`recompute.modules`) of the blocks that free the most bytes at the peak per second of
+   recomputation (measured on the plain trace), in a few amounts sized to what the link cannot hide;
 3. per variant, what to swap, decided per module by whether its copy can hide: on the timeline of
    keeping everything, a module's saved storages matter during the ops over the limit; its copy hides
    when the link (a FIFO queue of the copies chosen before it) finishes it before the first of those
    ops. Candidates are the modules that matter, the hiding ones first in forward order, then the others
    least late first; the shortest prefix that fits (bisection, with the leanest schedule) becomes
    `swap.include`, mixed with the variant's recomputation;
-4. per swap set, the in-flight budget (`swap.max_inflight_bytes`: how many swapped bytes may wait on
-   the device for their copy), the reload distance (`swap.lookahead`) and, only when allowed, bf16
-   transport, priced by the replay: the fastest that fits wins.
+4. per swap set and reload distance (`swap.lookahead`), the largest in-flight budget that fits
+   (`swap.max_inflight_bytes`: how much may be saved after a swapped storage before the compute waits
+   for its copy) and, only when allowed, bf16 transport, priced by the replay: the fastest plan that
+   fits wins.
 
 Nothing fits -> `ConfigError` naming `memory.budget_gib` and the floor.
 """
@@ -260,7 +263,10 @@ class Planner:
 
     def recompute_flops(self, cfg: MemoryConfig) -> float:
         """FLOPs run again in backward (checkpointed modules re-run; norm_act recipes)."""
-        return float(sum(op.flops for op in self.trace(cfg).ops if op.recompute))
+        trace = self.trace(cfg)
+        if "recompute_flops" not in trace.cache:
+            trace.cache["recompute_flops"] = float(sum(op.flops for op in trace.ops if op.recompute))
+        return trace.cache["recompute_flops"]
 
     def predict(self, name: str, cfg: MemoryConfig, budget_bytes: float | None = None) -> PolicyPrediction:
         mem = self.memory(cfg)
@@ -582,11 +588,14 @@ def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: in
 
 
 def profile_device(model: nn.Module, device: torch.device, *, loss_fn: Callable, cube: int | None = None,
-                   batch: int = 1, dtype: torch.dtype = torch.float32, steps: int = 3) -> OpCostModel:
+                   batch: int = 1, dtype: torch.dtype = torch.float32, steps: int = 3,
+                   base: OpCostModel | None = None) -> OpCostModel:
     """Time forward and backward of `model` on `device` at a small cube and fit the roofline's per-phase
-    scale so the trace of the same cube predicts the measured times (then scaled by FLOPs and bytes)."""
+    scale so the trace of the same cube predicts the measured times (then scaled by FLOPs and bytes).
+    `base` gives the roofline's rates (e.g. measured compute and memory rates of this CPU) instead of
+    the defaults of `default_cost_model`."""
     device = torch.device(device)
-    cost = default_cost_model(device.type, dtype)
+    cost = copy.deepcopy(base) if base is not None else default_cost_model(device.type, dtype)
     cube = cube or (96 if device.type == "cuda" else 32)
     in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv3d)).in_channels
     shape = (batch, in_channels, cube, cube, cube)

@@ -368,10 +368,13 @@ def _timing(trace: Trace, clock: _Clock, durations: list[float], forward_s: floa
                 kind = "recompute" if op.recompute else "fwd" if op.phase == FORWARD else "bwd"
                 clock.lanes["compute"].append((op_start[i], op_start[i] + seconds, kind))
     step_s = clock.now
+    cached = trace.cache.get("recompute_s")
+    if cached is None or cached[0] is not durations:  # the same durations list: the same sum
+        cached = trace.cache["recompute_s"] = (
+            durations, float(sum(d for d, op in zip(durations, trace.ops, strict=True) if op.recompute)))
     return TimeResult(
         step_s=step_s, compute_s=clock.cum[-1], forward_s=forward_s, backward_s=step_s - forward_s,
-        exposed_transfer_s=clock.stalled,
-        recompute_s=float(sum(d for d, op in zip(durations, trace.ops, strict=True) if op.recompute)),
+        exposed_transfer_s=clock.stalled, recompute_s=cached[1],
         d2h_s=clock.d2h_busy, h2d_s=clock.h2d_busy, prefetch_misses=misses, lanes=clock.lanes, op_start=op_start,
     )
 
