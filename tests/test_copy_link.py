@@ -110,6 +110,28 @@ def test_copy_threads_stop_on_close_and_when_the_link_is_dropped():
     assert _copy_threads() == before
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_link_orders_delayed_copies_and_widens_bf16_on_the_copy_stream():
+    """Copy streams delayed at random: the reload (with its bf16 -> fp32 conversion) still sees the
+    bytes of its copy out, the compute waits device-side, and the arena slab is pinned."""
+    device = torch.device("cuda")
+    link = open_link(device, SwapConfig(copy_delay_s=0.01))
+    values = torch.randn(1 << 20, device=device)
+    arena = HostArena(arena_bytes([values.numel() * 2, values.nbytes]), pin=True)
+    assert arena.pinned_bytes == arena.capacity
+    compressed = arena.alloc(values.numel() * 2).view(torch.bfloat16)
+    raw = arena.alloc(values.nbytes)
+    outs = [link.copy_out(compressed, values), link.copy_out(raw, values.view(torch.uint8))]
+    widened, restored = torch.empty_like(values), torch.empty_like(values)
+    for event in (link.copy_in(widened, compressed, after=outs[0]),
+                  link.copy_in(restored.view(torch.uint8), raw, after=outs[1])):
+        event.wait()
+    assert torch.equal(widened, values.bfloat16().float()) and torch.equal(restored, values)
+    link.close()
+    arena.close()
+
+
 def test_open_link_picks_the_backend_from_the_config():
     cpu = torch.device("cpu")
     plain = open_link(cpu, SwapConfig())
