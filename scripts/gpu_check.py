@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_plan.py, next to this script
 
-from validate_plan import SAVE_ON_CPU, measure, relative_error  # noqa: E402
+from validate_plan import SAVE_ON_CPU, measure, relative_error, torch_threads  # noqa: E402
 
 from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
@@ -383,14 +383,14 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or use --dry-run")
     device = torch.device("cpu" if args.dry_run else "cuda")
-    if args.dry_run:  # one compute thread: a second one stalls whenever a copy thread takes its core
-        torch.set_num_threads(1)
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")
     check = Check(device, sizes, path, args.time_limit)
-    for name in args.stages:
-        check.run_stage(name, STAGES[name])
+    # Dry run: one compute thread, as a second one stalls whenever a copy thread takes its core.
+    with torch_threads(1 if args.dry_run else None):
+        for name in args.stages:
+            check.run_stage(name, STAGES[name])
     print(f"wrote {path}")
     return check.document
 

@@ -6,7 +6,7 @@
 
 For each cube and policy (none, the presets of `brats_swap.memory.presets`, and the auto plan for
 `--budget` GiB): the planner's predicted peak and step time, then the same measured with the engine
-(median step time over `--steps` after a warm-up step, with an Adam step, as training runs).
+(the step time of `--steps` steps after a warm-up step, each with an Adam step, as training runs).
 
 - GPU: peak = `torch.cuda.max_memory_allocated`; the time model is profiled on the card (ops and the
   pinned link). Policies run one after the other. Targets: peak within 10%, step time within 15%.
@@ -18,7 +18,9 @@ For each cube and policy (none, the presets of `brats_swap.memory.presets`, and 
   the copies are synchronous and the byte counts match exactly.
   A shared CPU's speed drifts with other processes' load, so the policies run interleaved (one step of
   each per round, each on its own copy of the model) and the planner's profile (`profile_device`) is
-  taken once per round too; the prices use its median. Torch runs one compute thread unless
+  taken once per round too. Other processes only ever slow a step down, so on the CPU the measured step
+  is the fastest of the policy's steps and the prices use the fastest round's profile (the JSON keeps
+  every step time and every round's profile). Torch runs one compute thread unless
   `--threads` says otherwise: a second OpenMP thread that loses its core to another process stalls
   every parallel region, which no time model can price.
   The default `--budget` on CPU lies half way between the planner's floor and none's predicted peak,
@@ -36,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import os
 import platform
 import statistics
 import sys
@@ -84,6 +87,7 @@ class PolicyRun:
         if isinstance(policy, MemoryConfig) and (policy.mode != "none" or hooks_for_none):
             self.engine = MemoryEngine(model, policy, device, measure=True, arena_bytes=arena_bytes)
         self.times: list[float] = []
+        self.resident_peaks: list[int] = []  # the engine's peak resident saved bytes of each timed step
         self.steps = 0
 
     def step(self) -> None:
@@ -102,16 +106,25 @@ class PolicyRun:
             torch.cuda.synchronize(self.device)
         if self.steps:
             self.times.append(time.perf_counter() - started)
+            if self.engine is not None:
+                self.resident_peaks.append(self.engine.last_stats().peak_resident_saved_bytes)
         self.steps += 1
 
     def result(self) -> dict:
-        """Median step time and the peak: `torch.cuda.max_memory_allocated` on CUDA, else the engine's peak
-        resident saved bytes; the engine's statistics of the last step."""
-        row = {"step_s": statistics.median(self.times), "step_times_s": [round(t, 4) for t in self.times]}
+        """Step time (CUDA: the median; CPU: the fastest step) and the peak of the timed steps: `torch.cuda.max_memory_allocated` on CUDA,
+        else the engine's peak resident saved bytes, the median over the steps as for the step time (with
+        asynchronous copies it depends on when each copy is found finished: a copy thread that another
+        process delays keeps its storage resident longer; the largest is `peak_resident_max_bytes`); the
+        engine's statistics of the last step."""
+        # A shared CPU's other processes only ever slow a step down: there the fastest step is the
+        # measurement (as `timeit` advises), the median on a GPU.
+        step_s = statistics.median(self.times) if self.device.type == "cuda" else min(self.times)
+        row = {"step_s": step_s, "step_times_s": [round(t, 4) for t in self.times]}
         if self.engine is not None:
             stats = self.engine.last_stats()
             row.update(saved_bytes=stats.saved_bytes, swapped_bytes=stats.swapped_out_bytes,
-                       peak_resident_saved_bytes=stats.peak_resident_saved_bytes,
+                       peak_resident_saved_bytes=int(statistics.median(self.resident_peaks)),
+                       peak_resident_max_bytes=max(self.resident_peaks),
                        prefetch_misses=stats.prefetch_misses, late_reloads=stats.late_reloads,
                        arena_bytes=stats.arena_bytes)
         if self.device.type == "cuda":
@@ -224,8 +237,11 @@ def markdown(result: dict) -> str:
     link = f", emulated link {result['emulate_gbs']:g} GB/s" if result.get("emulate_gbs") else ""
     lines = [f"# Planner predictions vs measurements ({result['device_name']}{link})", "",
              f"Command: `{result['command']}`", "",
-             "Peak: " + ("`torch.cuda.max_memory_allocated`" if gpu else "the engine's peak resident saved bytes")
-             + f" (target within {peak_target:.0%}). Step time: median over the measured steps (target within "
+             "Peak: " + ("`torch.cuda.max_memory_allocated`" if gpu else
+                         "the engine's peak resident saved bytes, median over the steps (the largest is in the JSON)")
+             + f" (target within {peak_target:.0%}). Step time: "
+             + ("median" if gpu else "fastest (the CPU is shared; the profile's fastest round prices it)")
+             + " of the measured steps (target within "
              f"{time_target:.0%}).", "",
              "| cube | batch | policy | predicted peak MiB | measured MiB | error | predicted step s | measured s "
              "| error | swapped bytes equal |",
@@ -243,6 +259,10 @@ def markdown(result: dict) -> str:
     ok_peak = sum(r["peak_error"] is not None and abs(r["peak_error"]) <= peak_target for r in rows)
     ok_time = sum(r["step_error"] is not None and abs(r["step_error"]) <= time_target for r in rows)
     lines += ["", f"Within target: peak {ok_peak}/{len(rows)}, step time {ok_time}/{len(rows)}."]
+    if result.get("load_average") and not gpu:
+        load = result["load_average"]
+        lines += ["", f"Load average of this machine (1 min) at the start and end of the run: "
+                      f"{load['start'][0]:.1f} and {load['end'][0]:.1f} on {os.cpu_count()} cores."]
     if result.get("interference"):
         item = result["interference"]
         lines += ["", f"Copy-thread interference measured here: a conv3d loop took {item['alone_s']:.3f} s alone "
@@ -254,11 +274,11 @@ def markdown(result: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cubes", type=int, nargs="+", default=None, help="default: 128 192 (GPU), 48 (CPU)")
+    parser.add_argument("--cubes", type=int, nargs="+", default=None, help="default: 128 192 (GPU), 48 64 (CPU)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--base-filters", type=int, default=None, help="default: 16 (GPU), 4 (CPU)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default: 3 GPU, 5 CPU)")
     parser.add_argument("--min-bytes", type=int, default=None, help="override swap.min_bytes of every policy")
     parser.add_argument("--budget", type=float, default=None,
                         help="GiB for the auto plan (default on CPU: half of none's predicted peak)")
@@ -343,10 +363,12 @@ def measure_interleaved(model, policies: dict, x, y, args, dtype: torch.dtype, c
     CPU) shifts the profile and every policy alike. Returns the results and the profiled scales."""
     device = torch.device("cpu")
     runs = {name: PolicyRun(copy.deepcopy(model), cfg, x, y, device, dtype) for name, cfg in policies.items()}
+    rates = copy.deepcopy(cost)
+    rates.fwd_scale = rates.bwd_scale = 1.0  # the profile fits the scales over the bare roofline
     scales = []
     try:
         for _ in range(args.steps + 1):
-            fitted = profile(model, device, x.shape[2], args.batch, dtype, steps=1, base=cost)
+            fitted = profile(model, device, x.shape[2], args.batch, dtype, steps=1, base=rates)
             scales.append((fitted.fwd_scale, fitted.bwd_scale))
             for run in runs.values():
                 run.step()
@@ -357,17 +379,18 @@ def measure_interleaved(model, policies: dict, x, y, args, dtype: torch.dtype, c
 
 
 def validate_cube(model, cube: int, args, device, dtype, cost: OpCostModel, base: MemoryConfig) -> tuple[list, dict]:
-    """Rows for one cube, and the cost model that priced them."""
+    """Rows for one cube, and the cost model that priced them (with the profile's scales per round)."""
     shape = (args.batch, 4, cube, cube, cube)
     planner = Planner(model, shape, dtype=dtype, cost=cost, loss_fn=weighted_dice_loss)
     x = torch.randn(shape, device=device)
     y = (torch.rand(args.batch, 3, cube, cube, cube, device=device) > 0.8).float()
     policies = policies_for(planner, base, args.budget, args.policies, default_budget=device.type == "cpu")
+    scales = []
     if device.type == "cpu":
         measured, scales = measure_interleaved(model, policies, x, y, args, dtype, cost)
         cost = copy.deepcopy(cost)
-        cost.fwd_scale = statistics.median(s[0] for s in scales)
-        cost.bwd_scale = statistics.median(s[1] for s in scales)
+        cost.fwd_scale = min(s[0] for s in scales)  # the least disturbed profile, as for the steps
+        cost.bwd_scale = min(s[1] for s in scales)
         planner = Planner(model, shape, dtype=dtype, cost=cost, loss_fn=weighted_dice_loss)
     else:
         measured = {}
@@ -378,7 +401,7 @@ def validate_cube(model, cube: int, args, device, dtype, cost: OpCostModel, base
                 print(f"{cube}³ {name}: out of memory", file=sys.stderr)
     rows = [compare(planner, cfg, name, cube, args.batch, measured[name], device)
             for name, cfg in policies.items() if name in measured]
-    return rows, cost.as_dict()
+    return rows, {**cost.as_dict(), "profile_scales_per_round": scales}
 
 
 def compare(planner: Planner, cfg: MemoryConfig, name: str, cube: int, batch: int, measured: dict,
@@ -394,6 +417,7 @@ def compare(planner: Planner, cfg: MemoryConfig, name: str, cube: int, batch: in
         "peak_error": relative_error(predicted_peak, measured["peak_bytes"]),
         "step_error": relative_error(predicted_time.step_s, measured["step_s"]),
         "measured_step_times_s": measured["step_times_s"],
+        "measured_peak_max_bytes": measured.get("peak_resident_max_bytes"),
         "predicted_saved_bytes": predicted_memory.saved_bytes, "measured_saved_bytes": measured["saved_bytes"],
         "saved_bytes_equal": predicted_memory.saved_bytes == measured["saved_bytes"],
         "swapped_bytes_equal": predicted_memory.swapped_bytes == measured["swapped_bytes"],
@@ -407,15 +431,34 @@ def compare(planner: Planner, cfg: MemoryConfig, name: str, cube: int, batch: in
     return row
 
 
+@contextlib.contextmanager
+def torch_threads(count: int | None):
+    """Run with `count` torch CPU threads (None: unchanged), then restore the previous count (callers
+    such as the tests share the process)."""
+    previous = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    # One compute thread by default on the CPU: on a shared 2-core machine a second OpenMP thread that
+    # loses its core to another process stalls every parallel region, which no cost model can price.
+    threads = args.threads or (1 if args.device == "cpu" else None)
+    with torch_threads(threads):
+        return run(args, argv if argv is not None else sys.argv[1:])
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Validate every cube (see the module docstring); `argv` is recorded as the command."""
     device = torch.device(args.device)
-    if args.threads is not None or device.type == "cpu":
-        # One compute thread by default: on a shared 2-core machine a second OpenMP thread that loses its
-        # core to another process stalls every parallel region, which no cost model can price.
-        torch.set_num_threads(args.threads or 1)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cubes = args.cubes or ([128, 192] if device.type == "cuda" else [48])
+    cubes = args.cubes or ([128, 192] if device.type == "cuda" else [48, 64])
+    args.steps = args.steps or (3 if device.type == "cuda" else 5)
     base_filters = args.base_filters or (16 if device.type == "cuda" else 4)
     base = MemoryConfig()
     if args.min_bytes is not None:
@@ -426,18 +469,21 @@ def main(argv: list[str] | None = None) -> dict:
     rates = cpu_rates() if device.type == "cpu" else None
     cost = profile(model, device, min(cubes), args.batch, dtype, steps=args.steps, base=rates)
     interference = price_link(cost, args)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()
     rows, cost_models = [], {}
     for cube in cubes:
         cube_rows, cost_models[cube] = validate_cube(model, cube, args, device, dtype, cost, base)
         rows += cube_rows
     result = {
-        "command": " ".join(["scripts/validate_plan.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["scripts/validate_plan.py", *argv]),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": args.dtype, "base_filters": base_filters,
         "threads": torch.get_num_threads(), "emulate_gbs": args.emulate_gbs, "interference": interference,
         "cost_models": cost_models, "seconds": round(time.perf_counter() - started, 1),
+        # Other processes' load (1, 5, 15 minute averages) when the run started and ended: on a shared
+        # CPU it is what the step times vary with.
+        "load_average": {"start": load_before, "end": os.getloadavg()},
         "rows": rows,
     }
     if args.json is not None:

@@ -390,3 +390,30 @@ def test_a_planned_arena_the_host_cannot_hold_fails_before_the_first_step(monkey
     assert engine.last_stats().arena_bytes == 512 << 10  # allocated at construction, exactly
     engine.close()
     assert engine.last_stats().arena_bytes == 0  # returned on close
+
+
+def test_validate_plan_prices_and_runs_the_emulated_link(tmp_path):
+    """scripts/validate_plan.py --emulate-gbs: the engine copies through the link, the planner prices it."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "validate_plan.py"
+    spec = importlib.util.spec_from_file_location("validate_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    out = tmp_path / "v.json"
+    result = module.main(["--device", "cpu", "--emulate-gbs", "0.5", "--cubes", "16", "--base-filters", "2",
+                          "--steps", "1", "--min-bytes", "0", "--policies", "none", "swap_all", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert [row["policy"] for row in written["rows"]] == ["none", "swap_all"] == [r["policy"] for r in result["rows"]]
+    cost = written["cost_models"]["16"]
+    assert cost["sync_copies"] is False and cost["d2h_bytes_per_s"] == cost["h2d_bytes_per_s"] == 0.5e9
+    assert cost["copy_interference_s_per_byte"] == written["interference"]["seconds_per_byte"] >= 0
+    assert written["interference"]["copied_bytes"] > 0  # the calibration really streamed copies
+    for row in written["rows"]:
+        assert row["saved_bytes_equal"] and row["swapped_bytes_equal"]
+        assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0
+    assert "| 16 | 1 | swap_all |" in out.with_suffix(".md").read_text()

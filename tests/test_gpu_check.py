@@ -21,17 +21,11 @@ def _load():
     return module
 
 
-@pytest.fixture
-def restore_threads():
-    """The dry run sets one torch thread (see gpu_check.main); later tests get theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, restore_threads):
+def test_dry_run_runs_every_stage_on_the_cpu(tmp_path):
     gpu_check = _load()
+    threads = torch.get_num_threads()
     document = gpu_check.main(["--dry-run", "--out", str(tmp_path)])
+    assert torch.get_num_threads() == threads  # the dry run's one thread is given back
     written = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
     assert written["stages"].keys() == set(gpu_check.STAGES)
     assert {name: stage["status"] for name, stage in written["stages"].items()} == dict.fromkeys(gpu_check.STAGES, "ok")
@@ -70,7 +64,7 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, restore_threads):
     assert pinned["swapped_bytes"] > 0 and pinned["arena_per_swapped_byte"] <= 1.2 and pinned["within_target"]
 
 
-def test_a_failing_stage_is_recorded_and_the_json_is_written_after_each_stage(tmp_path, restore_threads):
+def test_a_failing_stage_is_recorded_and_the_json_is_written_after_each_stage(tmp_path):
     gpu_check = _load()
 
     def broken(check):

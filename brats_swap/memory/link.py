@@ -29,9 +29,14 @@ Backends (`open_link` picks one per device):
   GPU (`memory.swap.emulate_gbs`). One copy thread per direction takes jobs from a FIFO queue, copies
   the bytes, then sleeps for the rest of `bytes / bandwidth`: a copy of n bytes occupies its direction
   for max(real copy, n / bandwidth) seconds, as a copy engine would. Raw bytes move with `memmove`
-  (one thread, GIL released) so the copy never fans out over torch's intra-op threads; on a 2-core
-  machine a copy thread still slows a concurrent conv3d step (about 11% at an emulated 0.5 GB/s and
-  44% at 5 GB/s), so emulate low bandwidths (about 1 GB/s) and price the interference.
+  (one thread, GIL released) so the copy never fans out over torch's intra-op threads. On a 2-core
+  machine a copy thread still slows a concurrent conv3d loop: with two torch threads by about 25% while
+  it streams at an emulated 1 GB/s and 40% at 5 GB/s (one of the two intra-op threads loses its core);
+  with one torch thread by 0.05-0.3 s per GB copied. So emulate low bandwidths (about 1 GB/s), and
+  price the interference (`scripts/validate_plan.py` measures it, `OpCostModel.copy_interference_s_per_byte`
+  prices it). Each job also takes the GIL for a moment to start and to finish, which Python hands over
+  only every switch interval (5 ms) while the main thread runs Python: an emulated copy can be found
+  finished a little later than a copy engine's would.
 - `CopyLink` itself: the CPU default: every copy runs at once on the calling thread and its event is
   done.
 

@@ -191,9 +191,10 @@ def test_train_on_a_damaged_cache_entry(writable_cache, tmp_path, loader_workers
 def test_train_on_a_missing_cache(tmp_path):
     from failure_helpers import set_args
 
-    cache = tmp_path / "no-cache"
-    error_line(invoke("train", "--run", tmp_path / "run", *set_args(cache)), EXIT_BAD_INPUT, str(cache),
-               "data prepare")
+    # With no prepared cases, train prepares them from data.root; with no data.root either, one line says so.
+    cache, root = tmp_path / "no-cache", tmp_path / "no-data"
+    error_line(invoke("train", "--run", tmp_path / "run", *set_args(cache), "--set", f"data.root={root}"),
+               EXIT_BAD_INPUT, str(cache), "data.root", str(root))
 
 
 def test_evaluate_with_damaged_ground_truth(run_copy, phantom_root, tmp_path):
