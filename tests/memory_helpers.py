@@ -70,3 +70,16 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def backward_op_counts(policy, cube: int = 16) -> tuple[MemoryEngine, dict[str, int]]:
+    """One U-Net step under `policy`; the engine and the aten ops its backward ran, by name."""
+    model = make_unet()
+    engine = MemoryEngine(model, policy)
+    x, y = batch(0, cube)
+    with engine.step():
+        loss = dice_loss(model(x), y)
+    counter = OpCounter()
+    with counter:
+        loss.backward()
+    return engine, counter.counts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from memory_helpers import OpCounter, batch, dice_loss, make_unet, train_steps
+from memory_helpers import OpCounter, backward_op_counts, batch, dice_loss, make_unet, train_steps
 
 from brats_swap.config import MemoryConfig, SwapConfig
 from brats_swap.memory import MemoryEngine, select_swapped
@@ -110,15 +110,8 @@ def test_peak_resident_saved_bytes_at_48():
 
 def test_block_checkpointing_reruns_convolutions():
     """The contrast to norm_act: block checkpointing recomputes convolutions in backward."""
-    model = make_unet()
-    engine = MemoryEngine(model, POLICIES["recompute_blocks"])
-    x, y = batch(0, 16)
-    with engine.step():
-        loss = dice_loss(model(x), y)
-    counter = OpCounter()
-    with counter:
-        loss.backward()
-    assert counter.counts.get("convolution", 0) > 0
+    engine, counts = backward_op_counts(POLICIES["recompute_blocks"])
+    assert counts.get("convolution", 0) > 0
     assert engine.checkpointed_modules == [f"encoder.level{i}" for i in range(5)] + \
         [f"decoder.level{i}" for i in (3, 2, 1, 0)]
     engine.close()
