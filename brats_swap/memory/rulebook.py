@@ -52,7 +52,11 @@ Swapped storages, backward (reload):
   the previous step (while the step saves as many storages; otherwise reverse forward order);
 - a use with no reload issued reloads at once (a prefetch miss); every use waits for its reload; the
   reload is dropped when every view was unpacked once (autograd owns it then) or died, or at the end of
-  backward.
+  backward;
+- a storage saved by several ops in different blocks (a skip connection: the next encoder level's input
+  and the decoder's concatenation) is parked between uses: once a view was unpacked and the remaining
+  views are needed only in blocks beyond the prefetch window, the reload is dropped (the host copy stays)
+  and the storage is reloaded again when backward comes within `swap.lookahead` blocks of them.
 
 Residency: `stats.peak_resident_saved_bytes` counts the bytes of saved storages the engine holds on the
 device (kept, unreleased, reloaded), so the engine's measurement and the simulator's prediction are the
@@ -134,7 +138,8 @@ class Entry:
     """One saved storage in one step, as the rulebook tracks it; `payload` is the executor's own state."""
 
     __slots__ = ("record", "decision", "reason", "transfer_bytes", "use_marker", "deps", "alive", "pending", "unreleased",
-                 "released", "reload_held", "seen", "resident", "dead", "saved_mark", "payload", "__weakref__")
+                 "released", "reload_held", "seen", "resident", "dead", "saved_mark", "payload", "handle_markers",
+                 "parked", "__weakref__")
 
     def __init__(self, record: SavedRecord, decision: Decision, transfer: int, use_marker: int, deps: list[Entry],
                  payload: Any):
@@ -154,6 +159,9 @@ class Entry:
         self.dead = False
         self.saved_mark = 0  # bytes saved in the step up to and with this storage
         self.payload = payload
+        # The use marker of each handle not unpacked yet (None: not known per handle, never parked).
+        self.handle_markers: list[int] | None = [use_marker]
+        self.parked = False  # swapped, reloaded for one use, dropped again until its next handle's block
 
     @property
     def index(self) -> int:
@@ -216,6 +224,8 @@ class Rulebook:
         self.block_stack: list[int] = []
         self.blocks_started = 0
         self.last_block = -1
+        self.backward_block: int | None = None  # the last block backward reached
+        self.parked: list[Entry] = []
 
     # ------------------------------------------------------------------ positions (forward)
     def where(self) -> tuple[str, int, int]:
@@ -284,10 +294,15 @@ class Rulebook:
         """Another handle on an existing record: it is needed no earlier than the current position's marker."""
         entry.alive += 1
         entry.pending += 1
-        self.raise_use_marker(entry, self.where()[2])
+        marker = self.where()[2]
+        if entry.handle_markers is not None:
+            entry.handle_markers.append(marker)
+        self.raise_use_marker(entry, marker)
 
     def raise_use_marker(self, entry: Entry, marker: int) -> None:
         """`entry` is needed in backward no earlier than block `marker`; so are its recipe's inputs."""
+        if marker > entry.use_marker and entry.handle_markers is not None and marker not in entry.handle_markers:
+            entry.handle_markers = None  # needed earlier than any handle says (a recipe, a checkpoint): never park
         entry.use_marker = max(entry.use_marker, marker)
         for dep in entry.deps:
             self.raise_use_marker(dep, marker)
@@ -368,8 +383,10 @@ class Rulebook:
     # ------------------------------------------------------------------ reload (backward)
     def marker(self, ordinal: int) -> None:
         """Backward reached block `ordinal`: reload what is needed within `lookahead` blocks from here."""
+        self.backward_block = ordinal
         if not self.prefetch:
             return
+        self._unpark(ordinal)
         if self.lookahead == 0:
             if not self._learned_valid():
                 self._prefetch_next(after=None)
@@ -383,6 +400,31 @@ class Rulebook:
             else:
                 remaining.append(entry)
         self.released = remaining
+
+    def _unpark(self, ordinal: int) -> None:
+        """Reload the parked storages whose next handle is needed within the prefetch window of `ordinal`."""
+        waiting = []
+        for entry in self.parked:
+            if entry.alive == 0 or entry.pending == 0 or not entry.parked:
+                entry.parked = False
+            elif entry.use_marker + self.lookahead >= ordinal:
+                entry.parked = False
+                self._reload(entry)
+            else:
+                waiting.append(entry)
+        self.parked = waiting
+
+    def _park_if_needed_later(self, entry: Entry) -> None:
+        """After a use of a reloaded storage: drop the reload when its remaining handles are all needed in
+        blocks beyond the prefetch window (module docstring); the host copy is reloaded for them later."""
+        markers = entry.handle_markers
+        if (entry.decision != SWAP or not entry.reload_held or entry.pending == 0 or not markers
+                or self.backward_block is None or max(markers) + self.lookahead >= self.backward_block):
+            return
+        entry.use_marker = max(markers)
+        self._drop_reload(entry)
+        entry.parked = True
+        self.parked.append(entry)
 
     def _learned_valid(self) -> bool:
         return self.learned_count == len(self.entries)
@@ -405,7 +447,7 @@ class Rulebook:
             below = (e for e in reversed(self.released) if e.index < after)
             candidates = (*above, *below)
         for entry in candidates:
-            if not entry.released or entry.alive == 0 or entry.pending == 0:
+            if not entry.released or entry.alive == 0 or entry.pending == 0 or entry.parked:
                 continue
             if not entry.reload_held:
                 self._reload(entry)
@@ -430,6 +472,7 @@ class Rulebook:
             return  # kept, recomputed, or never released: on the device
         if not entry.reload_held:
             self.stats.prefetch_misses += 1  # still correct, just synchronous
+            entry.parked = False
             self._reload(entry)
         self._note("reloaded", entry)
         self.executor.await_reload(entry)
@@ -438,8 +481,12 @@ class Rulebook:
         """After the view was built: count the handle as unpacked, and keep one reload ahead (lookahead 0)."""
         if first_for_handle:
             entry.pending -= 1
+            if entry.handle_markers:
+                entry.handle_markers.remove(max(entry.handle_markers))  # backward meets the latest save first
             if entry.pending == 0 and entry.reload_held:
                 self._drop_reload(entry)  # autograd's view now owns the storage
+            else:
+                self._park_if_needed_later(entry)
         if self.prefetch and self.lookahead == 0 and self.released:
             self._prefetch_next(after=entry.index)
 

@@ -171,6 +171,7 @@ class _AutocastEmulation:
 
     _TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
               nn.Linear)
+    _PLAIN_FORWARDS = frozenset(cls.forward for cls in _TYPES)
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, tracer: _Tracer):
         self.dtype = dtype
@@ -189,9 +190,12 @@ class _AutocastEmulation:
             self.cache[id(param)] = param.to(self.dtype)
         return self.cache[id(param)]
 
-    def _forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype) if x.is_floating_point() else x
+    def _forward(self, module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        inputs = tuple(x.to(self.dtype) if x.is_floating_point() else x for x in inputs)
         weight, bias = self._cast_param(module.weight), self._cast_param(module.bias)
+        if type(module).forward not in self._PLAIN_FORWARDS:
+            return self._own_forward(module, weight, bias, inputs)
+        (x,) = inputs
         if isinstance(module, nn.Linear):
             return torch.nn.functional.linear(x, weight, bias)
         if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
@@ -200,6 +204,23 @@ class _AutocastEmulation:
             return convolution(x, weight, bias, module.stride, module.padding, module.output_padding,
                                module.groups, module.dilation)
         return module._conv_forward(x, weight, bias)
+
+    @staticmethod
+    def _own_forward(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, inputs: tuple):
+        """A subclass's own forward (one that prepares its input, say) run on the cast parameters: what
+        autocast does to the convolution inside it. The parameters are swapped for their casts in the
+        module's parameter dict for the call, as `torch.func.functional_call` does."""
+        params = module._parameters
+        saved = params["weight"], params.get("bias")
+        params["weight"] = weight
+        if saved[1] is not None:
+            params["bias"] = bias
+        try:
+            return type(module).forward(module, *inputs)
+        finally:
+            params["weight"] = saved[0]
+            if saved[1] is not None:
+                params["bias"] = saved[1]
 
 
 class _Handle:

@@ -18,10 +18,15 @@ with a plain 1³ conv (Ellis master after PR #130, `seg_layer: conv`), for 4 inp
 
 Module names are a contract: memory policies select saved tensors by globs over them
 (`encoder.level0.context.block1.norm`, `decoder.*`), so they are spelled out here and never generated
-from a list index. The model knows nothing about the memory engine.
+from a list index. The model knows nothing about the memory engine, but it is written so that no tensor
+outlives its use: the two decoder convolutions whose input is an upsampled or concatenated tensor save
+their parts instead (`NearestUpsampleConv3d`, `ConcatConv3d`), and a decoder level releases its upsampled
+tensor as soon as it is read. Outputs are bitwise those of the plain layers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,12 +67,18 @@ def _channel_chunks(x: torch.Tensor) -> list[slice]:
 
     The instance-norm backward needs the centred input, the normalised input and several products of the
     same size; computed at once they are about six full-size fp32 tensors, which set the memory floor of the
-    whole step at large volumes. Statistics are per channel, so working through channel slices is exact;
-    a slice holds at least two channels because a single-channel slice is contiguous and takes a different
-    (differently rounded) reduction kernel than the unchunked op.
+    whole step at large volumes. Statistics are per channel, so working through channel slices is exact.
     """
-    channels = x.shape[1]
-    wanted = min(_NORM_MAX_CHUNKS, max(1, (x.numel() * 4) // _NORM_CHUNK_BYTES))
+    return _channel_slices(x.shape[1], x.numel() * 4)
+
+
+def _channel_slices(channels: int, nbytes: int) -> list[slice]:
+    """Up to eight channel slices of about `_NORM_CHUNK_BYTES` each for a tensor of `nbytes` (one when small).
+
+    A slice holds at least two channels because a single-channel slice is contiguous and takes a different
+    (differently rounded) reduction kernel than the unsliced op.
+    """
+    wanted = min(_NORM_MAX_CHUNKS, max(1, nbytes // _NORM_CHUNK_BYTES))
     size = max(2, -(-channels // wanted))
     starts = list(range(0, channels, size))
     if len(starts) > 1 and channels - starts[-1] == 1:
@@ -163,6 +174,144 @@ def keras_instance_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: t
 
 
 # --------------------------------------------------------------------------------------------------------
+# Convolutions over a prepared input: nearest x2 upsampling, or a channel concatenation.
+#
+# Two decoder convolutions read an input that exists only to be convolved: the nearest-upsampled coarse
+# features (upsample block: 2F channels at the fine resolution) and the concatenation [skip, up]
+# (localization block1: 2F channels). Autograd would save each for backward, and its gradient would be
+# one full-size tensor whose skip half stays alive until the encoder's backward; at 336³ each is 4.5 GiB,
+# the largest tensors of the step. Both inputs are cheap to rebuild from tensors the step keeps anyway
+# (the coarse features, the skip, the upsample block's output), so this convolution saves those parts and
+# rebuilds the input in backward, part by part and channel slice by channel slice for large tensors.
+# The forward runs the very ops of the unfused layers (`F.interpolate` or `torch.cat`, then `F.conv3d`),
+# so outputs are bitwise theirs; a small input's backward is the one `convolution_backward` call autograd
+# makes, so gradients are bitwise theirs too. Large inputs' gradients equal them up to rounding.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _prepared(parts: Sequence[torch.Tensor], upsample: bool) -> torch.Tensor:
+    x = parts[0] if len(parts) == 1 else torch.cat(list(parts), dim=1)
+    return F.interpolate(x, scale_factor=2, mode="nearest") if upsample else x
+
+
+def _nearest_backward(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of `F.interpolate(x, scale_factor=2, mode="nearest")` w.r.t. x (autograd's own op)."""
+    coarse = [grad.shape[0], grad.shape[1], *(size // 2 for size in grad.shape[2:])]
+    return torch.ops.aten.upsample_nearest3d_backward(grad, list(grad.shape[2:]), coarse, 2.0, 2.0, 2.0)
+
+
+class _PreparedInputConvFunction(torch.autograd.Function):
+    """conv3d(prepared(parts), weight, bias) that saves `parts`, not the prepared input, for backward."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple, padding: tuple,
+                upsample: bool, *parts: torch.Tensor) -> torch.Tensor:
+        x = _prepared(parts, upsample)
+        out = F.conv3d(x, weight, bias, stride, padding)
+        ctx.geometry = (list(stride), list(padding), upsample, x.numel() * out.element_size())
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(weight, *parts)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        weight, *parts = ctx.saved_tensors
+        _, _, upsample, input_bytes = ctx.geometry
+        need_parts = ctx.needs_input_grad[5:]
+        need_weight, need_bias = ctx.needs_input_grad[0], ctx.has_bias and ctx.needs_input_grad[1]
+        kernel = weight.to(grad_out.dtype)  # the dtype the forward convolved in (autocast's copy)
+        channels = sum(part.shape[1] for part in parts)
+        if len(_channel_slices(channels, input_bytes)) == 1:
+            x = _prepared(parts, upsample).to(grad_out.dtype)
+            grad_x, grad_weight, grad_bias = _conv_backward(ctx, grad_out, x, kernel,
+                                                            (any(need_parts), need_weight, need_bias))
+            del x
+            if grad_x is not None and upsample:
+                grad_x = _nearest_backward(grad_x)
+            grads = _split_channels(grad_x, parts, need_parts)
+        else:
+            grads, grad_weight, grad_bias = _sliced_backward(ctx, grad_out, parts, kernel, input_bytes // channels,
+                                                             need_parts, need_weight, need_bias)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype)
+        return (grad_weight, grad_bias, None, None, None, *grads)
+
+
+def _conv_backward(ctx, grad_out: torch.Tensor, x: torch.Tensor, kernel: torch.Tensor, mask: tuple):
+    stride, padding = ctx.geometry[:2]
+    bias_sizes = [kernel.shape[0]] if mask[2] else None
+    return torch.ops.aten.convolution_backward(grad_out, x, kernel, bias_sizes, stride, padding, [1, 1, 1], False,
+                                               [0, 0, 0], 1, list(mask))
+
+
+def _split_channels(grad_x: torch.Tensor | None, parts: list[torch.Tensor], need_parts) -> list:
+    """The gradient of the concatenation cut into one contiguous tensor per part, in each part's dtype.
+
+    Contiguous copies rather than views: a view of the skip's half would keep the whole concatenated
+    gradient alive until the encoder's backward accumulates the skip's gradient.
+    """
+    if grad_x is None:
+        return [None] * len(parts)
+    if len(parts) == 1:
+        return [grad_x.to(parts[0].dtype) if need_parts[0] else None]
+    grads, start = [], 0
+    for part, needed in zip(parts, need_parts, strict=True):
+        width = part.shape[1]
+        grads.append(grad_x[:, start:start + width].to(part.dtype, copy=True) if needed else None)
+        start += width
+    return grads
+
+
+def _sliced_backward(ctx, grad_out: torch.Tensor, parts: list, kernel: torch.Tensor, bytes_per_channel: int,
+                     need_parts, need_weight: bool, need_bias: bool):
+    """The backward of a large prepared input: one part at a time (last first, each dropped when done) and
+    within a part one channel slice at a time, so neither the prepared input nor its gradient is ever whole.
+    Per input channel the products summed are the same as unsliced; only the kernels' rounding may differ."""
+    upsample = ctx.geometry[2]
+    grads: list[torch.Tensor | None] = [None] * len(parts)
+    grad_weight = torch.empty_like(kernel) if need_weight else None
+    grad_bias = None
+    offsets = [sum(part.shape[1] for part in parts[:index]) for index in range(len(parts))]
+    for index in reversed(range(len(parts))):
+        part, parts[index] = parts[index], None  # this frame's reference is the last once autograd unpacked it
+        if need_parts[index]:
+            grads[index] = torch.empty_like(part)
+        for chunk in _channel_slices(part.shape[1], part.shape[1] * bytes_per_channel):
+            x = _prepared([part[:, chunk]], upsample).to(grad_out.dtype)
+            columns = slice(offsets[index] + chunk.start, offsets[index] + chunk.stop)
+            mask = (need_parts[index], need_weight, need_bias and grad_bias is None)
+            grad_x, grad_w, grad_b = _conv_backward(ctx, grad_out, x, kernel[:, columns], mask)
+            del x
+            if grad_b is not None:
+                grad_bias = grad_b
+            if grad_w is not None:
+                grad_weight[:, columns] = grad_w
+            if grad_x is not None:
+                grads[index][:, chunk] = _nearest_backward(grad_x) if upsample else grad_x
+        del part
+    if need_bias and grad_bias is None:  # no slice asked for the bias (nothing else needed a gradient)
+        grad_bias = grad_out.sum(dim=(0, 2, 3, 4))
+    return grads, grad_weight, grad_bias
+
+
+class NearestUpsampleConv3d(nn.Conv3d):
+    """Nearest x2 upsampling (Keras UpSampling3D) then this convolution; saves the coarse input, 1/8 the size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _PreparedInputConvFunction.apply(self.weight, self.bias, self.stride, self.padding, True, x)
+
+
+class ConcatConv3d(nn.Conv3d):
+    """This convolution over the channel concatenation of its inputs; saves the inputs, not the concatenation."""
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return _PreparedInputConvFunction.apply(self.weight, self.bias, self.stride, self.padding, False, *inputs)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------------------
 
@@ -176,16 +325,16 @@ class ConvNormAct(nn.Module):
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1,
-                 leaky_slope: float = 0.3, norm_eps: float = 1e-3):
+                 leaky_slope: float = 0.3, norm_eps: float = 1e-3, conv_type: type[nn.Conv3d] = nn.Conv3d):
         super().__init__()
-        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2,
+        self.conv = conv_type(in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2,
                               bias=True)
         self.norm = KerasInstanceNorm(out_channels, eps=norm_eps)
         # Out of place so every saved tensor is a distinct, well-defined activation for the memory engine.
         self.act = nn.LeakyReLU(leaky_slope, inplace=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.norm(self.conv(x)))
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.conv(*inputs)))
 
 
 class ContextModule(nn.Module):
@@ -217,27 +366,33 @@ class EncoderLevel(nn.Module):
 
 
 class UpsampleModule(nn.Module):
-    """Nearest-neighbour x2 (Keras UpSampling3D), then a 3³ conv block that halves the channels."""
+    """Nearest-neighbour x2 (Keras UpSampling3D), then a 3³ conv block that halves the channels.
+
+    The upsampling is part of the block's convolution (`NearestUpsampleConv3d`), which saves the coarse
+    input for backward instead of its 8x larger upsampled copy.
+    """
 
     def __init__(self, in_channels: int, out_channels: int, leaky_slope: float, norm_eps: float):
         super().__init__()
-        self.resize = nn.Upsample(scale_factor=2, mode="nearest")
-        self.block = ConvNormAct(in_channels, out_channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps)
+        self.block = ConvNormAct(in_channels, out_channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps,
+                                 conv_type=NearestUpsampleConv3d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(self.resize(x))
+        return self.block(x)
 
 
 class LocalizationModule(nn.Module):
-    """A 3³ conv block from the concatenation (2F) to F, then a 1³ conv block keeping F (Ellis, not Isensee)."""
+    """A 3³ conv block from the concatenation [skip, up] (2F) to F, then a 1³ conv block keeping F (Ellis, not
+    Isensee). block1's convolution concatenates (`ConcatConv3d`), so the concatenation is never stored."""
 
     def __init__(self, in_channels: int, channels: int, leaky_slope: float, norm_eps: float):
         super().__init__()
-        self.block1 = ConvNormAct(in_channels, channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps)
+        self.block1 = ConvNormAct(in_channels, channels, 3, leaky_slope=leaky_slope, norm_eps=norm_eps,
+                                  conv_type=ConcatConv3d)
         self.block2 = ConvNormAct(channels, channels, 1, leaky_slope=leaky_slope, norm_eps=norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block2(self.block1(x))
+    def forward(self, skip: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.block2(self.block1(skip, up))
 
 
 class DecoderLevel(nn.Module):
@@ -258,8 +413,12 @@ class DecoderLevel(nn.Module):
             self.segmentation = None
 
     def forward(self, coarse: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        up = self.upsample(coarse)
-        return self.localization(torch.cat([skip, up], dim=1))
+        # The localization's blocks run from here, not through `self.localization(skip, up)`: arguments of
+        # a running module call stay referenced until it returns, so the upsampled tensor (F channels at
+        # this level's full resolution) would stay on the device through block2. Called like this it is
+        # released once block1 has read it (the same ops in the same order as `LocalizationModule.forward`).
+        localization = self.localization
+        return localization.block2(localization.block1(skip, self.upsample(coarse)))
 
 
 # --------------------------------------------------------------------------------------------------------
