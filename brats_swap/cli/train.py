@@ -104,7 +104,10 @@ def evaluate(
                                                      show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Report folder for --predictions (default: the "
                                                            "predictions folder).", show_default=False)] = None,
-    edition: Annotated[str, typer.Option("--edition", help="Label convention for --predictions.")] = "auto",
+    edition: Annotated[str, typer.Option("--edition", help="Label table for --predictions: an edition 2017 ... "
+                                         "2021, 2023, or a 2023+ challenge (default: each case's own).")] = "auto",
+    challenge: Annotated[str, typer.Option("--challenge", help="Force the 2023+ challenge for --predictions: gli, "
+                                           "gli-post, met, men, men-rt, ped, ssa, goat.")] = "auto",
     tta: Annotated[bool, typer.Option("--tta", help="--run: average the 8 mirrorings of each case (test-time "
                                                     "augmentation, as predict --tta).")] = False,
     set_: SetOption = None,
@@ -130,7 +133,7 @@ def evaluate(
         from brats_swap.evaluate.run import evaluate_predictions
 
         out_dir = out if out is not None else predictions
-        summary = evaluate_predictions(predictions, data, out_dir, edition=edition)
+        summary = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge)
         print_summary(summary, console, title=f"{predictions} vs {data}")
         _print_official(out_dir, f"{predictions} vs {data}: official BraTS metrics")
         console.print(f"report: {out_dir}", markup=False, highlight=False)

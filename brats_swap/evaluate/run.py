@@ -30,7 +30,7 @@ from rich.progress import Progress
 from brats_swap.atomic import atomic_path
 from brats_swap.config import Config
 from brats_swap.data.cache import load_prepared
-from brats_swap.data.challenges import evaluation_groups
+from brats_swap.data.challenges import MODERN_CHALLENGES, evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.editions import get_edition
 from brats_swap.data.nifti import read_volume, save_label_nifti
@@ -175,13 +175,27 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
     return scores.write(folder.root, title)
 
 
+def _forced_convention(edition: str, challenge: str) -> tuple[str, str]:
+    """(edition, challenge) to discover the cases with: a 2023+ challenge named as the edition ("ped") forces
+    that challenge, as `data.challenge` would; ConfigError when it contradicts `challenge`."""
+    if edition not in MODERN_CHALLENGES:
+        return edition, challenge
+    if challenge not in ("auto", edition):
+        raise ConfigError(f"evaluate: edition {edition!r} and challenge {challenge!r} name two different label tables")
+    return "auto", edition
+
+
 def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition: str = "auto",
-                         *, hd95: bool = True, progress: bool = True) -> dict:
+                         *, challenge: str = "auto", hd95: bool = True, progress: bool = True) -> dict:
     """Score `<case id>.nii.gz` segmentations from any tool against the dataset's ground truth.
 
-    Cases of the dataset without a prediction are reported (warning) and skipped; a prediction whose
-    grid differs from the ground truth, or with label values outside the edition, is a DataError.
+    `edition` (2017 ... 2021, 2023) and `challenge` (gli, gli-post, met, men, men-rt, ped, ssa, goat) force
+    the label table as `data.edition` / `data.challenge` do (default: each case's own, from its id); a
+    challenge given as `edition` is taken as the challenge. Cases of the dataset without a prediction are
+    reported (warning) and skipped; a prediction whose grid differs from the ground truth, or with label
+    values outside the table, is a DataError.
     """
+    edition, challenge = _forced_convention(edition, challenge)
     pred_dir, out_dir = Path(pred_dir), Path(out_dir)
     if not pred_dir.is_dir():
         raise DataError(f"{pred_dir}: predictions folder not found")
@@ -191,7 +205,7 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
             if path.name.endswith(extension):
                 predictions[path.name[: -len(extension)]] = path
                 break
-    cases = [c for c in discover_cases(data_root, edition) if c.seg is not None]
+    cases = [c for c in discover_cases(data_root, edition, challenge=challenge) if c.seg is not None]
     if not cases:
         raise DataError(f"{data_root}: no case has a segmentation file to score against")
     scored = [c for c in cases if c.case_id in predictions]

@@ -76,7 +76,13 @@ from brats_swap.model.targets import labels_from_probs, run_output_count, run_re
 from brats_swap.progress import progress_bar
 from brats_swap.run.checkpoint import capture_rng_states, load_latest, restore_rng_states, save_checkpoint
 from brats_swap.run.console import console, warn
-from brats_swap.run.device import autocast_context, peak_memory_bytes, seed_everything, torch_settings
+from brats_swap.run.device import (
+    amp_dtype,
+    autocast_context,
+    peak_memory_bytes,
+    seed_everything,
+    torch_settings,
+)
 from brats_swap.run.dice import dice_column, region_dice
 from brats_swap.run.environment import environment_record
 from brats_swap.run.folder import FoldFolder, RunFolder
@@ -84,7 +90,7 @@ from brats_swap.run.inference import predict_cube
 from brats_swap.splits import fold_cases, load_or_create_splits
 from brats_swap.train.data import TrainData, build_train_data, run_table
 from brats_swap.train.losses import weighted_dice_loss
-from brats_swap.train.planning import out_of_memory_error, plan_memory, training_input_shape
+from brats_swap.train.planning import out_of_memory_error, plan_memory, swap_arena_bytes, training_input_shape
 from brats_swap.train.report import TrainLog
 
 
@@ -360,7 +366,11 @@ class FoldRecipe:
         # The one resolved policy: what the engine runs, the checkpoint saves and train.log records.
         self.memory_cfg = run_on_main(self.ctx, plan_memory, config, self.model, self.folder, input_shape, device,
                                       reuse=resumed)
-        self.engine = MemoryEngine(self.model, self.memory_cfg, device)
+        # The host arena sized from the plan and allocated now: a host that cannot hold one step's swapped
+        # activations is a one-line error here, before the first epoch, not an out-of-memory kill mid-step.
+        arena = run_on_main(self.ctx, swap_arena_bytes, self.model, self.memory_cfg, input_shape,
+                            amp_dtype(train_cfg.amp))
+        self.engine = MemoryEngine(self.model, self.memory_cfg, device, arena_bytes=arena)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=train_cfg.lr, eps=train_cfg.adam_eps,
                                           weight_decay=train_cfg.weight_decay)
         # Keras reduces when `wait >= patience`, torch when `bad_epochs > patience`: patience - 1 matches Keras.

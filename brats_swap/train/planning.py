@@ -18,12 +18,16 @@ import torch
 from rich.console import Console
 
 from brats_swap.atomic import atomic_path, atomic_write_json
-from brats_swap.config import Config, ConfigError, MemoryConfig, validate_memory_config
+from brats_swap.config import Config, ConfigError, DataConfig, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
+from brats_swap.data.discovery import check_forced_convention, resolve_convention
 from brats_swap.errors import DeviceOutOfMemoryError
+from brats_swap.memory.arena import arena_bytes
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
-from brats_swap.memory.policy import effective_memory_config
+from brats_swap.memory.policy import SWAP_MODES, effective_memory_config
+from brats_swap.memory.rulebook import transfer_bytes
 from brats_swap.model import build_model
+from brats_swap.model.targets import run_output_count
 from brats_swap.run.device import amp_dtype
 from brats_swap.run.folder import FoldFolder
 from brats_swap.train.losses import weighted_dice_loss
@@ -39,6 +43,45 @@ def training_input_shape(config: Config) -> tuple[int, ...]:
     """(batch, channels, D, H, W) of one training step: the cube, or the patch in `train.mode: patch`."""
     sample = config.train.patch if config.train.mode == "patch" else config.data.cube
     return (config.train.batch_size, config.model.in_channels, *sample)
+
+
+def configured_table(data_cfg: DataConfig) -> str | None:
+    """The label table the config itself forces (`data.challenge`, else `data.edition`), or None when both are
+    auto and only the prepared cases can say (training reads it from them)."""
+    if data_cfg.challenge == "auto" and data_cfg.edition == "auto":
+        return None
+    check_forced_convention(data_cfg.edition, data_cfg.challenge)
+    return resolve_convention("", None, data_cfg.edition, data_cfg.challenge)
+
+
+def config_model(config: Config, out_channels: int | None = None) -> torch.nn.Module:
+    """The run's network without its cases at hand (`brats-swap plan`, the OOM advice): `out_channels`
+    outputs, else `run_output_count` of the table the config forces (4 for PED, 1 for MEN-RT), else
+    `build_model`'s default (the 3 of every glioma table with the default `model` section)."""
+    if out_channels is None:
+        table = configured_table(config.data)
+        if table is None:
+            return build_model(config.model)
+        out_channels = run_output_count(table, config.model)
+    return build_model(config.model, out_channels)
+
+
+def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_shape: tuple[int, ...],
+                     dtype: torch.dtype) -> int:
+    """Host bytes of the arena that holds one step's swapped storages under the resolved policy `memory_cfg`
+    (`MemoryEngine(arena_bytes=...)`); 0 for a mode that does not swap.
+
+    The planner traces one step of `model` on the meta device (seconds, no memory) and predicts exactly the
+    storages the engine swaps; each takes its size on the link (`rulebook.transfer_bytes`: half of an fp32
+    storage with `swap.compress: bf16`), rounded as the arena hands out slices. Sized up front, the arena is
+    allocated before the first step, so a host without the memory fails then with a one-line error.
+    """
+    if memory_cfg.mode not in SWAP_MODES:
+        return 0
+    planner = Planner(model, input_shape, dtype=dtype, loss_fn=weighted_dice_loss)
+    swapped = planner.swapped(memory_cfg)
+    return arena_bytes(transfer_bytes(record, memory_cfg.swap) for record in planner.records(memory_cfg)
+                       if record.index in swapped)
 
 
 def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, input_shape: tuple[int, ...],
@@ -70,15 +113,15 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
                         out_channels: int | None = None) -> DeviceOutOfMemoryError:
     """The OOM message with the planner's advice for this model, size and device: what the running policy
     `memory_cfg` (the one `plan_memory` resolved; default `config.memory`) needs, and (on CUDA) the policy
-    the planner would pick for this card. `out_channels`: the trained network's outputs (None: `build_model`'s
-    default)."""
+    the planner would pick for this card. `out_channels`: the trained network's outputs (None: those of the
+    table the config forces, `config_model`)."""
     memory_cfg = memory_cfg or config.memory
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     budget = f"{0.9 * total:.0f}" if total else "N"
     shape = training_input_shape(config)
     needs = pick = ""
     try:  # advice only: whatever goes wrong here must not hide the out-of-memory error itself
-        model = build_model(config.model) if out_channels is None else build_model(config.model, out_channels)
+        model = config_model(config, out_channels)
         dtype = amp_dtype(config.train.amp)
         # Priced for the device that ran out: on CUDA a GPU's time model (assumed, not measured: the device
         # is full), on the configured link when `memory.bandwidth_gbs` names one.
@@ -114,7 +157,8 @@ def plan_for_config(config: Config, *, size: int | None = None, batch: int | Non
     as those keys are. `device` picks the time model: "cuda" measures this machine's GPU (a short profile
     and a pinned copy loop), "cpu" uses CPU constants, "gpu" uses H200-class constants without measuring,
     and "auto" measures when CUDA is available and otherwise assumes an H200-class GPU. `profile` is a
-    saved cost model (`--save-profile`) used instead of measuring.
+    saved cost model (`--save-profile`) used instead of measuring. The network has the run's outputs
+    (`config_model`: 4 for a PED run, 1 for MEN-RT).
     """
     cube = [size] * 3 if size is not None else list(config.data.cube)
     batch = batch if batch is not None else config.train.batch_size
@@ -133,7 +177,7 @@ def plan_for_config(config: Config, *, size: int | None = None, batch: int | Non
     memory.budget_gib = budget_gib if budget_gib is not None else memory.budget_gib
     memory.bandwidth_gbs = bandwidth_gbs if bandwidth_gbs is not None else memory.bandwidth_gbs
     validate_memory_config(memory)
-    model = build_model(config.model)
+    model = config_model(config)
     cost = resolve_cost_model(model, device, torch_dtype, loss_fn=weighted_dice_loss, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     return plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype, cost=cost,
