@@ -353,3 +353,26 @@ def test_cuda_swap_is_bitwise_identical(sync, monkeypatch):
             net.zero_grad()
         assert engine.last_stats().swapped_in_bytes > 0
         engine.close()
+
+
+def test_skip_saved_in_two_blocks_is_parked_between_its_uses():
+    """The level-0 skip is saved by encoder level 1 (its input) and by decoder level 0 (the concatenating
+    convolution). Backward uses it first in decoder level 0 and then, eight blocks later, in encoder level
+    1: in between the engine drops the reload and reloads it from the host copy when backward comes near
+    (with lookahead 1), rather than holding a full-resolution tensor through the whole backward."""
+    from memory_helpers import batch, dice_loss
+
+    model = make_unet()
+    log: list = []
+    engine = MemoryEngine(model, {"mode": "swap", "swap": {"lookahead": 1, "min_bytes": 0}}, log=log)
+    x, y = batch(0, 32)
+    with engine.step():
+        loss = dice_loss(model(x), y)
+    loss.backward()
+    records = engine.last_records()
+    skip = next(r for r in records if r.module == "encoder.level1.in_conv.conv" and not r.is_param
+                and r.nbytes == 4 * model.encoder.level0.in_conv.conv.out_channels * 32**3)
+    events = [event for event, index in log if index == skip.index]
+    assert events == ["swap_out", "release", "reload", "use", "reloaded", "drop", "reload", "use", "reloaded",
+                      "drop"], events
+    engine.close()

@@ -295,3 +295,62 @@ def test_large_norm_backward_temporaries_are_a_fraction_of_the_input():
     x = torch.empty(2, 16, 192, 192, 192, device="meta")
     chunks = unet._channel_chunks(x)
     assert len(chunks) == 8 and all(c.stop - c.start == 2 for c in chunks)
+
+
+# -- the decoder's convolutions over an upsampled or concatenated input save their parts -----------------
+
+
+def _conv_grads(conv, inputs, grad, reference):
+    """Output and gradients (inputs, weight, bias) of `conv(*inputs)`, or of `reference(conv, *inputs)`."""
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    out = reference(conv, *inputs) if reference else conv(*inputs)
+    return (out, *torch.autograd.grad(out, (*inputs, conv.weight, conv.bias), grad))
+
+
+def _upsample_then_conv(conv, x):
+    return F.conv3d(F.interpolate(x, scale_factor=2, mode="nearest"), conv.weight, conv.bias, conv.stride, conv.padding)
+
+
+def _cat_then_conv(conv, *parts):
+    return F.conv3d(torch.cat(parts, dim=1), conv.weight, conv.bias, conv.stride, conv.padding)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prepared_input_convs_are_bitwise_the_plain_layers(monkeypatch, batch):
+    from brats_swap.model import unet
+
+    torch.manual_seed(0)
+    upsample_conv = unet.NearestUpsampleConv3d(6, 4, 3, padding=1)
+    concat_conv = unet.ConcatConv3d(8, 4, 3, padding=1)
+    coarse = torch.randn(batch, 6, 5, 4, 3)
+    skip, up = torch.randn(batch, 4, 10, 8, 6), torch.randn(batch, 4, 10, 8, 6)
+    cases = [(upsample_conv, [coarse], _upsample_then_conv), (concat_conv, [skip, up], _cat_then_conv)]
+    for conv, inputs, reference in cases:
+        grad = torch.randn(batch, 4, 10, 8, 6)
+        fused, plain = _conv_grads(conv, inputs, grad, None), _conv_grads(conv, inputs, grad, reference)
+        assert all(torch.equal(a, b) for a, b in zip(fused, plain, strict=True))  # small: one backward call
+        monkeypatch.setattr(unet, "_NORM_CHUNK_BYTES", 1)  # large: part by part, channel slice by slice
+        sliced = _conv_grads(conv, inputs, grad, None)
+        monkeypatch.undo()
+        assert torch.equal(sliced[0], plain[0])  # the forward never slices
+        for a, b in zip(sliced[1:], plain[1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # sums over ~10³ products, other order
+
+
+def test_decoder_saves_parts_not_the_upsampled_or_concatenated_tensor():
+    """What autograd saves in a decoder level at 64³: the coarse input (1/8 of its upsampled copy) and the
+    skip and upsampled tensors, never a 2F-channel tensor at the fine resolution."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    model = build_model(ModelConfig(base_filters=4, depth=3, segmentation_levels=2))
+    fine_2f = 2 * 4 * 64**3  # elements of a 2F-channel tensor at level 0's resolution (batch 1)
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randn(1, 4, 64, 64, 64)).sum().backward()
+    assert max(saved) < fine_2f
+    assert 4 * 64**3 in saved  # the level-0 skip (F channels), saved by the concatenating convolution

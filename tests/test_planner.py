@@ -162,6 +162,23 @@ def test_auto_tune_at_192_meets_the_acceptance_numbers(model):
                       cost=default_cost_model("gpu", torch.float32), loss_fn=weighted_dice_loss)
 
 
+def test_336_cube_at_batch_1_fits_16_gib(model):
+    """The resolution gain Large Model Support reported for this 3D U-Net: 336³ (5.6x the voxels of 192³) at
+    batch 1, fp32, in 16 GiB. The floor is under the planner's limit, and one concrete policy (norm and
+    activation outputs rebuilt, everything else swapped, 1 GiB of copies in flight, one reload ahead) fits
+    it on the H200 time model,
+    so `plan --size 336 --batch 1 --budget 16` has a plan."""
+    planner = Planner(model, (1, 4, 336, 336, 336), cost=default_cost_model("gpu", torch.float32),
+                      loss_fn=weighted_dice_loss)
+    limit = 16 * GIB * BUDGET_HEADROOM
+    assert planner.floor_bytes() <= 0.95 * limit
+    policy = MemoryConfig(mode="hybrid")
+    policy.swap.lookahead = 0
+    policy.swap.max_inflight_bytes = 1 << 30  # the forward waits for copies rather than hold 4 GiB of them
+    policy.recompute.norm_act = True
+    assert planner.memory(policy).peak_bytes <= limit
+
+
 def test_auto_plan_is_checked_against_the_engine_on_cpu(small_model, one_thread):
     model = small_model
     size = 32
