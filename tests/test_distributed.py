@@ -1,7 +1,7 @@
 """brats_swap.distributed: the single-process no-op path, the collectives and DDP on 2 gloo ranks, the launcher.
 
-The 2-rank tests start real processes (torch.multiprocessing spawn, gloo on 127.0.0.1), so each costs a few
-seconds of interpreter start-up; they bundle several checks per spawn for that reason.
+The 2-rank tests start real processes (forked by torch.multiprocessing, gloo on 127.0.0.1), so each start
+costs a second or more; they bundle several checks per start for that reason.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class _ListSampler(torch.utils.data.Sampler):
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
-    """One spawn of 2 gloo ranks runs every check below (interpreter start-up is the expensive part)."""
+    """One start of 2 gloo ranks runs every check below (starting the processes is the expensive part)."""
     out = tmp_path_factory.mktemp("two_ranks")
     spawn_ranks(_collectives_worker, 2, str(out))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]

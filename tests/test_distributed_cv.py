@@ -1,12 +1,12 @@
 """`brats-swap cv --parallel-folds 2` on CPU: two folds train at once in worker processes, with the
-sequential runner's lock and summary (the real training loop on 4 tiny phantom cases)."""
+sequential runner's lock and summary (the real training loop on 4 tiny phantom cases, 16³ cubes)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from train_helpers import prepared_dataset, tiny_config
+from train_helpers import SMALL, small_dataset, tiny_config
 
 from brats_swap.cv import run_cv, run_lock
 from brats_swap.errors import RunLockedError
@@ -14,12 +14,12 @@ from brats_swap.errors import RunLockedError
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return prepared_dataset(tmp_path_factory)
+    return small_dataset(tmp_path_factory)
 
 
 def test_parallel_folds_train_concurrently_and_summarise_like_the_sequential_runner(data, tmp_path):
     run = tmp_path / "run"
-    config = tiny_config(*data, "train.threads=1", "train.augment=none")
+    config = tiny_config(*data, *SMALL, "train.threads=1", "train.augment=none")
     outcome = run_cv(config, run, parallel_folds=2)
 
     assert outcome.complete and outcome.exit_code == 0 and outcome.stop_reason is None
@@ -51,7 +51,7 @@ def test_parallel_folds_train_concurrently_and_summarise_like_the_sequential_run
 
 def test_parallel_folds_respect_the_run_lock(data, tmp_path):
     run = tmp_path / "run"
-    config = tiny_config(*data)
+    config = tiny_config(*data, *SMALL)
     with run_lock(run), pytest.raises(RunLockedError):
         run_cv(config, run, parallel_folds=2)
     assert sorted(p.name for p in run.iterdir()) == [".lock"]

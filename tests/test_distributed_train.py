@@ -1,4 +1,4 @@
-"""`train_fold` on 2 gloo ranks (CPU, 32³ phantoms, 4 base filters): one DDP step equals one single-process step
+"""`train_fold` on 2 gloo ranks (CPU, 16³ phantoms, 4 base filters): one DDP step equals one single-process step
 with the same global batch (memory engine off and swapping), only rank 0 writes, and a 2-rank `brats-swap
 train --nproc 2` killed mid-run resumes from its checkpoint.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import spawn_ranks
-from train_helpers import prepared_dataset, tensorboard_scalars, tiny_config
+from train_helpers import SMALL, small_dataset, tensorboard_scalars, tiny_config
 
 from brats_swap.cv import run_cv
 from brats_swap.distributed import DistContext
@@ -30,7 +30,7 @@ from brats_swap.train.loop import train_fold
 # weight by lr * g / (|g| + eps), so with eps 1e-7 a gradient at float-noise level (a conv bias in front of
 # an instance norm, whose true gradient is 0) turns 1e-10 of rounding into a difference of lr.
 # tests/test_distributed.py compares the gradients themselves with the default eps.
-STEP = ["train.steps_per_epoch=1", "train.max_epochs=1", "model.dropout=0.0", "train.adam_eps=1e-2",
+STEP = [*SMALL, "train.steps_per_epoch=1", "train.max_epochs=1", "model.dropout=0.0", "train.adam_eps=1e-2",
         "train.threads=1"]
 SWAP = ["memory.mode=swap", "memory.swap.min_bytes=0"]
 WRITE_EVENTS = ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate")
@@ -38,7 +38,7 @@ WRITE_EVENTS = ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return prepared_dataset(tmp_path_factory)
+    return small_dataset(tmp_path_factory)
 
 
 def _record_writes(root: Path, sink: list[str]) -> None:
@@ -122,7 +122,7 @@ def test_a_two_rank_step_equals_a_single_process_step_and_only_rank_0_writes_als
 
 
 def _train_command(root: Path, cache: Path, run: Path, *extra: str) -> list[str]:
-    sets = [f"data.root={root}", f"data.cache={cache}", "data.cube=[32,32,32]", "data.loader_workers=0",
+    sets = [f"data.root={root}", f"data.cache={cache}", *SMALL, "data.loader_workers=0",
             "model.base_filters=4", "train.device=cpu", "cv.folds=2", "train.steps_per_epoch=4", "train.threads=1",
             "name=tiny"]
     return [sys.executable, "-m", "brats_swap", "train", "--nproc", "2", "--run", str(run),

@@ -142,7 +142,7 @@ def test_none_peak_at_192_matches_a_direct_meta_count(model):
 def test_auto_tune_at_192_meets_the_acceptance_numbers(model):
     """192³ batch 2 fp32 on the assumed H200 time model: 16 GiB within 1.15x of the no-policy step on a
     50 GB/s link and 1.30x on 25 GB/s (swap mixed with recomputation per tensor), 8 GiB fits, and 4 GiB is
-    refused naming the floor."""
+    under the floor (nothing fits)."""
     shape = (2, 4, 192, 192, 192)
     planner = Planner(model, shape, cost=default_cost_model("gpu", torch.float32), loss_fn=weighted_dice_loss)
     assert planner.cost.h2d_bytes_per_s == 50e9  # the default link: PCIe 5 x16
@@ -156,10 +156,16 @@ def test_auto_tune_at_192_meets_the_acceptance_numbers(model):
     best, _ = planner.auto(8 * GIB)
     assert best is not None and best.peak_bytes <= 8 * GIB * BUDGET_HEADROOM
     assert planner.floor_bytes() < none.peak_bytes
-    memory_cfg = MemoryConfig(mode="auto", budget_gib=4.0)
-    with pytest.raises(ConfigError, match=r"memory.budget_gib=4.*floor"):
-        choose_policy(model, memory_cfg, shape, torch.float32, "cpu",
-                      cost=default_cost_model("gpu", torch.float32), loss_fn=weighted_dice_loss)
+    assert planner.floor_bytes() > 4 * GIB * BUDGET_HEADROOM and planner.auto(4 * GIB)[0] is None
+
+
+def test_a_budget_under_the_floor_is_refused_naming_it(small_model):
+    shape = (1, 4, 32, 32, 32)
+    planner = Planner(small_model, shape, loss_fn=weighted_dice_loss)
+    budget_gib = planner.floor_bytes() / GIB / 2
+    memory_cfg = MemoryConfig(mode="auto", budget_gib=budget_gib)
+    with pytest.raises(ConfigError, match=rf"memory.budget_gib={budget_gib:g}.*floor"):
+        choose_policy(small_model, memory_cfg, shape, torch.float32, "cpu", loss_fn=weighted_dice_loss)
 
 
 def test_336_cube_at_batch_1_fits_16_gib(model):

@@ -4,6 +4,7 @@ challenge's labels on the input's grid) and `evaluate --run --tta`, on a tiny fi
 from __future__ import annotations
 
 import csv
+import shutil
 
 import nibabel as nib
 import numpy as np
@@ -24,14 +25,26 @@ def cv_run(tmp_path_factory):
     return tiny_cv_run(tmp_path_factory)
 
 
-def test_predict_tta_all_folds_writes_labels_and_probabilities_on_the_input_grid(cv_run, tmp_path):
-    config, run, root = cv_run
+@pytest.fixture(scope="module")
+def two_cases(cv_run, tmp_path_factory):
+    """A dataset folder with 2 of the run's 4 cases: enough to see every case of a folder get its own files,
+    at half the cost of the TTA and fold-ensemble predictions below."""
+    root = tmp_path_factory.mktemp("two-cases")
+    for case in discover_cases(cv_run[2])[:2]:
+        shutil.copytree(case.seg.parent, root / case.seg.parent.name)
+    return root
+
+
+def test_predict_tta_all_folds_writes_labels_and_probabilities_on_the_input_grid(cv_run, two_cases, tmp_path):
+    config, run, _ = cv_run
+    root = two_cases
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(root), "--out", str(out),
                                       "--tta", "--folds", "all", "--save-probabilities"])
     assert result.exit_code == 0, result.output
     plan = load_plan(run / "postprocessing.json")  # made by the cv, applied by default
     cases = discover_cases(root)
+    assert len(cases) == 2
     assert sorted(p.name for p in out.iterdir()) == sorted(
         f"{c.case_id}{suffix}" for c in cases for suffix in (".nii.gz", ".npz"))
     for case in cases:
@@ -51,8 +64,9 @@ def test_predict_tta_all_folds_writes_labels_and_probabilities_on_the_input_grid
         np.testing.assert_array_equal(labels, apply(plan, raw))
 
 
-def test_all_folds_average_the_fold_probabilities_and_load_each_model_once(cv_run, tmp_path, monkeypatch):
-    _, run, root = cv_run
+def test_all_folds_average_the_fold_probabilities_and_load_each_model_once(cv_run, two_cases, tmp_path, monkeypatch):
+    _, run, _ = cv_run
+    root = two_cases
     loads = []
     original = evaluate_run.load_for_inference
     monkeypatch.setattr(evaluate_run, "load_for_inference",
@@ -113,7 +127,6 @@ def test_evaluate_run_with_tta_writes_the_official_metrics_next_to_the_legacy_on
 
 def test_evaluate_predictions_scores_the_ground_truth_perfectly_on_both_metric_sets(cv_run, tmp_path):
     import json
-    import shutil
 
     _, _, root = cv_run
     predictions = tmp_path / "predictions"

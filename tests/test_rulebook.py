@@ -89,10 +89,10 @@ MODELS = {
 }
 
 
-def _policies(name: str, model: nn.Module) -> dict[str, MemoryConfig]:
+def _policies(name: str, planner: Planner) -> dict[str, MemoryConfig]:
     """Every preset (block checkpointing over this model's own modules), norm_act with one storage stored
-    and swapped instead (a per-tensor mix), and the planner's auto plan."""
-    _, shape, step, checkpoint, stored = MODELS[name]
+    and swapped instead (a per-tensor mix), and `planner`'s auto plan."""
+    _, _, _, checkpoint, stored = MODELS[name]
     base = MemoryConfig()
     base.swap.min_bytes = 0  # tiny tensors: let every activation qualify
     policies = named_policies(base)
@@ -100,7 +100,6 @@ def _policies(name: str, model: nn.Module) -> dict[str, MemoryConfig]:
     policies["norm_act_stored"] = from_dict(MemoryConfig, {
         "mode": "hybrid", "swap": {"min_bytes": 0, "include": stored, "lookahead": 0},
         "recompute": {"norm_act": True, "norm_act_exclude": stored}}, prefix="memory")
-    planner = Planner(model, shape, step=step)
     peaks = {key: planner.memory(cfg).peak_bytes for key, cfg in policies.items()}
     budget = (min(peaks.values()) + peaks["none"]) / 2 / BUDGET_HEADROOM
     best, _ = planner.auto(budget, base)
@@ -133,7 +132,7 @@ def test_simulator_replays_the_engine_event_for_event(name):
     torch.manual_seed(0)
     model = make()
     planner = Planner(model, shape, step=step)
-    policies = _policies(name, model)
+    policies = _policies(name, planner)
     for cfg in policies.values():
         planner.trace(cfg)  # traced before any engine is attached (a model with one cannot be copied)
     assert {"swap_all", "swap_first_n", "swap_no_decoder", "recompute", "norm_act", "hybrid", "auto"} <= set(policies)

@@ -1,4 +1,5 @@
-"""The training recipe end to end on tiny phantoms: run folder, determinism, exact resume, failures."""
+"""The training recipe end to end on tiny phantoms (16³ cubes: what is checked here holds at any size): run
+folder, determinism, exact resume, failures."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import pytest
 import torch
 import yaml
-from train_helpers import prepared_dataset, tensorboard_scalars, tiny_config
+from train_helpers import SMALL, small_dataset, tensorboard_scalars, tiny_config
 
 from brats_swap.errors import ConfigError, NumericalError, TrainingInterrupted
 from brats_swap.run.checkpoint import load_checkpoint
@@ -20,14 +21,18 @@ from brats_swap.train.loop import train_fold
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return prepared_dataset(tmp_path_factory)
+    return small_dataset(tmp_path_factory)
+
+
+def small_config(data, *overrides: str):
+    return tiny_config(*data, *SMALL, *overrides)
 
 
 @pytest.fixture(scope="module")
 def two_epoch_run(data, tmp_path_factory):
     """The reference: 2 uninterrupted epochs of 2 steps."""
     run = tmp_path_factory.mktemp("ref") / "run"
-    result = train_fold(tiny_config(*data, "train.max_epochs=2"), run, 0, progress=False)
+    result = train_fold(small_config(data, "train.max_epochs=2"), run, 0, progress=False)
     return run, result
 
 
@@ -37,7 +42,7 @@ def losses(result):
 
 def test_one_epoch_writes_the_run_folder_contract(data, tmp_path):
     run = tmp_path / "run"
-    config = tiny_config(*data)
+    config = small_config(data)
     result = train_fold(config, run, 0, progress=False)
 
     assert result.finished and result.epochs_completed == 1 and not result.interrupted
@@ -71,15 +76,15 @@ def test_one_epoch_writes_the_run_folder_contract(data, tmp_path):
 
 def test_two_runs_of_one_config_give_identical_losses(data, two_epoch_run, tmp_path):
     _, reference = two_epoch_run
-    again = train_fold(tiny_config(*data, "train.max_epochs=2"), tmp_path / "run", 0, progress=False)
+    again = train_fold(small_config(data, "train.max_epochs=2"), tmp_path / "run", 0, progress=False)
     assert losses(again) == losses(reference)
-    other_seed = train_fold(tiny_config(*data, "train.max_epochs=1", "seed=1"), tmp_path / "seed1", 0, progress=False)
+    other_seed = train_fold(small_config(data, "train.max_epochs=1", "seed=1"), tmp_path / "seed1", 0, progress=False)
     assert losses(other_seed)[0] != losses(reference)[0]
 
 
 def test_resume_at_an_epoch_boundary_continues_exactly(data, two_epoch_run, tmp_path):
     _, reference = two_epoch_run
-    config = tiny_config(*data, "train.max_epochs=2")
+    config = small_config(data, "train.max_epochs=2")
     calls = []
 
     def stop_after_first_epoch() -> bool:
@@ -95,7 +100,7 @@ def test_resume_at_an_epoch_boundary_continues_exactly(data, two_epoch_run, tmp_
 
 def test_ctrl_c_mid_epoch_saves_and_resume_gives_the_same_next_steps(data, two_epoch_run, tmp_path, monkeypatch):
     _, reference = two_epoch_run
-    config = tiny_config(*data, "train.max_epochs=2")
+    config = small_config(data, "train.max_epochs=2")
     real_loss = loop.weighted_dice_loss
     step_losses: list[float] = []
 
@@ -141,7 +146,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(data, two_ep
     latest.write_bytes(bytes(raw))
     assert (copy / "fold_0" / PREVIOUS).exists()
 
-    resumed = train_fold(tiny_config(*data, "train.max_epochs=2"), copy, 0, resume=True, progress=False)
+    resumed = train_fold(small_config(data, "train.max_epochs=2"), copy, 0, resume=True, progress=False)
     err = capsys.readouterr().err
     assert "checkpoint_latest.pt" in err and "falling back to checkpoint_prev.pt" in err
     # prev held epoch 1, so epoch 2 was trained again, exactly as the first time.
@@ -157,7 +162,7 @@ def test_nan_loss_stops_with_a_numerical_error_and_keeps_the_checkpoint(data, tw
     before = (copy / "fold_0" / LATEST).read_bytes()
     monkeypatch.setattr(loop, "weighted_dice_loss", lambda probs, target: probs.sum() * float("nan"))
     with pytest.raises(NumericalError, match="epoch 3 step 1"):
-        train_fold(tiny_config(*data, "train.max_epochs=3"), copy, 0, resume=True, progress=False)
+        train_fold(small_config(data, "train.max_epochs=3"), copy, 0, resume=True, progress=False)
     assert (copy / "fold_0" / LATEST).read_bytes() == before
 
 
@@ -167,7 +172,7 @@ def test_resume_warns_about_changed_config_keys(data, two_epoch_run, tmp_path, c
 
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
-    result = train_fold(tiny_config(*data, "train.max_epochs=3", "train.lr=0.002"), copy, 0, resume=True,
+    result = train_fold(small_config(data, "train.max_epochs=3", "train.lr=0.002"), copy, 0, resume=True,
                         progress=False)
     err = " ".join(capsys.readouterr().err.split())
     assert "train.max_epochs" in err and "train.lr" in err
@@ -175,7 +180,9 @@ def test_resume_warns_about_changed_config_keys(data, two_epoch_run, tmp_path, c
 
 
 def test_patch_mode_trains_and_validates_with_a_sliding_window(data, tmp_path):
-    config = tiny_config(*data, "train.mode=patch", "train.patch=[16,16,16]", "train.patches_per_case=2")
+    config = small_config(data, "train.mode=patch", "train.patch=[8,8,8]", "train.patches_per_case=2",
+                          # 3 levels: the bottleneck of an 8³ patch stays 2³
+                          "model.depth=3", "model.segmentation_levels=2")
     result = train_fold(config, tmp_path / "run", 0, progress=False)
     assert result.finished and "dice_et" in result.history[0]
-    assert "mode patch [16, 16, 16]" in (tmp_path / "run" / "fold_0" / "train.log").read_text()
+    assert "mode patch [8, 8, 8]" in (tmp_path / "run" / "fold_0" / "train.log").read_text()
