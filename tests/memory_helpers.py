@@ -59,6 +59,17 @@ def train_steps(policy, steps: int = 3, cube: int = 32, **engine_kwargs):
     return history, stats, engine
 
 
+def assert_same_history(expected_history, tested_history, label: str = "") -> None:
+    """`train_steps` histories bitwise equal (`torch.equal`): losses, gradients and parameters per step."""
+    assert len(expected_history) == len(tested_history)
+    for step, (expected, got) in enumerate(zip(expected_history, tested_history, strict=True)):
+        assert torch.equal(expected[0], got[0]), f"{label}: loss differs at step {step}"
+        for i, (a, b) in enumerate(zip(expected[1], got[1], strict=True)):
+            assert torch.equal(a, b), f"{label}: gradient {i} differs at step {step}"
+        for i, (a, b) in enumerate(zip(expected[2], got[2], strict=True)):
+            assert torch.equal(a, b), f"{label}: parameter {i} differs after step {step}"
+
+
 class OpCounter(TorchDispatchMode):
     """Counts aten ops by name (e.g. convolutions run in forward and in backward)."""
 

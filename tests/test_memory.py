@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from memory_helpers import OpCounter, backward_op_counts, batch, dice_loss, make_unet, train_steps
+from memory_helpers import (
+    OpCounter,
+    assert_same_history,
+    backward_op_counts,
+    batch,
+    dice_loss,
+    make_unet,
+    train_steps,
+)
 
 from brats_swap.config import MemoryConfig, SwapConfig
 from brats_swap.memory import MemoryEngine, select_swapped
@@ -36,12 +43,7 @@ def reference():
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_training_is_bitwise_identical(reference, name):
     history, stats, engine = train_steps(POLICIES[name])
-    for step, ((loss, grads, params), (ref_loss, ref_grads, ref_params)) in enumerate(zip(history, reference, strict=True)):
-        assert torch.equal(loss, ref_loss), f"{name}: loss differs at step {step}"
-        for i, (grad, ref_grad) in enumerate(zip(grads, ref_grads, strict=True)):
-            assert torch.equal(grad, ref_grad), f"{name}: gradient {i} differs at step {step}"
-        for param, ref_param in zip(params, ref_params, strict=True):
-            assert torch.equal(param, ref_param), f"{name}: parameters differ after step {step}"
+    assert_same_history(reference, history, name)
 
     cfg = engine.cfg
     last = stats[-1]
@@ -160,9 +162,6 @@ def test_sliced_decoder_backward_is_bitwise_under_the_engine(monkeypatch, name):
     monkeypatch.setattr(unet, "_NORM_CHUNK_BYTES", 1)
     plain, _, _ = train_steps(None, steps=2, cube=32)
     tested, stats, engine = train_steps(SLICED_POLICIES[name], steps=2, cube=32)
-    for step, (expected, got) in enumerate(zip(plain, tested, strict=True)):
-        assert torch.equal(expected[0], got[0]), f"loss differs at step {step}"
-        assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True)), step
-        assert all(torch.equal(a, b) for a, b in zip(expected[2], got[2], strict=True)), step
+    assert_same_history(plain, tested, name)
     assert all(s.swapped_out_bytes > 0 for s in stats)
     engine.close()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from memory_helpers import backward_op_counts, train_steps
+from memory_helpers import assert_same_history, backward_op_counts, train_steps
 from torch import nn
 
 from brats_swap.memory import MemoryEngine, register_norm
@@ -196,10 +196,7 @@ VOLUME = (2, 3, 6, 6, 6)
 def test_unet_norms_are_still_recomputed_exactly(policy_name):
     plain, _, _ = train_steps(None, steps=3, cube=32)
     tested, stats, engine = train_steps(POLICIES[policy_name], steps=3, cube=32)
-    for step, (expected, got) in enumerate(zip(plain, tested, strict=True)):
-        assert torch.equal(expected[0], got[0]), f"loss differs at step {step}"
-        assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True)), step
-        assert all(torch.equal(a, b) for a, b in zip(expected[2], got[2], strict=True)), step
+    assert_same_history(plain, tested, policy_name)
     for step_stats in stats:
         assert step_stats.recomputed_bytes > 0
         assert step_stats.norm_act_skipped == {}
