@@ -18,7 +18,6 @@ import itertools
 from collections.abc import Callable, Sequence
 
 import torch
-from monai.inferers import sliding_window_inference
 from torch import nn
 
 from brats_swap.config import Config
@@ -43,6 +42,10 @@ def predict_sliding_window(
     Windows run on `device`; the stitched output stays on the CPU (`sw_device` vs `device`), so a
     large volume never needs its full probability map in device memory (MONAI issue #4425).
     """
+    # Imported here, as the other MONAI imports of the package: `import monai` takes seconds, and most
+    # processes that import this module (whole-cube validation, planning) never slide a window.
+    from monai.inferers import sliding_window_inference
+
     with autocast_context(device, amp):
         probs = sliding_window_inference(
             images, roi_size=tuple(roi_size), sw_batch_size=sw_batch_size, predictor=model, overlap=overlap,
