@@ -33,22 +33,17 @@ def dice_loss(probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return 1 - (2 * intersection + 1e-5).div(probs.sum(dims) + target.sum(dims) + 1e-5).mean()
 
 
-def train_steps(policy, steps: int = 3, cube: int = 32, **engine_kwargs):
-    """Losses, gradients and parameters after each of `steps` SGD steps; the engine's stats per step.
-
-    `policy=None` is plain PyTorch. The RNG is seeded identically before every step so dropout draws the
-    same masks with and without the engine.
-    """
-    model = make_unet()
+def sgd_history(model: torch.nn.Module, engine: MemoryEngine | None, make_batch, loss_fn, steps: int):
+    """Losses, gradients and parameters after each of `steps` SGD steps (momentum, so a wrong gradient shows
+    in later parameters too), and the engine's stats per step; `engine=None` is plain PyTorch. The RNG is
+    seeded identically before every step so dropout draws the same masks with and without the engine."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    engine = MemoryEngine(model, policy, **engine_kwargs) if policy is not None else None
     history, stats = [], []
     for step in range(steps):
-        x, y = batch(step, cube)
+        x, y = make_batch(step)
         torch.manual_seed(step)
-        context = engine.step() if engine is not None else contextlib.nullcontext()
-        with context:
-            loss = dice_loss(model(x), y)
+        with engine.step() if engine is not None else contextlib.nullcontext():
+            loss = loss_fn(model(x), y)
         loss.backward()
         grads = [p.grad.detach().clone() for p in model.parameters()]
         optimizer.step()
@@ -56,6 +51,14 @@ def train_steps(policy, steps: int = 3, cube: int = 32, **engine_kwargs):
         history.append((loss.detach().clone(), grads, [p.detach().clone() for p in model.parameters()]))
         if engine is not None:
             stats.append(engine.last_stats())
+    return history, stats
+
+
+def train_steps(policy, steps: int = 3, cube: int = 32, **engine_kwargs):
+    """`sgd_history` of the tiny U-Net at `cube`³ under `policy` (None: plain PyTorch), and the engine."""
+    model = make_unet()
+    engine = MemoryEngine(model, policy, **engine_kwargs) if policy is not None else None
+    history, stats = sgd_history(model, engine, lambda step: batch(step, cube), dice_loss, steps)
     return history, stats, engine
 
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from memory_helpers import assert_same_history, sgd_history
 from torch import nn
 
 from brats_swap.config import ConfigError, ModelConfig, SwapConfig
@@ -269,41 +270,17 @@ RESIDUAL = (ResidualNet, _residual_batch, _mse)
 
 
 def _train(model_kind, policy, steps: int = 3):
-    """Losses, gradients and parameters after each of `steps` SGD steps (dropout seeded per step)."""
+    """`sgd_history` of a fresh model of `model_kind` under `policy`, and the engine's last stats."""
     factory, make_batch, loss_fn = model_kind
     torch.manual_seed(0)
     model = factory()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine = MemoryEngine(model, policy) if policy is not None else None
-    history = []
     try:
-        for step in range(steps):
-            x, y = make_batch(step)
-            torch.manual_seed(step)
-            if engine is not None:
-                with engine.step():
-                    loss = loss_fn(model(x), y)
-            else:
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            grads = [p.grad.detach().clone() for p in model.parameters()]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            history.append((loss.detach().clone(), grads, [p.detach().clone() for p in model.parameters()]))
-        return history, engine.last_stats() if engine is not None else None
+        history, stats = sgd_history(model, engine, make_batch, loss_fn, steps)
+        return history, stats[-1] if stats else None
     finally:
         if engine is not None:
             engine.close()
-
-
-def _assert_bitwise(history, reference, what: str) -> None:
-    for step, ((loss, grads, params), (ref_loss, ref_grads, ref_params)) in enumerate(
-            zip(history, reference, strict=True)):
-        assert torch.equal(loss, ref_loss), f"{what}: loss differs at step {step}"
-        for i, (grad, ref) in enumerate(zip(grads, ref_grads, strict=True)):
-            assert torch.equal(grad, ref), f"{what}: gradient {i} differs at step {step}"
-        for param, ref in zip(params, ref_params, strict=True):
-            assert torch.equal(param, ref), f"{what}: parameters differ after step {step}"
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +317,7 @@ def test_unet_presets_are_bitwise_through_the_emulated_link(setting, references,
     names = [n for n in policies if n != "none" and (n in SWAPPING or setting == "0.02GBs")]
     for name in names:
         history, stats = _train(UNET, policies[name])
-        _assert_bitwise(history, references["unet"], f"{name} at {setting}")
+        assert_same_history(references["unet"], history, f"{name} at {setting}")
         if name in SWAPPING:
             assert stats.swapped_out_bytes > 0 and stats.swapped_in_bytes > 0, name
     if setting in SLOW:
@@ -360,7 +337,7 @@ def test_a_non_unet_model_is_bitwise_through_the_emulated_link(setting, referenc
     }
     for name, policy in policies.items():
         history, stats = _train(RESIDUAL, policy)
-        _assert_bitwise(history, references["residual"], f"{name} at {setting}")
+        assert_same_history(references["residual"], history, f"{name} at {setting}")
         assert stats.swapped_in_bytes > 0, name
     assert blocked_waits["blocked"] > 0
 
@@ -375,7 +352,7 @@ def test_control_without_the_wait_the_test_catches_it(references, monkeypatch):
     except RuntimeError:
         return  # an engine that raises is caught too
     with pytest.raises(AssertionError, match="differ"):
-        _assert_bitwise(history, references["unet"], "swap_all without waits")
+        assert_same_history(references["unet"], history, "swap_all without waits")
 
 
 def test_a_planned_arena_the_host_cannot_hold_fails_before_the_first_step(monkeypatch):

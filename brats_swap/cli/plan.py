@@ -48,8 +48,10 @@ def plan(
             saved_profile = json.loads(profile.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{profile}: cannot read the cost profile ({exc})") from exc
-    report, planner = plan_for_config(resolved, size=size, batch=batch, budget_gib=budget, dtype=dtype,
-                                      bandwidth_gbs=bandwidth, device=device, profile=saved_profile)
+    # Tracing and pricing take seconds to a minute at full size, with no countable steps: a spinner says so.
+    with console.status("planning: tracing one step on the meta device and pricing every policy ..."):
+        report, planner = plan_for_config(resolved, size=size, batch=batch, budget_gib=budget, dtype=dtype,
+                                          bandwidth_gbs=bandwidth, device=device, profile=saved_profile)
     print_report(report)
     if json_out is not None:
         atomic_write_json(json_out, report.as_dict())

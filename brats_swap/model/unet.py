@@ -208,7 +208,8 @@ class _PreparedInputConvFunction(torch.autograd.Function):
                 upsample: bool, *parts: torch.Tensor) -> torch.Tensor:
         x = _prepared(parts, upsample)
         out = F.conv3d(x, weight, bias, stride, padding)
-        ctx.geometry = (list(stride), list(padding), upsample, x.numel() * out.element_size())
+        ctx.stride, ctx.padding, ctx.upsample = list(stride), list(padding), upsample
+        ctx.input_bytes = x.numel() * out.element_size()  # the prepared input in the dtype it was convolved in
         ctx.has_bias = bias is not None
         ctx.save_for_backward(weight, *parts)
         return out
@@ -217,7 +218,7 @@ class _PreparedInputConvFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         weight, *parts = ctx.saved_tensors
-        _, _, upsample, input_bytes = ctx.geometry
+        upsample, input_bytes = ctx.upsample, ctx.input_bytes
         need_parts = ctx.needs_input_grad[5:]
         need_weight, need_bias = ctx.needs_input_grad[0], ctx.has_bias and ctx.needs_input_grad[1]
         kernel = weight.to(grad_out.dtype)  # the dtype the forward convolved in (autocast's copy)
@@ -241,10 +242,9 @@ class _PreparedInputConvFunction(torch.autograd.Function):
 
 
 def _conv_backward(ctx, grad_out: torch.Tensor, x: torch.Tensor, kernel: torch.Tensor, mask: tuple):
-    stride, padding = ctx.geometry[:2]
     bias_sizes = [kernel.shape[0]] if mask[2] else None
-    return torch.ops.aten.convolution_backward(grad_out, x, kernel, bias_sizes, stride, padding, [1, 1, 1], False,
-                                               [0, 0, 0], 1, list(mask))
+    return torch.ops.aten.convolution_backward(grad_out, x, kernel, bias_sizes, ctx.stride, ctx.padding, [1, 1, 1],
+                                               False, [0, 0, 0], 1, list(mask))
 
 
 def _split_channels(grad_x: torch.Tensor | None, parts: list[torch.Tensor], need_parts) -> list:
@@ -270,7 +270,7 @@ def _sliced_backward(ctx, grad_out: torch.Tensor, parts: list, kernel: torch.Ten
     """The backward of a large prepared input: one part at a time (last first, each dropped when done) and
     within a part one channel slice at a time, so neither the prepared input nor its gradient is ever whole.
     Per input channel the products summed are the same as unsliced; only the kernels' rounding may differ."""
-    upsample = ctx.geometry[2]
+    upsample = ctx.upsample
     grads: list[torch.Tensor | None] = [None] * len(parts)
     grad_weight = torch.empty_like(kernel) if need_weight else None
     grad_bias = None
