@@ -28,11 +28,14 @@ Typical use:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -327,5 +330,68 @@ def launch_torchrun(nproc: int, argv: Sequence[str]) -> int:
     # The workers inherit our environment; OMP_NUM_THREADS keeps N processes from each taking every core.
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.run(torchrun_command(nproc, argv), env=env, check=False).returncode
+    job = subprocess.Popen(torchrun_command(nproc, argv), env=env)
+    with forward_signals_to_workers(job.pid):
+        return job.wait()
+
+
+# torchrun does not pass SIGUSR1 on (it dies of it, leaving its workers), and on SIGTERM it kills the workers
+# after a grace period: both go straight to the workers instead, which stop at the next step (train/loop.py).
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def forward_signals_to_workers(launcher_pid: int) -> Iterator[None]:
+    """While in the block, SIGUSR1/SIGTERM received here are sent to every process below `launcher_pid`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum, frame):  # noqa: ARG001 - signal handler signature
+        for pid in torchrun_workers(launcher_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def torchrun_workers(launcher_pid: int) -> list[int]:
+    """The ranks started below `launcher_pid`: the first processes down the tree with torchrun's `LOCAL_RANK`
+    in their environment (not their own children, e.g. data-loader workers, which would die of the signal).
+    Linux /proc; empty elsewhere."""
+    workers: list[int] = []
+    frontier = _children(launcher_pid)
+    while frontier:
+        pid = frontier.pop(0)
+        if _has_env(pid, b"LOCAL_RANK="):
+            workers.append(pid)
+        else:
+            frontier.extend(_children(pid))
+    return workers
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for task in tasks:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as handle:
+                children.extend(int(child) for child in handle.read().split())
+    return children
+
+
+def _has_env(pid: int, prefix: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return any(entry.startswith(prefix) for entry in handle.read().split(b"\0"))
+    except OSError:
+        return False
 

@@ -1,6 +1,6 @@
 """`brats-swap train`, `brats-swap evaluate` and `brats-swap predict`: thin shells over train/ and evaluate/.
 
-Exit codes: 0 ok; 1 bad data / checkpoint / NaN loss; 2 bad config or usage; 3 device out of memory;
+Exit codes: 0 ok (also stopped by SIGTERM/SIGUSR1 with the state saved); 1 bad data / checkpoint / NaN loss; 2 bad config or usage; 3 device out of memory;
 130 interrupted (state saved, continue with --resume).
 """
 
@@ -70,7 +70,11 @@ def train(
         result = train_fold(resolved, run_dir, fold or 0, resume=resume)
     if is_main_process():  # under torchrun every rank runs this command; one summary is enough
         console.print(summary_panel(result, resolved))
-    if result.interrupted:
+    if result.stop_reason is not None:  # a scheduler's SIGTERM/SIGUSR1: a planned stop, state saved (exit 0)
+        if is_main_process():
+            console.print(f"{run_dir}: {result.stop_reason}: stopped with the state saved; continue with --resume",
+                          markup=False, highlight=False, soft_wrap=True)
+    elif result.interrupted:
         raise TrainingInterrupted(f"{run_dir}: stopped at an epoch boundary; continue with --resume")
 
 

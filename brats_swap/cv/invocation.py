@@ -6,8 +6,8 @@ order:
 1. `--max-hours` is resolved (the option, else `cv.max_hours`) and checked, before anything is touched;
 2. the run folder's lock is taken (a second invocation gets `RunLockedError`, exit 75, and leaves no trace,
    not even a cv.log line);
-3. a `StopControl` starts the `--max-hours` window and turns SIGTERM into a stop at the next epoch boundary
-   for the duration of the block (the previous handler is restored afterwards);
+3. a `StopControl` starts the `--max-hours` window and turns SIGTERM/SIGUSR1 into a stop for the duration
+   of the block (the previous handler is restored afterwards);
 4. when the block ends, however it ends, one line is appended to `cv.log` and the outcome's `seconds` is set.
 """
 
@@ -81,7 +81,7 @@ def cv_invocation(run_dir: RunFolder | Path, config: Config, max_hours: float | 
     with run_lock(run_dir):
         stop = StopControl(max_hours, clock=clock)
         try:
-            with logged_invocation(run_dir, stop, describe), stop.on_sigterm():
+            with logged_invocation(run_dir, stop, describe), stop.on_signals():
                 yield stop
         finally:
             outcome.seconds = stop.elapsed_seconds

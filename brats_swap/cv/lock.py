@@ -5,9 +5,10 @@ written, so a second invocation (tonight's cron job while last night's is still 
 with `RunLockedError` (exit 75, EX_TEMPFAIL) and leaves the run untouched. The kernel drops the lock when
 the process dies, even by SIGKILL, so there is never a stale lock to clean up by hand.
 
-`StopControl` is the `stop_requested` callback handed to the training loop: it turns true when SIGTERM
-arrives or when the next epoch would end past the `--max-hours` window, and the loop then saves its
-checkpoint at that epoch boundary and returns.
+`StopControl` is the `stop_requested` callback handed to the training loop: it turns true when the next
+epoch would end past the `--max-hours` window (the loop then saves its checkpoint at that epoch boundary
+and returns) or when SIGTERM/SIGUSR1 arrived between folds; while a fold trains, the loop handles those
+signals itself and stops at the next step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from pathlib import Path
 
 from brats_swap.errors import RunLockedError
 from brats_swap.run.folder import RunFolder
+
+# A scheduler's warnings: SIGTERM (a plain kill, a preemption) and SIGUSR1 (SLURM's `--signal=B:USR1@N`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @contextlib.contextmanager
@@ -106,22 +110,30 @@ class StopControl:
         return self._clock() - self.started
 
     @contextlib.contextmanager
-    def on_sigterm(self) -> Iterator[StopControl]:
-        """While in the block, SIGTERM sets the stop flag instead of killing the process."""
+    def on_signals(self) -> Iterator[StopControl]:
+        """While in the block, SIGTERM and SIGUSR1 set the stop flag instead of killing the process.
+
+        Between folds and during evaluation this handler sees them; while a fold trains, the training loop's
+        own handlers do (they stop at the next step with a mid-epoch checkpoint) and the runner takes the
+        reason from the loop's result.
+        """
         if threading.current_thread() is not threading.main_thread():
             yield self  # signal handlers can only be installed from the main thread
             return
-        previous = signal.getsignal(signal.SIGTERM)
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
         def handler(signum, frame):  # noqa: ARG001 - signal handler signature
+            name = signal.Signals(signum).name
             if self.reason is None:
                 # os.write is safe inside a signal handler; the message explains why nothing stops at once.
-                os.write(2, b"SIGTERM: stopping at the next epoch boundary (checkpoint written there); "
-                            b"the next invocation continues\n")
-            self.request("SIGTERM")
+                os.write(2, f"{name}: stopping at the next step (checkpoint written there); the next "
+                            "invocation continues\n".encode())
+            self.request(name)
 
-        signal.signal(signal.SIGTERM, handler)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handler)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler_before in previous.items():
+                signal.signal(sig, handler_before)

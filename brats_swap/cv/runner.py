@@ -13,8 +13,9 @@ Each way, one invocation:
    any fold or rank starts: `train.data.prepare_run_data`), then reads (or makes, once) `splits.json`;
 3. for each selected fold that is not done: resumes its training from `checkpoint_latest.pt` (or starts
    it), then evaluates it on its validation cases; a fold is done when trained and evaluated;
-4. stops at an epoch boundary when the `--max-hours` window would be overrun or SIGTERM arrives (the
-   checkpoint is written by the training loop; the next invocation carries on);
+4. stops at an epoch boundary when the `--max-hours` window would be overrun, at the next step when SIGTERM
+   or SIGUSR1 arrives (the checkpoint, mid-epoch if need be, is written by the training loop; the next
+   invocation carries on);
 5. once every fold is done, tunes `postprocessing.json` on the out-of-fold predictions (again only when
    they changed: cv/postprocessing.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
 6. appends one line to `cv.log` saying what it did, how long it took and how it ended.
@@ -93,10 +94,10 @@ class CVOutcome:
         if self.complete:
             state = f"all {len(self.folds)} fold(s) done"
         else:
-            why = {"max-hours": "the --max-hours window closed", "SIGTERM": "SIGTERM received"}.get(
-                self.stop_reason or "", "stopped")
-            state = (f"{len(self.done)}/{len(self.folds)} fold(s) done; stopped at an epoch boundary because {why}, "
-                     "the next invocation continues")
+            why = {"max-hours": "the --max-hours window closed at an epoch boundary",
+                   "SIGTERM": "SIGTERM received", "SIGUSR1": "SIGUSR1 received"}.get(self.stop_reason or "", "stopped")
+            state = (f"{len(self.done)}/{len(self.folds)} fold(s) done; stopped ({why}) with the checkpoint "
+                     "written, the next invocation continues")
         return f"{action}; {state}"
 
 
@@ -167,8 +168,7 @@ class FoldRunner:
             state.record_training(result, trained_now)
             state.write(self.run_dir)
             if not result.finished:
-                if self.stop.reason is None:
-                    self.stop.request("interrupted")
+                self.stop.request(getattr(result, "stop_reason", None) or "interrupted")
                 return False
         if self.stop.time_is_up():
             return False

@@ -27,8 +27,10 @@ validation loss.
 Resume is exact: the data stream is a pure function of (seed, epoch, position) (see `train/data.py`),
 and checkpoints hold the model, optimiser, scheduler, scaler, every RNG state and the `LoopState` (the
 position inside the epoch included), so the loss of the next step after `--resume` equals the
-uninterrupted run's. Ctrl-C (and SIGTERM when the caller does not handle it) finishes the running step,
-saves `checkpoint_latest.pt` and raises `TrainingInterrupted` (exit 130). A NaN/Inf loss raises
+uninterrupted run's. Ctrl-C finishes the running step, saves `checkpoint_latest.pt` and raises
+`TrainingInterrupted` (exit 130). SIGTERM and SIGUSR1 (a scheduler's warning before a time limit or a
+preemption) finish the running step, save the mid-epoch checkpoint and return an interrupted result
+(`stop_reason` names the signal); distributed, the ranks agree on the step (see `StopSignals`). A NaN/Inf loss raises
 `NumericalError` before the optimiser step, so the checkpoints on disk stay the last good ones.
 """
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import threading
 import time
@@ -62,7 +65,6 @@ from brats_swap.distributed import (
     DistContext,
     all_reduce_max,
     all_reduce_mean,
-    any_rank,
     broadcast_object,
     gather_objects,
     init_distributed,
@@ -105,7 +107,8 @@ class TrainResult:
     best_val_dice: float | None = None  # mean over the run's regions (WT/TC/ET for 2017-2021) of the best validation
     stopped_early: bool = False
     finished: bool = False  # max_epochs reached or early stopping: nothing left to train
-    interrupted: bool = False  # stop_requested() at an epoch boundary: latest saved, resume later
+    interrupted: bool = False  # stop_requested() at an epoch boundary, or SIGTERM/SIGUSR1: latest saved, resume later
+    stop_reason: str | None = None  # "SIGTERM" / "SIGUSR1" when a signal stopped this call (mid-epoch or not)
     train_seconds: float = 0.0
     epoch_seconds: list[float] = field(default_factory=list)
     peak_memory_bytes: int = 0  # CUDA: peak allocated; CPU: peak resident set size of the process
@@ -148,23 +151,41 @@ class LoopState:
 
 
 class StopSignals:
-    """Ctrl-C (and SIGTERM if `handle_sigterm`) set a flag; the loop stops after the running step.
+    """Ctrl-C, SIGTERM and SIGUSR1 set a flag; the loop stops after the running step.
 
-    A second Ctrl-C raises KeyboardInterrupt at once. Handlers can only be installed from the main
-    thread; elsewhere the flag simply never turns on.
+    Ctrl-C means "stop and tell me" (TrainingInterrupted, exit 130); SIGTERM and SIGUSR1 are a scheduler's
+    warning (SLURM's `--signal=B:USR1@N`, a preemption, a time limit): the loop saves its mid-epoch state and
+    returns an interrupted result (exit 0), which a requeued job resumes. A second Ctrl-C raises
+    KeyboardInterrupt at once. Handlers can only be installed from the main thread; elsewhere the flag
+    simply never turns on. Distributed, `agreed` takes the strongest request of any rank at the same step.
     """
 
-    def __init__(self, handle_sigterm: bool) -> None:
+    NONE, STOP, INTERRUPT = 0, 1, 2  # ordered: the max over ranks is what every rank does
+
+    def __init__(self) -> None:
         self.requested: str | None = None
-        self.signals = [signal.SIGINT] + ([signal.SIGTERM] if handle_sigterm else [])
+        self.signals = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
         self.previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        if self.requested is not None and signum == signal.SIGINT:
+        if self.requested == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if self.requested is not None and signum != signal.SIGINT:
+            return  # already stopping
         self.requested = signal.Signals(signum).name
-        console.print(f"[bold yellow]{self.requested}:[/] finishing this step and saving checkpoint_latest.pt "
-                      "(Ctrl-C again to abort without saving)", markup=True)
+        # os.write, not the console: a handler may run while the console holds its lock.
+        hint = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+        os.write(2, f"{self.requested}: finishing this step and saving checkpoint_latest.pt{hint}\n".encode())
+
+    @property
+    def level(self) -> int:
+        if self.requested is None:
+            return self.NONE
+        return self.INTERRUPT if self.requested == "SIGINT" else self.STOP
+
+    def agreed(self, ctx: DistContext) -> int:
+        """This step's decision, the same on every rank (a collective when distributed)."""
+        return int(all_reduce_max(self.level, ctx)) if ctx.is_distributed else self.level
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -175,6 +196,10 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class _StopAtStep(Exception):
+    """Raised inside `fit` when SIGTERM/SIGUSR1 stopped training with the state saved."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,8 +221,8 @@ def train_fold(
         resume: continue from `fold_<k>/checkpoint_latest.pt` (falling back to `checkpoint_prev.pt`);
             start fresh with a warning if there is none; return at once if the fold already finished.
         stop_requested: polled at each epoch boundary; when it returns True, the latest checkpoint is
-            saved and the result comes back with `interrupted=True`. A caller that passes it owns
-            SIGTERM; otherwise SIGTERM is handled like Ctrl-C.
+            saved and the result comes back with `interrupted=True`. SIGTERM and SIGUSR1 stop at the next
+            step either way (see `StopSignals`).
         progress: show a rich progress bar per epoch.
 
     Returns:
@@ -209,7 +234,7 @@ def train_fold(
         CheckpointError: the checkpoints exist but none is readable.
         NumericalError: the loss became NaN/Inf (names epoch and step).
         DeviceOutOfMemoryError: CUDA out of memory (suggests memory.mode=auto).
-        TrainingInterrupted: Ctrl-C/SIGTERM; checkpoint_latest.pt holds the state at the last finished step.
+        TrainingInterrupted: Ctrl-C; checkpoint_latest.pt holds the state at the last finished step.
     """
     run = RunFolder.of(run_dir)
     folder = run.fold(fold)
@@ -219,7 +244,7 @@ def train_fold(
     state = run_on_main(ctx, _resume_state, config, folder, resume)
     if state is not None and state["finished"] and not _can_extend(state, config):
         return LoopState.from_checkpoint(state).to_result(folder.fold, folder.root)
-    with torch_settings(config, ctx.device), StopSignals(handle_sigterm=stop_requested is None) as signals:
+    with torch_settings(config, ctx.device), StopSignals() as signals:
         return FoldRecipe(config, run, folder, ctx, signals, show_progress=progress).fit(state, stop_requested)
 
 
@@ -292,6 +317,7 @@ class FoldRecipe:
         self.show_progress = show_progress and ctx.is_main  # rank 0 draws; the other ranks show nothing
         self.loop = LoopState()
         self.interrupted = False
+        self.stop_reason: str | None = None  # the signal that ended this call (SIGTERM/SIGUSR1)
         self.train_seconds = 0.0
         self.epoch_seconds: list[float] = []
 
@@ -310,6 +336,8 @@ class FoldRecipe:
                 if self._validation_due():
                     record.update(self.validate())
                 self.end_epoch(record, memory_stats)
+        except _StopAtStep:
+            self.interrupted = True
         finally:
             self.train_seconds = time.perf_counter() - started
             self.engine.close()  # hooks and recompute wrappers off: the model is plain again
@@ -523,15 +551,13 @@ class FoldRecipe:
         if loop.stopped_early:
             self.log.line(f"early stopping: val loss has not improved for {train_cfg.early_stop_patience} epochs "
                           f"(best {loop.best_val_loss:.4f} at epoch {loop.last_improved_epoch})")
-        if not loop.finished and any_rank(self.signals.requested is not None, self.ctx):
-            self.log.line(f"{self.signals.requested} after epoch {loop.epoch}; state saved")
-            raise TrainingInterrupted(f"{self.folder.root}: {self.signals.requested} after epoch {loop.epoch}; "
-                                      f"state saved to {self.folder.latest.name}, continue with --resume")
+        if not loop.finished:
+            self._leave_on_signal(self.signals.agreed(self.ctx), f"after epoch {loop.epoch}")
 
     def finish(self) -> TrainResult:
         """The fold's result, with this call's timings and whether a stop request ended it."""
         return self.loop.to_result(self.folder.fold, self.folder.root, interrupted=self.interrupted,
-                                   train_seconds=self.train_seconds, epoch_seconds=self.epoch_seconds)
+                                   stop_reason=self.stop_reason, train_seconds=self.train_seconds, epoch_seconds=self.epoch_seconds)
 
     # ---- stopping and checkpoints ----
 
@@ -547,12 +573,22 @@ class FoldRecipe:
         """After a step: on Ctrl-C/SIGTERM (on any rank) save the mid-epoch state and stop."""
         if self.loop.step_in_epoch >= self.data.steps_per_epoch:
             return  # the epoch is complete: `end_epoch` saves and stops
-        if any_rank(self.signals.requested is not None, self.ctx):
+        agreed = self.signals.agreed(self.ctx)  # every rank stops at the same step
+        if agreed != StopSignals.NONE:
             self.save_latest()  # resume continues with the next step of this epoch
-            raise TrainingInterrupted(
-                f"{self.folder.root}: {self.signals.requested or 'stop on another rank'} at epoch "
-                f"{self.loop.epoch + 1} step {self.loop.step_in_epoch}; state saved to {self.folder.latest.name}, "
-                "continue with --resume")
+            self._leave_on_signal(agreed, f"at epoch {self.loop.epoch + 1} step {self.loop.step_in_epoch}")
+
+    def _leave_on_signal(self, agreed: int, where: str) -> None:
+        """Leave training when some rank got a signal (the state is saved): Ctrl-C raises, SIGTERM/SIGUSR1
+        end `fit` with an interrupted result."""
+        if agreed == StopSignals.NONE:
+            return
+        self.stop_reason = self.signals.requested or "a signal on another rank"
+        self.log.line(f"{self.stop_reason} {where}; state saved")
+        if agreed == StopSignals.INTERRUPT:
+            raise TrainingInterrupted(f"{self.folder.root}: {self.stop_reason} {where}; state saved to "
+                                      f"{self.folder.latest.name}, continue with --resume")
+        raise _StopAtStep
 
     def save_latest(self) -> None:
         """`checkpoint_latest.pt`; the file it replaces becomes `checkpoint_prev.pt`."""

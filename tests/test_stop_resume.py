@@ -1,0 +1,125 @@
+"""A scheduler's warning (SIGUSR1, SIGTERM) stops training at the next step with a mid-epoch checkpoint, and
+resuming from it ends bitwise where a run that was never stopped ends: parameters and optimizer state
+(`torch.equal`), in one process and on 2 gloo ranks that agree on the step at which they stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import spawn_ranks
+from train_helpers import SMALL, small_dataset, tiny_config
+
+from brats_swap.run.checkpoint import load_checkpoint
+from brats_swap.run.folder import LATEST
+from brats_swap.train import loop
+from brats_swap.train.loop import train_fold
+
+# 2 epochs of 3 steps: a signal during step 5 lands in the middle of epoch 2.
+RECIPE = [*SMALL, "train.max_epochs=2", "train.steps_per_epoch=3"]
+SIGNAL_AT_STEP = 5
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return small_dataset(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def straight(data, tmp_path_factory):
+    """The reference: the fold trained straight through, never stopped."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train_fold(tiny_config(*data, *RECIPE), run, 0, progress=False)
+    return load_checkpoint(run / "fold_0" / LATEST)
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for key in state_a[index]:
+            assert torch.equal(torch.as_tensor(state_a[index][key]), torch.as_tensor(state_b[index][key])), (index, key)
+    assert a["global_step"] == b["global_step"] and a["history"][-1]["train_loss"] == b["history"][-1]["train_loss"]
+
+
+def signal_during_step(monkeypatch, signum: int, at_step: int, sink: list[float] | None = None) -> None:
+    """Send `signum` to this process during training step `at_step` (1-based, counted over the call)."""
+    real_loss = loop.weighted_dice_loss
+    steps = []
+
+    def loss_with_signal(probs, target):
+        loss = real_loss(probs, target)
+        if torch.is_grad_enabled():  # training steps only (validation runs under no_grad)
+            steps.append(1)
+            if len(steps) == at_step:
+                os.kill(os.getpid(), signum)
+        return loss
+
+    monkeypatch.setattr(loop, "weighted_dice_loss", loss_with_signal)
+
+
+@pytest.mark.parametrize("signum, caller_stop", [(signal.SIGUSR1, False), (signal.SIGTERM, True)],
+                         ids=["SIGUSR1-train", "SIGTERM-cv"])
+def test_a_signal_stops_at_the_next_step_and_the_mid_epoch_resume_is_bitwise(data, straight, tmp_path, monkeypatch,
+                                                                           signum, caller_stop):
+    config = tiny_config(*data, *RECIPE)
+    run = tmp_path / "run"
+    previous = signal.getsignal(signum)
+    signal_during_step(monkeypatch, signum, SIGNAL_AT_STEP)
+    # cv passes its own stop control (epoch boundaries); the signal must still stop at the step.
+    stopped = train_fold(config, run, 0, progress=False, stop_requested=(lambda: False) if caller_stop else None)
+    assert stopped.interrupted and not stopped.finished and stopped.stop_reason == signal.Signals(signum).name
+    assert signal.getsignal(signum) is previous
+    saved = load_checkpoint(run / "fold_0" / LATEST)
+    # Stopped within one step: the step running when the signal came is the last one done.
+    assert (saved["epoch"], saved["step_in_epoch"], saved["global_step"]) == (1, 2, SIGNAL_AT_STEP)
+    assert f"{signal.Signals(signum).name} at epoch 2 step 2; state saved" in (run / "fold_0" / "train.log").read_text()
+
+    monkeypatch.undo()
+    resumed = train_fold(config, run, 0, resume=True, progress=False)
+    assert resumed.finished and resumed.epochs_completed == 2
+    assert "resume fold 0 at epoch 2 step 2" in (run / "fold_0" / "train.log").read_text()
+    assert_same_training_state(load_checkpoint(run / "fold_0" / LATEST), straight)
+
+
+def _two_rank_stop_and_resume(ctx, cache: str, root: str, runs: str) -> None:
+    config = tiny_config(Path(root), Path(cache), *RECIPE, "train.threads=1")
+    train_fold(config, Path(runs) / "straight", 0, progress=False)
+    if ctx.rank == 1:  # only rank 1 is warned; rank 0 must stop at the same step
+        signal_during_step(_Patch(), signal.SIGUSR1, SIGNAL_AT_STEP)
+    stopped = train_fold(config, Path(runs) / "stopped", 0, progress=False)
+    loop.weighted_dice_loss = _REAL_LOSS
+    torch.save({"interrupted": stopped.interrupted, "reason": stopped.stop_reason},
+               Path(runs) / f"stopped_rank{ctx.rank}.pt")
+    train_fold(config, Path(runs) / "stopped", 0, resume=True, progress=False)
+
+
+_REAL_LOSS = loop.weighted_dice_loss
+
+
+class _Patch:
+    """monkeypatch's `setattr` in a forked rank (the rank process ends after the test's work)."""
+
+    @staticmethod
+    def setattr(target, name, value) -> None:
+        setattr(target, name, value)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_agree_on_the_stop_step_and_resume_bitwise(data, tmp_path):
+    root, cache = data
+    spawn_ranks(_two_rank_stop_and_resume, 2, str(cache), str(root), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"stopped_rank{r}.pt") for r in range(2)]
+    assert [r["interrupted"] for r in ranks] == [True, True]
+    assert ranks[1]["reason"] == "SIGUSR1" and ranks[0]["reason"] == "a signal on another rank"
+    log = (tmp_path / "stopped" / "fold_0" / "train.log").read_text()
+    assert "at epoch 2 step 2; state saved" in log and "resume fold 0 at epoch 2 step 2" in log
+    final = load_checkpoint(tmp_path / "stopped" / "fold_0" / LATEST)
+    assert final["finished"] and final["world_size"] == 2
+    assert_same_training_state(final, load_checkpoint(tmp_path / "straight" / "fold_0" / LATEST))
