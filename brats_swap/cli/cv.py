@@ -1,7 +1,8 @@
 """`brats-swap cv` and `brats-swap compare --patch`: resumable, cron-safe cross-validation runs.
 
-Exit codes: 0 = the run is consistent (complete, or stopped by --max-hours / SIGTERM at an epoch boundary
-and continued by the next invocation); 75 = another process holds the run folder's lock, nothing changed;
+Exit codes: 0 = the run is consistent (complete, or stopped by --max-hours at an epoch boundary or by
+SIGTERM/SIGUSR1 at a step, and continued by the next invocation); 75 = another process holds the fold (or the
+whole run folder), nothing changed;
 1 / 2 = bad data / bad config (one line on stderr).
 """
 
@@ -30,6 +31,14 @@ MaxHoursOption = Annotated[
 ]
 
 
+# The `cv --submit slurm` options (brats_swap/cv/slurm.py); they only matter with --submit.
+SUBMIT_PANEL = "Submitting to a cluster (--submit slurm)"
+
+
+def _submit_option(*names: str, help: str, **kwargs):  # noqa: A002 - typer's keyword
+    return typer.Option(*names, help=help, rich_help_panel=SUBMIT_PANEL, show_default=False, **kwargs)
+
+
 @handle_errors
 def cv(
     config: ConfigOption = None,
@@ -39,25 +48,117 @@ def cv(
     max_hours: MaxHoursOption = None,
     parallel_folds: Annotated[int, typer.Option("--parallel-folds", help="Train this many folds at once, one "
                                                 "worker process per GPU (or per CPU share).")] = 1,
+    nproc: Annotated[int | None, typer.Option("--nproc", help="Train each fold with N processes on this node "
+                                              "(torchrun + DDP).", show_default=False)] = None,
+    status: Annotated[bool, typer.Option("--status", help="Print each fold's state (done, running on which job, "
+                                         "epoch/step, last checkpoint) and exit.")] = False,
+    summary: Annotated[bool, typer.Option("--summary", help="Train nothing: write cv_summary.* (and "
+                                          "postprocessing.json once every fold is done) from the folds as they are."
+                                          )] = False,
+    submit: Annotated[str | None, _submit_option("--submit", help="'slurm': write RUN/slurm/cv.sbatch (one array "
+                                                 "task per unfinished fold) and summary.sbatch, and sbatch them.")] = None,
+    partition: Annotated[str | None, _submit_option("--partition", help="SLURM partition.")] = None,
+    time_limit: Annotated[str | None, _submit_option("--time", help="Time limit per fold task, e.g. 24:00:00.")] = None,
+    gpus_per_fold: Annotated[int | None, _submit_option("--gpus-per-fold", help="GPUs per fold task (default 1, "
+                                                        "0 when train.device is cpu); N > 1 runs under torchrun.")] = None,
+    cpus_per_fold: Annotated[int | None, _submit_option("--cpus-per-fold", help="CPUs per fold task.")] = None,
+    mem: Annotated[str | None, _submit_option("--mem", help="Memory per fold task, e.g. 64G.")] = None,
+    account: Annotated[str | None, _submit_option("--account", help="SLURM account.")] = None,
+    qos: Annotated[str | None, _submit_option("--qos", help="SLURM quality of service.")] = None,
+    grace: Annotated[int, _submit_option("--grace", help="Seconds of warning (SIGUSR1) before the time limit: "
+                                         "the fold checkpoints and requeues itself (default 600).")] = 600,
+    sbatch_arg: Annotated[list[str] | None, _submit_option("--sbatch-arg", help="Extra #SBATCH line, passed "
+                                                           "through (repeatable), e.g. --sbatch-arg=--exclusive.")] = None,
+    dry_run: Annotated[bool, _submit_option("--dry-run", help="With --submit: write and print the scripts, "
+                                            "submit nothing.")] = False,
 ) -> None:
     """Train and evaluate the folds of a cross-validation run, continuing where the last call stopped.
 
-    Safe under cron: a second call while one runs exits 75 at once; --max-hours and SIGTERM stop at an
-    epoch boundary with the checkpoint written (exit 0). Writes cv_summary.{json,md}, figures/ and one
-    line per call in cv.log. Under torchrun every fold trains on all ranks.
+    Safe under cron and on a cluster: each fold has its own lock (a second call on the same fold exits 75;
+    other folds run at once, also on other machines sharing the run folder); --max-hours stops at an epoch
+    boundary, SIGTERM/SIGUSR1 at the next step, with the checkpoint written (exit 0). With --run and no
+    --config, the run's own config.yaml is used (a --set is recorded there). Writes cv_summary.{json,md},
+    figures/ and one line per call in cv.log. Under torchrun every fold trains on all ranks.
     """
     from brats_swap.cv import run_cv
 
-    resolved = resolve_config(config, set_)
-    run_dir = default_run_dir(resolved, run)
-    outcome = run_cv(resolved, run_dir, folds=fold, max_hours=max_hours, parallel_folds=parallel_folds,
-                     console=console)
+    if status:
+        return _print_status(run)
+    resolved, run_dir = _run_and_config(config, set_, run)
+    if submit is not None:
+        from brats_swap.cv.slurm import SlurmOptions
+
+        options = SlurmOptions(partition=partition, time=time_limit, gpus_per_fold=gpus_per_fold,
+                               cpus_per_fold=cpus_per_fold, mem=mem, account=account, qos=qos, grace=grace,
+                               sbatch_args=list(sbatch_arg or []))
+        return _submit(submit, resolved, run_dir, options, dry_run)
+    if summary:
+        from brats_swap.cv.runner import summarise_run
+
+        outcome = summarise_run(resolved, run_dir, console=console)
+    elif nproc is not None:
+        import sys
+
+        from brats_swap.distributed import launch_torchrun
+        from brats_swap.train.data import prepare_run_data
+
+        prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
+        raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
+    else:
+        outcome = run_cv(resolved, run_dir, folds=fold, max_hours=max_hours, parallel_folds=parallel_folds,
+                         console=console)
     if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
         return
-    console.print(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)", markup=False, highlight=False, soft_wrap=True)
+    _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
     if outcome.complete:
-        console.print(f"summary: {RunFolder(run_dir).cv_summary_md}", markup=False, highlight=False, soft_wrap=True)
+        _say(f"summary: {RunFolder(run_dir).cv_summary_md}")
     raise typer.Exit(outcome.exit_code)
+
+
+def _say(text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _run_and_config(config, set_, run):
+    """The run folder and its config: `--run R` without `--config` uses R/config.yaml (cv/run_config.py)."""
+    from brats_swap.cv.run_config import run_config
+
+    if run is None:
+        run = default_run_dir(resolve_config(config, set_), None)
+    return run_config(run, config, set_, say=_say), run
+
+
+def _print_status(run) -> None:
+    from brats_swap.cv.status import run_status
+
+    if run is None:
+        raise ConfigError("--status: name the run folder with --run")
+    for fold_status in run_status(run):
+        _say(fold_status.line())
+
+
+def _submit(scheduler: str, config, run_dir, options, dry_run: bool) -> None:
+    """`--submit slurm`: record the run's config (the jobs read it), write the scripts, submit them."""
+    from brats_swap.atomic import atomic_write_text
+    from brats_swap.config import config_to_yaml
+    from brats_swap.cv.slurm import submit_cv
+
+    if scheduler != "slurm":
+        raise ConfigError(f"--submit {scheduler!r}: the only scheduler is 'slurm'")
+    run = RunFolder(run_dir)
+    if not run.config.is_file():
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run.config, config_to_yaml(config))
+    submission = submit_cv(config, run, options, dry_run=dry_run)
+    if dry_run:
+        for script in (submission.cv_script, submission.summary_script):
+            _say(f"# {script}\n{script.read_text(encoding='utf-8')}")
+        _say(f"--dry-run: nothing submitted; submit with: sbatch {submission.cv_script}")
+        return
+    _say(f"submitted folds {', '.join(map(str, submission.folds))} as array job {submission.array_job} "
+         f"({submission.cv_script}) and the summary as job {submission.summary_job} ({submission.summary_script})")
+    _say(f"follow them with: squeue -j {submission.array_job},{submission.summary_job}   or   "
+         f"brats-swap cv --status --run {run_dir}")
 
 
 @handle_errors

@@ -64,7 +64,7 @@ def train(
     from brats_swap.train.report import summary_panel
 
     run_dir = default_run_dir(resolved, run)
-    with _run_lock_of_this_rank(run_dir):  # a second train/cv on this run exits 75 before touching anything
+    with _fold_lock_of_this_rank(run_dir, fold or 0):  # a second train/cv of this fold exits 75 at once
         if _first_process():  # under torchrun the other ranks wait for rank 0 in the process group's set-up
             prepare_run_data(resolved.data)
         result = train_fold(resolved, run_dir, fold or 0, resume=resume)
@@ -87,13 +87,13 @@ def _first_process() -> bool:
     return not launched_by_torchrun() or os.environ["RANK"] == "0"
 
 
-def _run_lock_of_this_rank(run_dir: Path):
-    """The run folder's lock (brats_swap.cv.lock); under torchrun rank 0 holds it for all ranks."""
+def _fold_lock_of_this_rank(run_dir: Path, fold: int):
+    """The fold's lock (brats_swap.cv.lock); under torchrun rank 0 holds it for all ranks."""
     import contextlib
 
-    from brats_swap.cv.lock import run_lock
+    from brats_swap.cv.lock import fold_work
 
-    return run_lock(run_dir) if _first_process() else contextlib.nullcontext()
+    return fold_work(run_dir, [fold]) if _first_process() else contextlib.nullcontext()
 
 
 @handle_errors

@@ -4,8 +4,9 @@
 order:
 
 1. `--max-hours` is resolved (the option, else `cv.max_hours`) and checked, before anything is touched;
-2. the run folder's lock is taken (a second invocation gets `RunLockedError`, exit 75, and leaves no trace,
-   not even a cv.log line);
+2. the run folder's `.lock` is shared (cv/lock.py: fold locks are taken by the runner once it knows the
+   folds; a process holding the whole run, or the same fold, makes this one fail with `RunLockedError`,
+   exit 75, leaving no trace, not even a cv.log line);
 3. a `StopControl` starts the `--max-hours` window and turns SIGTERM/SIGUSR1 into a stop for the duration
    of the block (the previous handler is restored afterwards);
 4. when the block ends, however it ends, one line is appended to `cv.log` and the outcome's `seconds` is set.
@@ -21,9 +22,9 @@ from pathlib import Path
 from typing import Protocol
 
 from brats_swap.config import Config
-from brats_swap.cv.lock import StopControl, run_lock
+from brats_swap.cv.lock import StopControl, run_share, shared_files
 from brats_swap.cv.summary import utc_now
-from brats_swap.errors import BratsSwapError, ConfigError
+from brats_swap.errors import BratsSwapError, ConfigError, RunLockedError
 from brats_swap.run.folder import RunFolder
 
 
@@ -41,7 +42,7 @@ def resolve_max_hours(config: Config, max_hours: float | None) -> float | None:
 
 def _append_cv_log(run_dir: RunFolder | Path, line: str) -> None:
     # One short O_APPEND write per invocation: a crash can lose the line but never corrupt earlier ones.
-    with open(RunFolder.of(run_dir).cv_log, "a", encoding="utf-8") as handle:
+    with shared_files(run_dir), open(RunFolder.of(run_dir).cv_log, "a", encoding="utf-8") as handle:
         handle.write(line.rstrip("\n") + "\n")
         handle.flush()
         os.fsync(handle.fileno())
@@ -58,6 +59,9 @@ def logged_invocation(run_dir: RunFolder | Path, stop: StopControl, describe: Ca
     try:
         yield
         status = "exit 0"
+    except RunLockedError:
+        status = None  # another process works on it: this call did nothing and leaves no trace
+        raise
     except BratsSwapError as exc:
         status = f"exit {exc.exit_code} ({exc.__class__.__name__}: {' '.join(str(exc).split())})"
         raise
@@ -65,7 +69,9 @@ def logged_invocation(run_dir: RunFolder | Path, stop: StopControl, describe: Ca
         status = "exit 130 (interrupted)"
         raise
     finally:
-        _append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {stop.elapsed_seconds:.1f}s {status}: {describe()}")
+        if status is not None:
+            _append_cv_log(run_dir, f"{utc_now()} pid={os.getpid()} {stop.elapsed_seconds:.1f}s {status}: "
+                                    f"{describe()}")
 
 
 @contextlib.contextmanager
@@ -78,7 +84,7 @@ def cv_invocation(run_dir: RunFolder | Path, config: Config, max_hours: float | 
     cv.log line's account of what the block did, `outcome.seconds` receives the invocation's duration.
     """
     max_hours = resolve_max_hours(config, max_hours)
-    with run_lock(run_dir):
+    with run_share(run_dir):
         stop = StopControl(max_hours, clock=clock)
         try:
             with logged_invocation(run_dir, stop, describe), stop.on_signals():

@@ -1,9 +1,16 @@
-"""What makes a run folder safe under cron: an exclusive lock and a clean way to stop.
+"""What makes a run folder safe under cron and on a cluster: locks, and a clean way to stop.
 
-`run_lock` takes `fcntl.flock(LOCK_EX | LOCK_NB)` on the run folder's `.lock` before anything in the run is
-written, so a second invocation (tonight's cron job while last night's is still running) fails at once
-with `RunLockedError` (exit 75, EX_TEMPFAIL) and leaves the run untouched. The kernel drops the lock when
-the process dies, even by SIGKILL, so there is never a stale lock to clean up by hand.
+Locks are `fcntl.flock` locks, which the kernel drops when the process dies, even by SIGKILL, so there is
+never a stale lock to clean up by hand; on a file system without working flock (some Lustre mounts), a
+one-line error says so instead of pretending. Three kinds:
+
+- a fold's lock (`.fold_<k>.lock` in the run folder, exclusive, non-blocking): one process per fold; a second `cv --fold K`
+  (or `train --fold K`) for the same K fails at once with `RunLockedError` (exit 75, EX_TEMPFAIL). Different
+  folds of one run train at once, on one machine or on several sharing the run folder;
+- the run's `.lock`: held *shared* by every process working on folds of the run, *exclusive* by `run_lock`
+  (`compare` on its arms), so nothing trains a fold while the whole run is held;
+- the run's shared files (`splits.json`, `cv_summary.*`, `postprocessing.json`, `cv.log`) are written in
+  short critical sections (`shared_files`) that wait for each other, with a timeout.
 
 `StopControl` is the `stop_requested` callback handed to the training loop: it turns true when the next
 epoch would end past the `--max-hours` window (the loop then saves its checkpoint at that epoch boundary
@@ -14,54 +21,188 @@ signals itself and stops at the next step.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from brats_swap.errors import RunLockedError
+from brats_swap.errors import DataError, RunLockedError
 from brats_swap.run.folder import RunFolder
 
 # A scheduler's warnings: SIGTERM (a plain kill, a preemption) and SIGUSR1 (SLURM's `--signal=B:USR1@N`).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-@contextlib.contextmanager
-def run_lock(run_dir: RunFolder | Path) -> Iterator[Path]:
-    """Hold the run folder's exclusive lock for the duration of the block (non-blocking)."""
-    run = RunFolder.of(run_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
+# The run-level file locks: `.lock` (held shared by every process working on some folds of the run, exclusive
+# by `run_lock`) and `.shared.lock` (the short critical sections around the run's shared files).
+SHARED_FILES_LOCK = ".shared.lock"
+
+
+def fold_holder(run_dir: RunFolder | Path, fold: int) -> str | None:
+    """Who works on the fold now (`holder_record`'s text, '' if unknown), None when nobody does."""
+    path = fold_lock_path(RunFolder.of(run_dir), fold)
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, path):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        return os.pread(fd, 256, 0).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+
+
+def fold_lock_path(run: RunFolder, fold: int) -> Path:
+    """In the run folder, not the fold's: taking the lock must not create (or change) the fold folder."""
+    return run.root / f".fold_{fold}.lock"
+
+
+# How long a process waits for another's critical section (preparing the cases the cache lacks is the long
+# one: the first array task prepares, the others wait and then find the cache fresh).
+SHARED_FILES_TIMEOUT_S = 2 * 3600.0
+
+
+def _open_lock_file(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
     # No O_TRUNC: the file may belong to the process that holds the lock. O_CLOEXEC keeps programs we
     # exec from inheriting (and so prolonging) the lock.
-    fd = os.open(run.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+def _flock(fd: int, operation: int, path: Path) -> bool:
+    """flock; False when another process holds it (non-blocking), a one-line error where flock does not work."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, operation)
+        return True
     except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise DataError(
+                f"{path}: this file system does not support flock ({exc.strerror}), so two jobs could train one "
+                "fold at once; mount it with flock support (Lustre: -o flock) or put the run folder on one that has it"
+            ) from None
+        raise
+
+
+def holder_record() -> str:
+    """Who holds a lock, written into its file: `pid host [SLURM job]` (`cv --status` shows it)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{os.getpid()} {socket.gethostname()}" + (f" {job}" if job else "")
+
+
+def describe_holder(text: str) -> str:
+    """' (pid P on HOST, SLURM job J)' from a lock file's `holder_record`; '' when there is none."""
+    parts = text.split()
+    if not parts or not parts[0].isdigit():
+        return ""
+    where = f" on {parts[1]}" if len(parts) > 1 else ""
+    job = f", SLURM job {parts[2]}" if len(parts) > 2 else ""
+    return f" (pid {parts[0]}{where}{job})"
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return describe_holder(os.pread(fd, 256, 0).decode("ascii", "replace"))
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def _held(path: Path, operation: int, busy_message: Callable[[str], str], *, write_pid: bool) -> Iterator[Path]:
+    fd = _open_lock_file(path)
+    try:
+        locked = _flock(fd, operation | fcntl.LOCK_NB, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not locked:
         holder = _read_holder(fd)
         os.close(fd)
-        raise RunLockedError(
-            f"{run.root}: another brats-swap process{holder} is working on this run (lock {run.lock}); "
-            "nothing was changed, try again when it has finished"
-        ) from None
+        raise RunLockedError(busy_message(holder)) from None
     try:
-        # Only the lock holder writes its pid, so the message above can name it.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield run.lock
+        if write_pid:  # only an exclusive holder writes who it is, so the message above can name it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{holder_record()}\n".encode(), 0)
+        yield path
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
-def _read_holder(fd: int) -> str:
+@contextlib.contextmanager
+def run_lock(run_dir: RunFolder | Path) -> Iterator[Path]:
+    """Hold the whole run folder for the block (non-blocking): no other process works on any of its folds."""
+    run = RunFolder.of(run_dir)
+    # The pid in `.lock` is an exclusive holder's; processes sharing it write none, so none is named here.
+    with _held(run.lock, fcntl.LOCK_EX, lambda holder: (
+            f"{run.root}: another brats-swap process is working on this run (lock {run.lock}); "
+            "nothing was changed, try again when it has finished"), write_pid=True):
+        yield run.lock
+
+
+@contextlib.contextmanager
+def run_share(run_dir: RunFolder | Path) -> Iterator[Path]:
+    """Work on some folds of the run (non-blocking): many processes at once, none while `run_lock` is held."""
+    run = RunFolder.of(run_dir)
+    with _held(run.lock, fcntl.LOCK_SH, lambda holder: (
+            f"{run.root}: another brats-swap process{holder} holds the whole run (lock {run.lock}); "
+            "nothing was changed, try again when it has finished"), write_pid=False):
+        yield run.lock
+
+
+@contextlib.contextmanager
+def fold_locks(run_dir: RunFolder | Path, folds: list[int]) -> Iterator[None]:
+    """Hold the locks of `folds` for the block (non-blocking, in fold order): one process per fold.
+
+    A fold another process holds raises RunLockedError (exit 75) before anything of it is touched.
+    """
+    run = RunFolder.of(run_dir)
+    with contextlib.ExitStack() as stack:
+        for k in sorted(folds):
+            path = fold_lock_path(run, k)
+            stack.enter_context(_held(path, fcntl.LOCK_EX, lambda holder, k=k, path=path: (
+                f"{run.root}: fold {k} is being worked on by another brats-swap process{holder} (lock {path}); "
+                "nothing was changed, try again when it has finished"), write_pid=True))
+        yield
+
+
+@contextlib.contextmanager
+def fold_work(run_dir: RunFolder | Path, folds: list[int]) -> Iterator[None]:
+    """`run_share` and `fold_locks` together: what `brats-swap train --fold K` holds while it trains."""
+    with run_share(run_dir), fold_locks(run_dir, folds):
+        yield
+
+
+@contextlib.contextmanager
+def shared_files(run_dir: RunFolder | Path, timeout_s: float = SHARED_FILES_TIMEOUT_S,
+                 poll_s: float = 0.2) -> Iterator[None]:
+    """A short critical section over the run's shared files (splits.json, cv_summary.*, postprocessing.json,
+    cv.log): waits for another process's section, up to `timeout_s` (then RunLockedError, exit 75)."""
+    run = RunFolder.of(run_dir)
+    path = run.root / SHARED_FILES_LOCK
+    fd = _open_lock_file(path)
+    deadline = time.monotonic() + timeout_s
     try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-    return f" (pid {text})" if text.isdigit() else ""
+        while not _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path):
+            if time.monotonic() >= deadline:
+                raise RunLockedError(f"{path}: another brats-swap process held the run's shared files for more "
+                                     f"than {timeout_s:.0f} s; nothing was changed, try again later")
+            time.sleep(poll_s)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 class StopControl:

@@ -36,12 +36,11 @@ from typing import Any
 
 from brats_swap.config import Config
 from brats_swap.cv.invocation import cv_invocation
-from brats_swap.cv.lock import StopControl
-from brats_swap.cv.runner import CVOutcome, FoldRunner, resolve_folds
+from brats_swap.cv.lock import StopControl, fold_locks
+from brats_swap.cv.runner import CVOutcome, FoldRunner, prepared_runner, resolve_folds
 from brats_swap.cv.state import read_fold_state
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import CV_WORKER_LOG, RunFolder
-from brats_swap.train.data import prepare_run_data
 
 
 @dataclass
@@ -81,13 +80,14 @@ def run_parallel_folds(config: Config, run_dir: Path, folds: str | int | list[in
     # time.monotonic is system-wide on Linux, so the workers can share the parent's deadline.
     with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started,
                        clock=time.monotonic) as stop:
-        prepare_run_data(config.data, progress=console is not None)  # here, before any worker reads the cache
-        runner = FoldRunner(config, run_dir, stop, console=console)  # splits.json, made under the lock
+        # The cases prepared here, before any worker reads the cache; splits.json made under the lock.
+        runner = prepared_runner(config, run_dir, stop, console=console)
         outcome.folds = resolve_folds(folds, runner.n_folds)
-        pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
-        if pending:
-            _run_folds(config, run_dir, pending, stop, outcome, parallel, console)
-        runner.finish(outcome)
+        with fold_locks(run_dir, outcome.folds):  # held by this process for its workers
+            pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
+            if pending:
+                _run_folds(config, run_dir, pending, stop, outcome, parallel, console)
+            runner.finish(outcome)
     return outcome
 
 

@@ -8,7 +8,8 @@ one cron invocation at a time, and picks how the folds are trained:
 
 Each way, one invocation:
 
-1. takes the run folder's lock (before writing anything; a second invocation gets exit 75);
+1. shares the run folder's lock, and once the folds are known takes their locks (before writing anything
+   of them; a second invocation on the same fold gets exit 75; other folds run at once elsewhere);
 2. prepares the cases of `data.root` that `data.cache` lacks or holds stale (once, in this process, before
    any fold or rank starts: `train.data.prepare_run_data`), then reads (or makes, once) `splits.json`;
 3. for each selected fold that is not done: resumes its training from `checkpoint_latest.pt` (or starts
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from brats_swap.config import Config
 from brats_swap.cv.invocation import cv_invocation
-from brats_swap.cv.lock import StopControl
+from brats_swap.cv.lock import StopControl, fold_locks, shared_files
 from brats_swap.cv.postprocessing import tune_after_cv
 from brats_swap.cv.state import FoldState, read_fold_state
 from brats_swap.cv.summary import utc_now, write_cv_summary
@@ -186,10 +187,34 @@ class FoldRunner:
     def finish(self, outcome: CVOutcome) -> None:
         """Close an invocation: why it stopped, which folds are done, and the refreshed summary."""
         outcome.stop_reason = self.stop.reason
-        states = self.states(outcome.folds)
+        states = self.states(list(range(self.n_folds)))
         outcome.done = [k for k in outcome.folds if states[k].done]
-        tune_after_cv(self.config, self.run, self.splits, say=self._say)  # once every fold is done
-        outcome.summary = self.write_summary(outcome.folds)
+        # Whichever call finishes the run's last fold (another machine may have done the others) summarises
+        # every fold; until then a call summarises the folds it was asked for.
+        summarised = list(range(self.n_folds)) if all(s.done for s in states.values()) else outcome.folds
+        with shared_files(self.run):
+            tune_after_cv(self.config, self.run, self.splits, say=self._say)  # once every fold is done
+            outcome.summary = self.write_summary(summarised)
+
+
+def summarise_run(config: Config, run_dir: Path, *, console=None) -> CVOutcome:
+    """`cv --summary`: train and evaluate nothing; write cv_summary.* (and tune postprocessing.json once every
+    fold is done) from the folds as they are, e.g. in the job that follows a SLURM array."""
+    outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
+    with cv_invocation(run_dir, config, None, outcome, outcome.describe_or_not_started) as stop:
+        with shared_files(run_dir):
+            runner = FoldRunner(config, run_dir, stop, console=console)
+        outcome.folds = list(range(runner.n_folds))
+        runner.finish(outcome)
+    return outcome
+
+
+def prepared_runner(config: Config, run_dir: Path, stop: StopControl, *, console=None, train=None) -> FoldRunner:
+    """The cases of `data.root` the cache lacks prepared and splits.json read (or made), in the run's shared
+    critical section: the first of several processes starting on one run does it, the others wait."""
+    with shared_files(run_dir):
+        prepare_run_data(config.data, progress=console is not None)
+        return FoldRunner(config, run_dir, stop, console=console, train=train)
 
 
 def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None, *,
@@ -226,14 +251,14 @@ def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = "all", 
     """`run_cv` in this process, one fold after the other; `train` replaces `train_fold` (see FoldRunner)."""
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
     with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started, clock=clock) as stop:
-        prepare_run_data(config.data, progress=console is not None)
-        runner = FoldRunner(config, run_dir, stop, console=console, train=train)
+        runner = prepared_runner(config, run_dir, stop, console=console, train=train)
         outcome.folds = resolve_folds(folds, runner.n_folds)
-        for k in outcome.folds:
-            if not runner.advance(k, outcome):
-                break
-        runner.finish(outcome)
+        with fold_locks(run_dir, outcome.folds):  # another process on one of them: exit 75, nothing touched
+            for k in outcome.folds:
+                if not runner.advance(k, outcome):
+                    break
+            runner.finish(outcome)
     return outcome
 
 
-__all__ = ["CVOutcome", "FoldRunner", "load_run_splits", "resolve_folds", "run_cv", "run_sequential"]
+__all__ = ["CVOutcome", "FoldRunner", "load_run_splits", "prepared_runner", "resolve_folds", "run_cv", "run_sequential", "summarise_run"]

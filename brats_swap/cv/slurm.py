@@ -1,0 +1,208 @@
+"""`brats-swap cv --submit slurm`: the folds of a run as a SLURM array job, plus a summary job.
+
+Two plain job scripts are written into `RUN/slurm/` (users read and edit them; re-submitting by hand is
+`sbatch RUN/slurm/cv.sbatch`):
+
+- `cv.sbatch`: an array with one task per unfinished fold. Each task runs `brats-swap cv --config
+  RUN/config.yaml --run RUN --fold K` (the run folder remembers its config, `--set`s included), its log is
+  `RUN/fold_K/slurm-<array job>_<K>.log` (appended across restarts). SLURM warns the batch shell with SIGUSR1
+  `--grace` seconds before the time limit (`--signal=B:USR1@N`); the script passes it on to brats-swap,
+  which checkpoints at the next step (mid-epoch) and exits 0, and then requeues its own task
+  (`scontrol requeue`, allowed by `--requeue`); the requeued task resumes inside the epoch.
+- `summary.sbatch`: after the array (`--dependency=afterany:<array>`), `brats-swap cv --summary`: the run's
+  cv_summary.* and postprocessing.json from the folds that are done (the task that finishes the last fold
+  writes them too; this job makes sure, and reports).
+
+Folds of one run may train on different nodes at once: each holds its own fold lock (cv/lock.py), so the
+run folder must be on a file system shared by the nodes, with working `flock`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from brats_swap.atomic import atomic_write_text
+from brats_swap.config import Config
+from brats_swap.cv.state import read_fold_state
+from brats_swap.errors import ConfigError, DataError
+from brats_swap.run.folder import RunFolder
+from brats_swap.splits import read_splits
+
+SLURM_FOLDER = "slurm"
+ARRAY_PLACEHOLDER = "ARRAY_JOB_ID"  # in a --dry-run's summary.sbatch: the array's id is known only once submitted
+
+
+@dataclass
+class SlurmOptions:
+    """The `cv --submit slurm` options; None = leave it to the cluster's defaults."""
+
+    partition: str | None = None
+    time: str | None = None  # per task, SLURM's formats (e.g. 24:00:00, 2-00:00:00)
+    gpus_per_fold: int | None = None  # None: 1 unless train.device is cpu; > 1 runs the fold under torchrun
+    cpus_per_fold: int | None = None
+    mem: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    grace: int = 600  # seconds of warning before the time limit: enough for a step and a checkpoint
+    sbatch_args: list[str] = field(default_factory=list)  # passed through verbatim, one `#SBATCH` line each
+
+    def gpus(self, config: Config) -> int:
+        if self.gpus_per_fold is not None:
+            if self.gpus_per_fold < 0:
+                raise ConfigError(f"--gpus-per-fold {self.gpus_per_fold}: must be 0 or more")
+            return self.gpus_per_fold
+        return 0 if config.train.device == "cpu" else 1
+
+
+@dataclass
+class SlurmSubmission:
+    cv_script: Path
+    summary_script: Path
+    folds: list[int]
+    array_job: str | None = None  # None: --dry-run
+    summary_job: str | None = None
+
+
+def unfinished_folds(config: Config, run: RunFolder) -> list[int]:
+    """Folds of the run not yet trained and evaluated (splits.json's folds, else cv.folds of the config)."""
+    n_folds = len(read_splits(run.splits)["folds"]) if run.splits.exists() else config.cv.folds
+    return [k for k in range(n_folds) if not read_fold_state(run, k).done]
+
+
+def brats_swap_command() -> str:
+    """This installation's brats-swap, so that the jobs run what was tested here (a venv need not be active)."""
+    return f"{shlex.quote(sys.executable)} -m brats_swap"
+
+
+def _directives(config: Config, options: SlurmOptions) -> list[str]:
+    lines = []
+    for flag, value in (("partition", options.partition), ("time", options.time), ("mem", options.mem),
+                        ("account", options.account), ("qos", options.qos),
+                        ("cpus-per-task", options.cpus_per_fold)):
+        if value is not None:
+            lines.append(f"#SBATCH --{flag}={value}")
+    gpus = options.gpus(config)
+    if gpus:
+        lines.append(f"#SBATCH --gres=gpu:{gpus}")
+    lines += [f"#SBATCH {arg}" for arg in options.sbatch_args]
+    return lines
+
+
+def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOptions) -> str:
+    """The array job's script (see the module docstring)."""
+    if options.grace <= 0:
+        raise ConfigError(f"--grace {options.grace}: must be a positive number of seconds")
+    root = run.root.resolve()
+    gpus = options.gpus(config)
+    nproc = f" --nproc {gpus}" if gpus > 1 else ""  # the fold under torchrun, one rank per GPU
+    return "\n".join([
+        "#!/bin/bash",
+        f"# brats-swap cross-validation of {root}: one array task per fold.",
+        "# Written by `brats-swap cv --submit slurm`; edit freely, resubmit with `sbatch` this file.",
+        f"#SBATCH --job-name=cv-{config.name}",
+        f"#SBATCH --array={','.join(str(k) for k in folds)}",
+        f"#SBATCH --output={root}/fold_%a/slurm-%A_%a.log",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --signal=B:USR1@{options.grace}",
+        "#SBATCH --requeue",
+        f"#SBATCH --chdir={Path.cwd().resolve()}",
+        *_directives(config, options),
+        "",
+        f"BRATS_SWAP=({brats_swap_command()})",
+        f"RUN={shlex.quote(str(root))}",
+        'fold="$SLURM_ARRAY_TASK_ID"',
+        'echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID (array $SLURM_ARRAY_JOB_ID, fold $fold) on $(hostname),'
+        ' restart ${SLURM_RESTART_COUNT:-0}"',
+        "",
+        f"# SLURM sends SIGUSR1 to this shell {options.grace} s before the time limit or a preemption: pass it to",
+        "# brats-swap, which saves a checkpoint at the next step and exits 0; then requeue this task, which",
+        "# resumes inside the epoch.",
+        "warned=0",
+        "trap 'warned=1; kill -USR1 \"$pid\" 2>/dev/null' USR1",
+        f'"${{BRATS_SWAP[@]}}" cv --config "$RUN/config.yaml" --run "$RUN" --fold "$fold"{nproc} &',
+        "pid=$!",
+        "# `wait` returns when a trapped signal arrives; wait again until brats-swap itself has exited.",
+        'while true; do wait "$pid"; status=$?; kill -0 "$pid" 2>/dev/null || break; done',
+        'if [ "$warned" = 1 ] && [ "$status" = 0 ]; then',
+        '    echo "$(date -u +%FT%TZ) checkpoint saved; requeueing job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$status"',
+        "",
+    ])
+
+
+def summary_script(config: Config, run: RunFolder, array_job: str, options: SlurmOptions) -> str:
+    """The summary job's script: after every array task has ended, however it ended."""
+    root = run.root.resolve()
+    lines = [
+        "#!/bin/bash",
+        f"# brats-swap cross-validation of {root}: the summary, after the folds' array job.",
+        "# Written by `brats-swap cv --submit slurm`; edit freely.",
+        f"#SBATCH --job-name=cv-{config.name}-summary",
+        f"#SBATCH --dependency=afterany:{array_job}",
+        f"#SBATCH --output={root}/{SLURM_FOLDER}/summary-%j.log",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --chdir={Path.cwd().resolve()}",
+    ]
+    for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos)):
+        if value is not None:
+            lines.append(f"#SBATCH --{flag}={value}")
+    lines += [
+        "",
+        f"BRATS_SWAP=({brats_swap_command()})",
+        f"RUN={shlex.quote(str(root))}",
+        '"${BRATS_SWAP[@]}" cv --config "$RUN/config.yaml" --run "$RUN" --summary',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _sbatch(script: Path, *extra: str) -> str:
+    """Submit with `sbatch --parsable`; the job id."""
+    done = subprocess.run(["sbatch", "--parsable", *extra, str(script)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        reason = " ".join((done.stderr or done.stdout).split()) or f"exit {done.returncode}"
+        raise DataError(f"{script}: sbatch refused it: {reason}")
+    return done.stdout.strip().split(";")[0]  # "<id>" or "<id>;<cluster>"
+
+
+def submit_cv(config: Config, run_dir: RunFolder | Path, options: SlurmOptions, *, dry_run: bool = False
+              ) -> SlurmSubmission:
+    """Write `RUN/slurm/cv.sbatch` and `summary.sbatch` and submit them (not with `dry_run`).
+
+    The run's `config.yaml` must exist (the caller records it first: the jobs read it). Raises DataError
+    when there is nothing to train, or (one line) when `sbatch` is missing or refuses a script.
+    """
+    run = RunFolder.of(run_dir)
+    folds = unfinished_folds(config, run)
+    folder = run.root / SLURM_FOLDER
+    submission = SlurmSubmission(cv_script=folder / "cv.sbatch", summary_script=folder / "summary.sbatch",
+                                 folds=folds)
+    if not folds:
+        raise DataError(f"{run.root}: every fold is done; nothing to submit (see `brats-swap cv --status --run "
+                        f"{run.root}`)")
+    if not dry_run and shutil.which("sbatch") is None:
+        raise DataError("sbatch: not found on the PATH; run this on a SLURM login node (or use --dry-run to "
+                        "write the scripts only)")
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in folds:
+        run.fold(k).root.mkdir(parents=True, exist_ok=True)  # SLURM opens the task's log there before it starts
+    atomic_write_text(submission.cv_script, cv_script(config, run, folds, options))
+    os.chmod(submission.cv_script, 0o755)
+    if dry_run:
+        atomic_write_text(submission.summary_script, summary_script(config, run, ARRAY_PLACEHOLDER, options))
+        return submission
+    submission.array_job = _sbatch(submission.cv_script)
+    atomic_write_text(submission.summary_script, summary_script(config, run, submission.array_job, options))
+    submission.summary_job = _sbatch(submission.summary_script)
+    return submission
+
+
+__all__ = ["SlurmOptions", "SlurmSubmission", "cv_script", "submit_cv", "summary_script", "unfinished_folds"]

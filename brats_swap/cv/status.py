@@ -1,0 +1,74 @@
+"""`brats-swap cv --status`: each fold's state, read from the run folder alone (no scheduler is asked).
+
+A fold is *done* (trained and evaluated), *running* (a process holds its lock: which pid, host and SLURM
+job), *stopped* (a checkpoint, nobody working on it: the next `cv` or requeued task continues), *trained*
+(waiting for its evaluation) or *not started*. Where there is a checkpoint: its epoch and step and when it
+was written.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+
+from brats_swap.cv.lock import describe_holder, fold_holder
+from brats_swap.cv.state import read_fold_state
+from brats_swap.errors import CheckpointError, DataError
+from brats_swap.run.checkpoint import load_latest
+from brats_swap.run.folder import RunFolder
+from brats_swap.splits import read_splits
+
+
+@dataclass
+class FoldStatus:
+    fold: int
+    state: str  # done | running | stopped | trained | not started
+    holder: str = ""  # " (pid P on HOST, SLURM job J)" while running
+    epoch: int | None = None  # epochs completed at the last checkpoint
+    step_in_epoch: int | None = None  # > 0: the checkpoint is mid-epoch
+    checkpoint_at: str | None = None  # UTC time the last checkpoint was written
+
+    def line(self) -> str:
+        text = f"fold {self.fold}: {self.state}{self.holder}"
+        if self.epoch is not None:
+            text += f", epoch {self.epoch} step {self.step_in_epoch}" if self.step_in_epoch else \
+                f", {self.epoch} epoch(s) done"
+        if self.checkpoint_at is not None:
+            text += f", last checkpoint {self.checkpoint_at}"
+        return text
+
+
+def fold_status(run: RunFolder, fold: int) -> FoldStatus:
+    state = read_fold_state(run, fold)
+    holder = fold_holder(run, fold)
+    status = FoldStatus(fold=fold, state="not started")
+    try:
+        loaded = load_latest(run.fold(fold))
+    except CheckpointError:
+        loaded = None
+    if loaded is not None:
+        checkpoint, path = loaded
+        status.epoch, status.step_in_epoch = int(checkpoint["epoch"]), int(checkpoint.get("step_in_epoch", 0))
+        written = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
+        status.checkpoint_at = written.strftime("%Y-%m-%d %H:%M:%S UTC")
+    if state.done:
+        status.state = "done"
+    elif holder is not None:
+        status.state, status.holder = "running", describe_holder(holder)
+    elif state.trained:
+        status.state = "trained, not evaluated"
+    elif loaded is not None:
+        status.state = "stopped"
+    return status
+
+
+def run_status(run_dir: RunFolder | Path) -> list[FoldStatus]:
+    """Every fold of the run's splits.json, in order."""
+    run = RunFolder.of(run_dir)
+    if not run.splits.exists():
+        raise DataError(f"{run.splits}: not found; is {run.root} a cv run folder? (`brats-swap cv` makes it)")
+    return [fold_status(run, k) for k in range(len(read_splits(run.splits)["folds"]))]
+
+
+__all__ = ["FoldStatus", "fold_status", "run_status"]
