@@ -51,6 +51,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# Schedule every second (defaults: 60 s, backfill 30 s): a requeued job starts again within seconds.
+SchedulerParameters=sched_interval=1,bf_interval=1
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1

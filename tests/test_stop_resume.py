@@ -123,3 +123,30 @@ def test_two_gloo_ranks_agree_on_the_stop_step_and_resume_bitwise(data, tmp_path
     final = load_checkpoint(tmp_path / "stopped" / "fold_0" / LATEST)
     assert final["finished"] and final["world_size"] == 2
     assert_same_training_state(final, load_checkpoint(tmp_path / "straight" / "fold_0" / LATEST))
+
+
+def test_the_launcher_forwards_sigusr1_to_each_rank_and_not_to_their_children(tmp_path):
+    """`train --nproc` / `cv --nproc` wrap torchrun in `forward_signals_to_workers`: a stand-in process tree
+    (a launcher without LOCAL_RANK, two ranks with it, each with a child) shows who gets the signal."""
+    import subprocess
+    import time
+
+    from brats_swap.distributed import forward_signals_to_workers, torchrun_workers
+
+    rank = tmp_path / "rank.sh"
+    rank.write_text(f"sleep 30 &\nchild=$!\necho $child > {tmp_path}/child.$LOCAL_RANK\n"
+                    f"trap 'echo $$ > {tmp_path}/got.$LOCAL_RANK; kill $child' USR1\nwait\n")
+    launcher = subprocess.Popen(["bash", "-c", f"LOCAL_RANK=0 bash {rank} & LOCAL_RANK=1 bash {rank} & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(workers := torchrun_workers(launcher.pid)) < 2:
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.05)
+        time.sleep(0.2)  # the ranks' traps are set before their `sleep` starts
+        with forward_signals_to_workers(launcher.pid):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        launcher.wait(timeout=10)
+        assert sorted(int((tmp_path / f"got.{r}").read_text()) for r in (0, 1)) == sorted(workers)
+        assert not {int((tmp_path / f"child.{r}").read_text()) for r in (0, 1)} & set(workers)
+    finally:
+        launcher.kill()

@@ -58,10 +58,12 @@ def run_distributed(config: Config, run_dir: Path, folds: Any = "all", max_hours
 def _follow(config: Config, run_dir: Path, control) -> None:
     """Ranks > 0: train the folds rank 0 names, until it says done.
 
-    SIGTERM (torchrun forwards it to every worker) is left to rank 0, which stops all ranks together at
-    the next epoch boundary; a rank that died on it would leave the others in a failed collective.
+    SIGTERM and SIGUSR1 (which `cv --nproc` forwards to every worker) are left to rank 0 between folds; a
+    rank that died on one would leave the others in a failed collective. While a fold trains, the loop's own
+    handlers take them on every rank, and the ranks stop together at the next step.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         command = _receive(control)
         if command[0] == "done":
