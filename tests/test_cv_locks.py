@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import socket
 import threading
 import time
 
@@ -93,3 +95,16 @@ def test_a_file_system_without_flock_is_a_one_line_error(fake, config, tmp_path,
     with pytest.raises(DataError, match=r"does not support flock .*-o flock") as error:
         run_cv(config, tmp_path / "run")
     assert "\n" not in str(error.value) and fake.calls == []
+
+
+def test_status_shows_done_running_and_stopped_folds(fake, config, tmp_path, monkeypatch):
+    from brats_swap.cv.status import run_status
+
+    run_dir = tmp_path / "run"
+    run_cv(config, run_dir, folds=0)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with fold_locks(run_dir, [1]):
+        lines = [status.line() for status in run_status(run_dir)]
+    assert lines[0].startswith("fold 0: done")
+    assert lines[1].startswith(f"fold 1: running (pid {os.getpid()} on {socket.gethostname()}, SLURM job 4242)")
+    assert [status.state for status in run_status(run_dir)] == ["done", "not started"]

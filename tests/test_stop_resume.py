@@ -31,9 +31,9 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def straight(data, tmp_path_factory):
     """The reference: the fold trained straight through, never stopped."""
-    run = tmp_path_factory.mktemp("straight") / "run"
-    train_fold(tiny_config(*data, *RECIPE), run, 0, progress=False)
-    return load_checkpoint(run / "fold_0" / LATEST)
+    result = train_fold(tiny_config(*data, *RECIPE), tmp_path_factory.mktemp("straight") / "run", 0, progress=False)
+    assert result.finished and result.epochs_completed == 2
+    return load_checkpoint(result.fold_dir / LATEST)
 
 
 def assert_same_training_state(a: dict, b: dict) -> None:

@@ -136,25 +136,27 @@ def _held(path: Path, operation: int, busy_message: Callable[[str], str], *, wri
         os.close(fd)
 
 
-@contextlib.contextmanager
-def run_lock(run_dir: RunFolder | Path) -> Iterator[Path]:
+def run_lock(run_dir: RunFolder | Path) -> contextlib.AbstractContextManager[Path]:
     """Hold the whole run folder for the block (non-blocking): no other process works on any of its folds."""
-    run = RunFolder.of(run_dir)
-    # The pid in `.lock` is an exclusive holder's; processes sharing it write none, so none is named here.
-    with _held(run.lock, fcntl.LOCK_EX, lambda holder: (
-            f"{run.root}: another brats-swap process is working on this run (lock {run.lock}); "
-            "nothing was changed, try again when it has finished"), write_pid=True):
-        yield run.lock
+    return _run_level_lock(run_dir, exclusive=True)
 
 
-@contextlib.contextmanager
-def run_share(run_dir: RunFolder | Path) -> Iterator[Path]:
+def run_share(run_dir: RunFolder | Path) -> contextlib.AbstractContextManager[Path]:
     """Work on some folds of the run (non-blocking): many processes at once, none while `run_lock` is held."""
+    return _run_level_lock(run_dir, exclusive=False)
+
+
+def _run_level_lock(run_dir: RunFolder | Path, exclusive: bool) -> contextlib.AbstractContextManager[Path]:
     run = RunFolder.of(run_dir)
-    with _held(run.lock, fcntl.LOCK_SH, lambda holder: (
-            f"{run.root}: another brats-swap process{holder} holds the whole run (lock {run.lock}); "
-            "nothing was changed, try again when it has finished"), write_pid=False):
-        yield run.lock
+
+    def busy(holder: str) -> str:
+        # `.lock` names its exclusive holder only: processes sharing it write nothing, so a refused exclusive
+        # request cannot say who they are.
+        who = " is working on this run" if exclusive else f"{holder} holds the whole run"
+        return (f"{run.root}: another brats-swap process{who} (lock {run.lock}); nothing was changed, try again "
+                "when it has finished")
+
+    return _held(run.lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, busy, write_pid=exclusive)
 
 
 @contextlib.contextmanager
