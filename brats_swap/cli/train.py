@@ -42,17 +42,20 @@ def train(
     """Train one fold (default fold 0 of cv.folds: the paper's 80/20 split) into the run folder.
 
     Cases of data.root that data.cache lacks (or holds stale) are prepared first, so this works straight
-    from a download. With --resume and no --config, the run's own config.yaml is used (plus any --set).
+    from a download. With --resume and no --config, the run's own config.yaml is used; a --set is recorded
+    there, or refused when it would change what was trained (model, data, folds).
 
     Example: brats-swap train --config configs/quickstart.yaml --set train.max_epochs=5
     """
     from brats_swap.distributed import is_main_process
     from brats_swap.train.data import prepare_run_data
 
-    run_config = RunFolder(run).config if run is not None else None
-    if config is None and resume and run_config is not None and run_config.is_file():
-        config = run_config
-    resolved = resolve_config(config, set_)
+    if run is not None and resume:  # the run's config.yaml, a --set recorded there (brats_swap/cv/run_config.py)
+        from brats_swap.cv.run_config import run_config
+
+        resolved = run_config(run, config, set_, say=lambda text: console.print(text, markup=False, highlight=False))
+    else:
+        resolved = resolve_config(config, set_)
     if nproc is not None:
         import sys
 

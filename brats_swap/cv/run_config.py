@@ -58,7 +58,7 @@ def run_config(run_dir: RunFolder | Path, config_path: Path | None, overrides: l
     refused = [key for key in changed if changes_what_was_trained(key)]
     if refused and has_trained(run):
         raise ConfigError(f"{run.config}: {', '.join(refused)} differs from the run's config and would change what "
-                          "was already trained; train it in a new --run folder")
+                          "its checkpoints were trained with; train it in a new --run folder")
     old, new = config_to_dict(recorded), config_to_dict(config)
     with shared_files(run):
         atomic_write_text(run.config, config_to_yaml(config))

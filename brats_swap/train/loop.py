@@ -30,8 +30,8 @@ position inside the epoch included), so the loss of the next step after `--resum
 uninterrupted run's. Ctrl-C finishes the running step, saves `checkpoint_latest.pt` and raises
 `TrainingInterrupted` (exit 130). SIGTERM and SIGUSR1 (a scheduler's warning before a time limit or a
 preemption) finish the running step, save the mid-epoch checkpoint and return an interrupted result
-(`stop_reason` names the signal); distributed, the ranks agree on the step (see `StopSignals`). A NaN/Inf loss raises
-`NumericalError` before the optimiser step, so the checkpoints on disk stay the last good ones.
+(`stop_reason` names the signal); distributed, the ranks agree on the step (see `StopSignals`). A NaN/Inf
+loss raises `NumericalError` before the optimiser step, so the checkpoints on disk stay the last good ones.
 """
 
 from __future__ import annotations
@@ -557,7 +557,8 @@ class FoldRecipe:
     def finish(self) -> TrainResult:
         """The fold's result, with this call's timings and whether a stop request ended it."""
         return self.loop.to_result(self.folder.fold, self.folder.root, interrupted=self.interrupted,
-                                   stop_reason=self.stop_reason, train_seconds=self.train_seconds, epoch_seconds=self.epoch_seconds)
+                                   stop_reason=self.stop_reason, train_seconds=self.train_seconds,
+                                   epoch_seconds=self.epoch_seconds)
 
     # ---- stopping and checkpoints ----
 
@@ -570,7 +571,7 @@ class FoldRecipe:
         return True
 
     def _stop_within_epoch(self) -> None:
-        """After a step: on Ctrl-C/SIGTERM (on any rank) save the mid-epoch state and stop."""
+        """After a step: on Ctrl-C/SIGTERM/SIGUSR1 (on any rank) save the mid-epoch state and stop."""
         if self.loop.step_in_epoch >= self.data.steps_per_epoch:
             return  # the epoch is complete: `end_epoch` saves and stops
         agreed = self.signals.agreed(self.ctx)  # every rank stops at the same step
