@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_stop_resume import assert_same_training_state
-from train_helpers import SMALL, small_dataset, tiny_config
+from train_helpers import SMALL, assert_same_training_state, small_dataset, tiny_config
 
 from brats_swap.config import config_to_yaml
 from brats_swap.run.checkpoint import load_checkpoint

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import spawn_ranks
-from train_helpers import SMALL, small_dataset, tiny_config
+from train_helpers import SMALL, assert_same_training_state, small_dataset, tiny_config
 
 from brats_swap.run.checkpoint import load_checkpoint
 from brats_swap.run.folder import LATEST
@@ -34,18 +34,6 @@ def straight(data, tmp_path_factory):
     result = train_fold(tiny_config(*data, *RECIPE), tmp_path_factory.mktemp("straight") / "run", 0, progress=False)
     assert result.finished and result.epochs_completed == 2
     return load_checkpoint(result.fold_dir / LATEST)
-
-
-def assert_same_training_state(a: dict, b: dict) -> None:
-    assert a["model"].keys() == b["model"].keys()
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert state_a.keys() == state_b.keys()
-    for index in state_a:
-        for key in state_a[index]:
-            assert torch.equal(torch.as_tensor(state_a[index][key]), torch.as_tensor(state_b[index][key])), (index, key)
-    assert a["global_step"] == b["global_step"] and a["history"][-1]["train_loss"] == b["history"][-1]["train_loss"]
 
 
 def signal_during_step(monkeypatch, signum: int, at_step: int, sink: list[float] | None = None) -> None:

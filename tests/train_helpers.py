@@ -67,3 +67,18 @@ def tensorboard_scalars(tb_dir: Path) -> dict[str, list[float]]:
     accumulator = EventAccumulator(str(tb_dir))
     accumulator.Reload()
     return {tag: [event.value for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    """Two checkpoints hold bitwise the same parameters and optimizer state, after the same steps."""
+    import torch
+
+    assert a["model"].keys() == b["model"].keys()
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    state_a, state_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for index in state_a:
+        for key in state_a[index]:
+            assert torch.equal(torch.as_tensor(state_a[index][key]), torch.as_tensor(state_b[index][key])), (index, key)
+    assert a["global_step"] == b["global_step"] and a["history"][-1]["train_loss"] == b["history"][-1]["train_loss"]

@@ -94,6 +94,8 @@ class CVOutcome:
         action = "; ".join(parts) if parts else "nothing to train or evaluate, summary refreshed"
         if self.complete:
             state = f"all {len(self.folds)} fold(s) done"
+        elif self.stop_reason is None:  # `cv --summary`: nothing was asked to train
+            state = f"{len(self.done)}/{len(self.folds)} fold(s) done"
         else:
             why = {"max-hours": "the --max-hours window closed at an epoch boundary",
                    "SIGTERM": "SIGTERM received", "SIGUSR1": "SIGUSR1 received"}.get(self.stop_reason or "", "stopped")
