@@ -141,7 +141,7 @@ def _submit(scheduler: str, config, run_dir, options, dry_run: bool) -> None:
     """`--submit slurm`: record the run's config (the jobs read it), write the scripts, submit them."""
     from brats_swap.atomic import atomic_write_text
     from brats_swap.config import config_to_yaml
-    from brats_swap.cv.slurm import submit_cv
+    from brats_swap.cv.slurm import ARRAY_PLACEHOLDER, submit_cv
 
     if scheduler != "slurm":
         raise ConfigError(f"--submit {scheduler!r}: the only scheduler is 'slurm'")
@@ -153,7 +153,8 @@ def _submit(scheduler: str, config, run_dir, options, dry_run: bool) -> None:
     if dry_run:
         for script in (submission.cv_script, submission.summary_script):
             _say(f"# {script}\n{script.read_text(encoding='utf-8')}")
-        _say(f"--dry-run: nothing submitted; submit with: sbatch {submission.cv_script}")
+        _say(f"--dry-run: nothing submitted; to submit: sbatch {submission.cv_script}, then put its job id in place of "
+             f"{ARRAY_PLACEHOLDER} in {submission.summary_script} and sbatch that")
         return
     _say(f"submitted folds {', '.join(map(str, submission.folds))} as array job {submission.array_job} "
          f"({submission.cv_script}) and the summary as job {submission.summary_job} ({submission.summary_script})")

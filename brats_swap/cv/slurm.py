@@ -104,7 +104,7 @@ def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOp
     return "\n".join([
         "#!/bin/bash",
         f"# brats-swap cross-validation of {root}: one array task per fold.",
-        "# Written by `brats-swap cv --submit slurm`; edit freely, resubmit with `sbatch` this file.",
+        "# Written by `brats-swap cv --submit slurm`; edit freely, resubmit it with `sbatch <this file>`.",
         f"#SBATCH --job-name=cv-{config.name}",
         f"#SBATCH --array={','.join(str(k) for k in folds)}",
         f"#SBATCH --output={root}/fold_%a/slurm-%A_%a.log",
