@@ -138,3 +138,41 @@ def test_the_launcher_forwards_sigusr1_to_each_rank_and_not_to_their_children(tm
         assert not {int((tmp_path / f"child.{r}").read_text()) for r in (0, 1)} & set(workers)
     finally:
         launcher.kill()
+
+
+@pytest.mark.slow
+def test_train_nproc_2_forwards_sigusr1_and_both_ranks_stop_at_the_same_step(data, tmp_path):
+    """`brats-swap train --nproc 2` (torchrun, 2 gloo ranks): SIGUSR1 to the command stops both ranks after the
+    same step with the mid-epoch checkpoint, exit 0 (torchrun alone would die of it, leaving the ranks)."""
+    import subprocess
+    import sys
+    import time
+
+    root, cache = data
+    run = tmp_path / "run"
+    sets = [f"data.root={root}", f"data.cache={cache}", *SMALL, "data.loader_workers=0", "model.base_filters=4",
+            "train.device=cpu", "cv.folds=2", "train.steps_per_epoch=2000", "train.threads=1", "name=tiny"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    job = subprocess.Popen([sys.executable, "-m", "brats_swap", "train", "--nproc", "2", "--run", str(run),
+                            *[arg for item in sets for arg in ("--set", item)]],
+                           env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    log = run / "fold_0" / "train.log"
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "start fold 0" in log.read_text()):
+            assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()[-3000:] if job.poll() else ""
+            time.sleep(0.1)
+        time.sleep(1.0)
+        job.send_signal(signal.SIGUSR1)
+        output = job.communicate(timeout=60)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-3000:]
+    assert "SIGUSR1: stopped with the state saved" in output
+    assert output.count("SIGUSR1: finishing this step") == 2, output[-3000:]  # each rank's handler got it
+    saved = load_checkpoint(run / "fold_0" / LATEST)
+    assert saved["world_size"] == 2 and saved["epoch"] == 0 and 0 < saved["step_in_epoch"] < 2000
+    # Rank 0 writes the log; the ranks agreed on this step.
+    assert f"SIGUSR1 at epoch 1 step {saved['step_in_epoch']}; state saved" in log.read_text()
