@@ -72,10 +72,14 @@ PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
+# The daemons this script started, one name a line: `stop` stops those only (not a munged the system runs).
+STARTED=$RUN_DIR/started
+
 start_munge() {
     if pgrep -x munged >/dev/null; then
         return
     fi
+    echo munged >>"$STARTED"
     if [ ! -s /etc/munge/munge.key ]; then
         mkdir -p /etc/munge
         dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key status=none
@@ -102,8 +106,14 @@ start() {
     fi
     write_config
     start_munge
-    pgrep -x slurmctld >/dev/null || slurmctld -c   # -c: a clean state, no jobs from an earlier start
-    pgrep -x slurmd >/dev/null || slurmd
+    if ! pgrep -x slurmctld >/dev/null; then
+        slurmctld -c   # -c: a clean state, no jobs from an earlier start
+        echo slurmctld >>"$STARTED"
+    fi
+    if ! pgrep -x slurmd >/dev/null; then
+        slurmd
+        echo slurmd >>"$STARTED"
+    fi
     local deadline=$((SECONDS + 60))
     until running; do
         if [ $SECONDS -ge $deadline ]; then
@@ -119,6 +129,7 @@ start() {
 
 stop_daemon() {
     local name=$1 pidfile=$2 pid
+    grep -qx "$name" "$STARTED" 2>/dev/null || return 0
     pid=$(cat "$pidfile" 2>/dev/null || pgrep -x "$name" || true)
     [ -n "$pid" ] || return 0
     kill $pid 2>/dev/null || true
@@ -137,6 +148,7 @@ stop() {
     stop_daemon slurmd "$RUN_DIR/slurmd.pid"
     stop_daemon slurmctld "$RUN_DIR/slurmctld.pid"
     stop_daemon munged /run/munge/munged.pid
+    rm -f "$STARTED"
     log "stopped"
 }
 
