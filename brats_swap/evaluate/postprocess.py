@@ -548,7 +548,7 @@ def tune_postprocessing(cases: Sequence[tuple[LabelSource, LabelSource]], groups
 def describe_label_changes(before: np.ndarray, after: np.ndarray) -> str:
     """What postprocessing did to one label map, for people: "label 2: 493 -> 0 voxels; ..." per label
     whose voxel count changed, or "changed nothing"."""
-    values = sorted(set(np.unique(before).tolist()) | set(np.unique(after).tolist()) - {0})
+    values = sorted((set(np.unique(before).tolist()) | set(np.unique(after).tolist())) - {0})
     parts = [f"label {value}: {np.count_nonzero(before == value)} -> {np.count_nonzero(after == value)} voxels"
              for value in values if np.count_nonzero(before == value) != np.count_nonzero(after == value)]
     return "; ".join(parts) if parts else "changed nothing"

@@ -1,14 +1,38 @@
 """Result tables on the terminal that never cut a number.
 
-Rich shrinks a table wider than the terminal by truncating cells ("Lesi…", "373.…"). Here every column
-may wrap (header words go on separate lines) but none is narrower than its longest word, so a number is
-either shown whole or moved whole to the next line; a table that still cannot fit is wider than the
-terminal rather than wrong.
+Rich fits a table wider than the terminal by truncating cells ("Lesi…", "373.…") and crops what still
+does not fit. Here every column may wrap (header words go on separate lines) but is never narrower than
+its longest word, so a number is shown whole or moved whole to the next line; when even that is wider than
+the terminal, the columns are split over several tables, each repeating the first (row name) column.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+# Rich's box table: one border character per column plus the closing one, and one space of padding on
+# each side of a cell.
+_BORDER, _PADDING = 1, 2
+
+
+def _min_width(name: str, cells: Sequence[str]) -> int:
+    words = [word for cell in cells for word in str(cell).split()] + str(name).split()
+    return max((len(word) for word in words), default=1)
+
+
+def _column_groups(widths: Sequence[int], space: int) -> list[list[int]]:
+    """Indexes of the value columns (1...) for each table: as many as fit beside column 0 in `space`."""
+    base = _BORDER + widths[0] + _PADDING + _BORDER
+    groups: list[list[int]] = [[]]
+    used = base
+    for index in range(1, len(widths)):
+        need = widths[index] + _PADDING + _BORDER
+        if groups[-1] and used + need > space:
+            groups.append([])
+            used = base
+        groups[-1].append(index)
+        used += need
+    return groups
 
 
 def print_results_table(console, header: Sequence[str], body: Sequence[Sequence[str]], *, title: str = "",
@@ -16,14 +40,18 @@ def print_results_table(console, header: Sequence[str], body: Sequence[Sequence[
     """Print `header` and `body` (cells as text; the first column left-aligned, the others right-aligned)."""
     from rich.table import Table
 
-    table = Table(title=title or None, caption=caption or None)
-    for index, name in enumerate(header):
-        words = [word for cells in body for word in str(cells[index]).split()] + str(name).split()
-        table.add_column(name, justify="left" if index == 0 else "right", overflow="fold",
-                         min_width=max((len(word) for word in words), default=1))
-    for cells in body:
-        table.add_row(*cells)
-    console.print(table)
+    widths = [_min_width(name, [row[index] for row in body]) for index, name in enumerate(header)]
+    groups = _column_groups(widths, console.width) if len(header) > 1 else [[]]
+    for part, columns in enumerate(groups):
+        shown = [0, *columns]
+        suffix = f" ({part + 1}/{len(groups)})" if len(groups) > 1 and title else ""
+        table = Table(title=f"{title}{suffix}" or None, caption=(caption or None) if part == len(groups) - 1 else None)
+        for index in shown:
+            table.add_column(header[index], justify="left" if index == 0 else "right", overflow="fold",
+                             min_width=widths[index])
+        for cells in body:
+            table.add_row(*(cells[index] for index in shown))
+        console.print(table)
 
 
 __all__ = ["print_results_table"]
