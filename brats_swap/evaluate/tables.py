@@ -21,18 +21,20 @@ def _min_width(name: str, cells: Sequence[str]) -> int:
 
 
 def _column_groups(widths: Sequence[int], space: int) -> list[list[int]]:
-    """Indexes of the value columns (1...) for each table: as many as fit beside column 0 in `space`."""
+    """Indexes of the value columns (1...) for each table beside column 0, in as few tables as fit in
+    `space`, with the columns spread evenly over them (no table of one stray column)."""
     base = _BORDER + widths[0] + _PADDING + _BORDER
-    groups: list[list[int]] = [[]]
-    used = base
-    for index in range(1, len(widths)):
-        need = widths[index] + _PADDING + _BORDER
-        if groups[-1] and used + need > space:
-            groups.append([])
-            used = base
-        groups[-1].append(index)
-        used += need
-    return groups
+
+    def fits(columns: Sequence[int]) -> bool:
+        return len(columns) <= 1 or base + sum(widths[i] + _PADDING + _BORDER for i in columns) <= space
+
+    values = list(range(1, len(widths)))
+    for parts in range(1, len(values) + 1):
+        size = -(-len(values) // parts)  # ceiling: the first tables take one column more than the last
+        groups = [values[start:start + size] for start in range(0, len(values), size)]
+        if all(fits(group) for group in groups):
+            return groups
+    return [[index] for index in values]
 
 
 def print_results_table(console, header: Sequence[str], body: Sequence[Sequence[str]], *, title: str = "",
