@@ -4,6 +4,7 @@ challenge's labels on the input's grid) and `evaluate --run --tta`, on a tiny fi
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 
 import nibabel as nib
@@ -236,3 +237,23 @@ def test_predict_says_what_postprocessing_removed_per_case(cv_run, tmp_path, cap
     said = " ".join(capsys.readouterr().err.split())  # progress lines go to stderr
     removed = "; ".join(f"label {value}: {count} -> 0 voxels" for value, count in counts.items() if count)
     assert f"{case.case_id}: postprocessing {removed}" in said
+
+
+def test_evaluate_run_scores_the_good_cases_and_exits_1_naming_a_bad_one(cv_run, tmp_path):
+    _, run, root = cv_run
+    run = copy_run(run, tmp_path / "run")  # evaluation rewrites the fold's predictions and reports
+    data = tmp_path / "data"
+    shutil.copytree(root, data)
+    bad, good = json.loads((run / "splits.json").read_text())["folds"][0]["val"]
+    seg = next(case.seg for case in discover_cases(data) if case.case_id == bad)
+    image = nib.load(seg)
+    labels = np.asarray(image.dataobj).astype(np.uint8)
+    labels[0, 0, 0] = 3  # not a 2021 label
+    nib.save(nib.Nifti1Image(labels, image.affine), seg)
+    result = CliRunner().invoke(app, ["evaluate", "--run", str(run), "--folds", "0", "--data", str(data)])
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "1 of 2 case(s) failed" in errors[0] and bad in errors[0] and "label value 3" in errors[0]
+    with open(run / "fold_0" / "metrics.csv", newline="") as handle:
+        assert [row["case"] for row in csv.DictReader(handle)] == [good]
+    assert f"not scored: case {bad}" in (run / "fold_0" / "summary.md").read_text()
