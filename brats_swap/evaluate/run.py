@@ -4,13 +4,18 @@
   sliding window for patch models) -> probabilities mapped back to the original grid -> labels in the
   edition's convention, saved as `fold_<k>/predictions/<case>.nii.gz` with the original affine -> BraTS
   metrics against the original segmentation file -> `fold_<k>/{metrics.csv, summary.json, ...}`.
-- `evaluate_predictions`: `<case id>.nii.gz` files from any tool (nnU-Net names them so) against a
-  dataset's ground truth, with the same metrics and report.
+- `evaluate_predictions`: `<case id>.nii.gz` files from any tool (nnU-Net names them so) against every
+  reference case of a dataset, one for one as the challenge's submission check demands (a missing
+  prediction is an error, or scored as empty on request), with the same metrics and report.
 - `predict`: new cases (a case folder or a dataset folder), preprocessed on the fly with the run's data
   config (no cache), segmented by one fold or the average of several folds' probabilities (each model
   loaded once for the whole folder), optionally with the 8-mirror test-time augmentation, postprocessed
   with the run's `postprocessing.json` when there is one, written as `<out>/<case id>.nii.gz` (and the
   probabilities as `<out>/<case id>.npz` on request).
+
+A bad case (a missing or unreadable file, a wrong shape, foreign labels) never stops the others: each
+entry point records it (`evaluate.failures.CaseFailures`), finishes every other case, and then fails
+with one error naming every failed case.
 
 Both evaluations score every case twice: the legacy BraTS 2017-2021 metrics (`evaluate.metrics`: Dice,
 sensitivity, specificity, HD95 of WT/TC/ET) and the official 2023+ lesion-wise metrics of the case's
@@ -423,7 +428,7 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
         for case in cases:
             bar.update(task, case=case.case_id)
             with failed.case(case.case_id):
-                written.extend(_predict_case(case, config, members, device, Path(out_dir), tta=tta, plan=plan,
+                written.append(_predict_case(case, config, members, device, Path(out_dir), tta=tta, plan=plan,
                                              probabilities=probabilities, say=say))
             bar.advance(task)
     if failures is None and len(failed) > already_failed:
@@ -433,8 +438,9 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
 
 def _predict_case(case, config: Config, members: list, device: torch.device, out_dir: Path, *, tta: bool,
                   plan: PostprocessingPlan | None, probabilities: bool,
-                  say: Callable[[str], None] | None) -> list[Path]:
-    """One case of `predict`: its labels (postprocessed) and, on request, its probabilities, written."""
+                  say: Callable[[str], None] | None) -> Path:
+    """One case of `predict`: its labels (postprocessed) and, on request, its probabilities, written;
+    returns the labels' path."""
     from brats_swap.data.nifti import load_case
     from brats_swap.data.preprocess import preprocess_case, preprocess_settings
 
@@ -453,4 +459,4 @@ def _predict_case(case, config: Config, members: list, device: torch.device, out
     if probabilities:
         save_probabilities(out_dir / f"{case.case_id}.npz", probs,
                            output_names(loaded.edition, first.model.outputs, first.model.regions), first.model.outputs)
-    return [path]
+    return path
