@@ -298,3 +298,17 @@ def test_a_plan_written_before_the_rule_records_still_loads(tmp_path):
     path = tmp_path / "postprocessing.json"
     path.write_text(json.dumps(data))
     assert load_plan(path) == plan
+
+
+def test_values_within_the_noise_margin_of_the_best_are_ties_and_the_smallest_wins():
+    cases = small_tumour_cases(12, speck_cases=11)
+    pred, _ = cases[10]
+    pred[17:20, 17:20, 18:20] = ET  # case 10's false positive is larger (about 20 voxels) than the others' 7
+    speck = int(np.count_nonzero(pred[16:, 16:, 16:] == ET))
+    assert 10 < speck < 30
+    # Removing case 10's larger speck too gains one case more (1/12 of one group), within a 5% margin.
+    grid = (0, 10, 30)  # a short grid keeps the test fast: 10 removes the 7-voxel specks, 30 case 10's too
+    wide = tune_postprocessing(cases, GLI, relabel=None, grid=grid, keep=KeepRule(min_relative_gain=0.05))
+    assert wide.min_component_voxels["ET"] == 10
+    narrow = tune_postprocessing(cases, GLI, relabel=None, grid=grid, keep=KeepRule(min_relative_gain=0.001))
+    assert narrow.min_component_voxels["ET"] > speck

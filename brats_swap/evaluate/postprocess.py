@@ -25,8 +25,9 @@ as nnU-Net keeps a postprocessing step only when it helps; the keep rule (`KeepR
 - a rule's value is kept only if, on the cases, it raises the objective by at least 1% of the objective
   before it (relative gain), improves more than half of the cases it changes (a case improves when its
   mean over the groups rises), and improves at least 3 cases;
-- among the values that pass, the highest objective wins and a tie keeps the smaller value; when no value
-  passes (ties and near-ties included) the rule stays off.
+- among the values that pass, those within 1% (of the objective before) of the best are ties and the
+  smallest of them wins, so a hair's change in the scores does not move the value from 30 to 1000 voxels;
+  when no value passes (ties and near-ties with no postprocessing included) the rule stays off.
 
 Every rule's outcome is recorded (`RuleRecord` in the plan's `rules`): the best value, the cases it
 changes, how many it improves and worsens, the objective before and with it, kept or why not.
@@ -474,32 +475,34 @@ def _try_value(plan: PostprocessingPlan, rule: _Rule, value: int, cases: list[_T
 def _tune_rule(plan: PostprocessingPlan, rule: _Rule, cases: list[_TuningCase], groups: Groups,
                grid: Sequence[int], keep: KeepRule) -> tuple[PostprocessingPlan, RuleRecord]:
     """The plan with one rule's grid value when a value earns its place (`keep`), else unchanged, and the
-    record of the best value. Candidates are applied to the labels the rules kept so far produce; a case
-    the candidate cannot change keeps its labels and scores. Among the values `keep` accepts the highest
-    objective wins, a tie keeping the smaller value (the smaller intervention)."""
+    record of the value shown (the kept one, or else the best). Candidates are applied to the labels the
+    rules kept so far produce; a case the candidate cannot change keeps its labels and scores.
+
+    Among the values `keep` accepts, those within the noise margin (`keep.min_relative_gain` of the
+    objective before) of the best are ties, and the smallest of them wins: the smaller intervention, and a
+    choice that does not jump from 30 to 1000 voxels when a re-evaluation moves the scores by a hair."""
     reaches = [rule.reach(case.current) for case in cases]
     start = _objective([case.dice for case in cases], groups)
-    best: _Candidate | None = None  # the highest objective, kept or not, for the record
-    kept: _Candidate | None = None
+    tried = []  # per value changing some case: the candidate without its label maps (memory: one at a time)
     for value in sorted(v for v in grid if v > 0):
-        if not any(value > reach for reach in reaches):
-            continue  # changes nothing: the same score as a smaller value
-        candidate = _try_value(plan, rule, value, cases, reaches, groups)
-        if best is None or candidate.score > best.score + 1e-12:
-            best = candidate
-        accepted = not keep.rejects(start, candidate.score, candidate.improved, len(candidate.changed))
-        if accepted and (kept is None or candidate.score > kept.score + 1e-12):
-            kept = candidate
-    shown = kept or best
-    if shown is None:
-        record = RuleRecord(rule.title, rule.group, 0, 0, (), 0, 0, start, start, False, "changes no case")
-        return plan, record
-    why = "kept" if kept is not None else keep.rejects(start, shown.score, shown.improved, len(shown.changed))
-    record = RuleRecord(rule.title, rule.group, kept.value if kept else 0, shown.value,
+        if any(value > reach for reach in reaches):  # else it changes nothing: the score of a smaller value
+            tried.append(replace(_try_value(plan, rule, value, cases, reaches, groups), states=[]))
+    if not tried:
+        return plan, RuleRecord(rule.title, rule.group, 0, 0, (), 0, 0, start, start, False, "changes no case")
+    accepted = [c for c in tried if not keep.rejects(start, c.score, c.improved, len(c.changed))]
+    if accepted:
+        margin = keep.min_relative_gain * max(start, 1e-12)
+        top = max(c.score for c in accepted)
+        shown = min((c for c in accepted if c.score >= top - margin), key=lambda c: c.value)
+    else:
+        shown = max(tried, key=lambda c: c.score)  # the first maximum: a tie shows the smaller value
+    why = "kept" if accepted else keep.rejects(start, shown.score, shown.improved, len(shown.changed))
+    record = RuleRecord(rule.title, rule.group, shown.value if accepted else 0, shown.value,
                         tuple(cases[i].name for i in shown.changed), shown.improved, shown.worsened, start,
-                        shown.score, kept is not None, why)
-    if kept is None:
+                        shown.score, bool(accepted), why)
+    if not accepted:
         return plan, record
+    kept = _try_value(plan, rule, shown.value, cases, reaches, groups)  # its label maps again (scores cached)
     for case, (labels, dice) in zip(cases, kept.states, strict=True):
         case.current, case.dice = labels, dice
     return kept.plan, record
