@@ -16,10 +16,12 @@ from typer.testing import CliRunner
 from brats_swap.cli.main import app
 from brats_swap.cv import postprocessing as cv_postprocessing
 from brats_swap.cv import run_cv
+from brats_swap.cv.summary import postprocessing_markdown_lines
 from brats_swap.data.challenges import evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.nifti import save_label_nifti
 from brats_swap.evaluate.postprocess import (
+    KeepRule,
     PostprocessingPlan,
     apply,
     load_plan,
@@ -63,13 +65,14 @@ def test_cv_tunes_postprocessing_on_the_out_of_fold_predictions_and_reports_befo
     by_hand = tune_postprocessing(pairs, evaluation_groups("2021"), relabel=relabel_labels("2021"))
     assert by_hand.to_dict() == {**plan.to_dict(), "tuned_on": ""}
 
+    # Four out-of-fold cases are too few to tell a rule's gain from noise: nothing is tuned, and the summary
+    # says why.
+    assert plan.describe() == "no postprocessing" and plan.rules == ()
+    assert "4 out-of-fold cases are fewer than the 10" in plan.not_tuned
     markdown = (run / "cv_summary.md").read_text()
     assert "## Validation metrics" in markdown and "## Official BraTS metrics (lesion-wise)" in markdown
-    assert "## Postprocessing, tuned on the 4 out-of-fold predictions" in markdown
-    assert plan.describe() in markdown
-    for group in plan.groups:
-        before, after = plan.lesionwise_dice_before[group], plan.lesionwise_dice_after[group]
-        assert f"| {group} | {plan.min_component_voxels[group]} | {before:.4f} | {after:.4f} |" in markdown
+    assert "## Postprocessing, not tuned on the 4 out-of-fold predictions" in markdown
+    assert f"No postprocessing: {plan.not_tuned}" in markdown
     summary = strict_json(run / "cv_summary.json")
     assert summary["postprocessing"]["tuned_on"] == plan.tuned_on
     assert summary["official"]["cases"] == 4 and list(summary["official"]["groups"]) == ["WT", "TC", "ET"]
@@ -77,6 +80,29 @@ def test_cv_tunes_postprocessing_on_the_out_of_fold_predictions_and_reports_befo
     for k in (0, 1):
         strict_json(run / f"fold_{k}" / "official_summary.json")
         strict_json(run / f"fold_{k}" / "summary.json")
+
+
+def test_cv_summary_shows_each_rule_with_its_value_changed_cases_and_scores():
+    # A tuned plan (the keep rule lowered to one case, the four cases of the tiny cv being too few): one
+    # 2021 case with a small false-positive enhancing speck where the reference has no enhancing tumour.
+    ref = np.zeros((20, 20, 20), np.uint8)
+    ref[4:10, 4:10, 4:10] = 2
+    pred = ref.copy()
+    pred[15:17, 15:17, 15:17] = 4
+    plan = tune_postprocessing([(pred, ref), (ref, ref)], LEGACY_GROUPS, relabel=None,
+                               keep=KeepRule(min_cases=1, min_improved_cases=1))
+    assert plan.min_component_voxels["WT"] > 8  # WT is tuned first and removes the speck
+    lines = postprocessing_markdown_lines({"complete": True,
+                                           "postprocessing": {**plan.to_dict(), "description": plan.describe()}})
+    markdown = "\n".join(lines)
+    assert "## Postprocessing, tuned on the 2 out-of-fold predictions" in markdown and plan.describe() in markdown
+    wt = next(record for record in plan.rules if record["group"] == "WT")
+    assert (f"| WT components below | WT | {wt['value']} | {wt['candidate']} | 1: #0 | 1 / 0 | {wt['before']:.4f} "
+            f"| {wt['after']:.4f} | kept |") in markdown
+    assert "| ET components below | ET | 0 | 0 | 0 | 0 / 0 |" in markdown  # nothing left to change
+    for group in plan.groups:
+        before, after = plan.lesionwise_dice_before[group], plan.lesionwise_dice_after[group]
+        assert f"| {group} | {plan.min_component_voxels[group]} | {before:.4f} | {after:.4f} |" in markdown
 
 
 def test_rerunning_cv_keeps_the_plan_until_the_predictions_change(cv_run, tmp_path, monkeypatch):

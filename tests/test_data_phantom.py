@@ -107,7 +107,8 @@ def test_synth_command_and_bench_script_run_tiny(tmp_path, monkeypatch):
     result = CliRunner().invoke(data_app, ["synth", "--out", str(tmp_path / "ph"), "--cases", "2", "--seed", "5",
                                            "--edition", "2023", "--shape", "24", "24", "16"])
     assert result.exit_code == 0, result.output
-    assert [c.case_id for c in discover_cases(tmp_path / "ph")] == ["BraTS-GLI-00000-000", "BraTS-GLI-00001-000"]
+    # Seed 5 numbers its cases from 5000 (data synth offsets the ids by the seed).
+    assert [c.case_id for c in discover_cases(tmp_path / "ph")] == ["BraTS-GLI-05000-000", "BraTS-GLI-05001-000"]
     out = tmp_path / "bench.json"
     monkeypatch.setattr(sys, "argv", ["bench_data.py", "--shape", "32", "32", "24", "--cube", "16", "16", "16",
                                       "--repeats", "1", "--out", str(out)])

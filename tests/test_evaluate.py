@@ -85,15 +85,22 @@ def test_ground_truth_scored_as_prediction_gives_dice_one(data, tmp_path):
     assert "WT" in result.output
 
 
-def test_scoring_rejects_a_prediction_with_foreign_labels(data, tmp_path):
+def test_a_prediction_with_foreign_labels_fails_after_the_other_cases_are_scored(data, tmp_path):
     root, _ = data
-    case = discover_cases(root)[0]
-    truth = nib.load(case.seg)
+    cases = discover_cases(root)
+    for case in cases[1:]:
+        shutil.copy(case.seg, tmp_path / f"{case.case_id}.nii.gz")
+    truth = nib.load(cases[0].seg)
     bad = np.asarray(truth.dataobj).astype(np.uint8)
     bad[0, 0, 0] = 3  # label 3 does not exist in the 2021 convention
-    nib.save(nib.Nifti1Image(bad, truth.affine), tmp_path / f"{case.case_id}.nii.gz")
-    with pytest.raises(DataError, match="label value 3"):
-        evaluate_predictions(tmp_path, root, tmp_path / "report", progress=False)
+    nib.save(nib.Nifti1Image(bad, truth.affine), tmp_path / f"{cases[0].case_id}.nii.gz")
+    with pytest.raises(DataError, match=f"1 of 4 case.*{cases[0].case_id}.*label value 3"):
+        evaluate_predictions(tmp_path, root, tmp_path / "report", hd95=False, progress=False)
+    # Every reference case has its row; the bad file is scored as empty (Dice 0), the others as perfect.
+    with open(tmp_path / "report" / "metrics.csv") as handle:
+        dice = {row["case"]: float(row["dice_wt"]) for row in csv.DictReader(handle)}
+    assert dice == {case.case_id: 0.0 if case is cases[0] else 1.0 for case in cases}
+    assert f"failed: case {cases[0].case_id}" in (tmp_path / "report" / "summary.md").read_text()
 
 
 def test_predict_segments_a_new_case_folder_on_its_own_grid(trained_run, data, tmp_path):

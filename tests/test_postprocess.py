@@ -17,6 +17,7 @@ from brats_swap.errors import DataError
 from brats_swap.evaluate.official import case_official_metrics
 from brats_swap.evaluate.postprocess import (
     MIN_SIZE_GRID,
+    KeepRule,
     PostprocessingPlan,
     apply,
     load_plan,
@@ -142,7 +143,8 @@ def test_apply_is_idempotent(seed, sizes, enhancing):
 def test_plan_round_trips_through_json_and_bad_files_are_one_line_errors(tmp_path):
     plan = PostprocessingPlan(groups=GLI, min_component_voxels={"ET": 50, "NETC": 0, "SNFH": 0, "TC": 0, "WT": 20},
                               enhancing_label=ET, necrosis_label=NETC, small_enhancing_voxels=200,
-                              lesionwise_dice_before={"ET": 0.5}, lesionwise_dice_after={"ET": 0.6}, n_cases=3)
+                              lesionwise_dice_before={"ET": 0.5}, lesionwise_dice_after={"ET": 0.6}, n_cases=3,
+                              rules=({"rule": "ET components below", "group": "ET", "value": 50, "kept": True},))
     path = tmp_path / "postprocessing.json"
     save_plan(plan, path)
     assert load_plan(path) == plan
@@ -158,6 +160,10 @@ def test_plan_round_trips_through_json_and_bad_files_are_one_line_errors(tmp_pat
 
 
 # ---- the tuner ------------------------------------------------------------------------------------------------
+
+
+# The search's mechanics on a handful of cases: nothing to prove about noise here.
+MECHANICS = KeepRule(min_cases=1, min_improved_cases=1)
 
 
 def lesionwise_dice_counting_empty_as_one(cases) -> dict[str, float]:
@@ -176,7 +182,8 @@ def test_tuner_removes_a_planted_small_false_positive_and_reports_official_score
     pred[ball((34, 34, 34), 1)] = ET
     cases.append((pred, ref))
     lines = []
-    plan = tune_postprocessing(cases, GLI, relabel=None, report=lines.append)
+    # The rule's mechanics on 5 cases: the keep rule's thresholds lowered to 1 case (see the tests below).
+    plan = tune_postprocessing(cases, GLI, relabel=None, report=lines.append, keep=MECHANICS)
 
     smallest_true_et = min(np.count_nonzero(p == ET) for p, _ in cases[:4])
     assert 7 < plan.min_component_voxels["ET"] <= smallest_true_et
@@ -204,7 +211,7 @@ def test_tuner_relabels_a_small_enhancing_speck_inside_necrosis(tmp_path):
         nib.save(nib.Nifti1Image(p, np.eye(4)), pred_path)
         nib.save(nib.Nifti1Image(r, np.eye(4)), ref_path)
         paths.append((pred_path, ref_path))
-    plan = tune_postprocessing(paths, GLI, relabel=relabel_labels("gli"), grid=MIN_SIZE_GRID)
+    plan = tune_postprocessing(paths, GLI, relabel=relabel_labels("gli"), grid=MIN_SIZE_GRID, keep=MECHANICS)
 
     assert 7 < plan.small_enhancing_voxels <= min(np.count_nonzero(p == ET) for p, _ in cases[:2])
     assert plan.lesionwise_dice_after["ET"] > plan.lesionwise_dice_before["ET"]
@@ -216,3 +223,92 @@ def test_tuner_refuses_labels_outside_the_groups():
     pred[0, 0, 0] = 4
     with pytest.raises(DataError, match=r"case #0: prediction: labels \[4\] are in no evaluation group"):
         tune_postprocessing([(pred, ref)], GLI)
+
+
+# ---- the keep rule: a rule must earn its place ------------------------------------------------------------
+
+SMALL = (24, 24, 24)
+
+
+def small_tumour_cases(count: int, speck_cases: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prediction, reference) pairs on a 24³ grid: a tumour predicted one voxel off. The first `speck_cases`
+    have no enhancing tumour, but their prediction holds a 7-voxel false-positive enhancing lesion far from
+    the tumour: the lesion-wise Dice (over matched lesions) of such a case's ET is 0, and 1 without it."""
+    grid = np.indices(SMALL)
+
+    def small_ball(center, radius):
+        return sum((grid[axis] - center[axis]) ** 2 for axis in range(3)) <= radius**2
+
+    cases = []
+    for index in range(count):
+        ref, pred = np.zeros(SMALL, np.uint8), np.zeros(SMALL, np.uint8)
+        for volume, shift in ((ref, 0), (pred, 1)):
+            center = (9 + index % 3 + shift, 9, 9)
+            volume[small_ball(center, 5 + index % 2)] = SNFH
+            volume[small_ball(center, 3)] = ET if index >= speck_cases else NETC
+            volume[small_ball(center, 1.5)] = NETC
+        if index < speck_cases:
+            pred[small_ball((20, 20, 20), 1)] = ET
+        cases.append((pred, ref))
+    return cases
+
+
+def test_a_plan_stays_identity_on_predictions_that_no_rule_improves():
+    plan = tune_postprocessing(small_tumour_cases(10), GLI, relabel=relabel_labels("gli"))
+    assert plan.describe() == "no postprocessing" and plan.small_enhancing_voxels == 0
+    assert set(plan.min_component_voxels.values()) == {0} and not plan.not_tuned
+    assert [record["kept"] for record in plan.rules] == [False] * (len(GLI) + 1)
+    assert plan.lesionwise_dice_after == plan.lesionwise_dice_before
+
+
+def test_a_rule_is_kept_where_it_clearly_helps_every_case():
+    cases = small_tumour_cases(10, speck_cases=10)
+    plan = tune_postprocessing(cases, GLI, relabel=None)
+    assert 7 < plan.min_component_voxels["ET"]
+    (record,) = [record for record in plan.rules if record["group"] == "ET"]
+    assert record["kept"] and record["value"] == plan.min_component_voxels["ET"]
+    assert len(record["changed_cases"]) == record["improved"] == 10 and record["worsened"] == 0
+    assert record["after"] > record["before"] * 1.01
+    assert plan.lesionwise_dice_after["ET"] > plan.lesionwise_dice_before["ET"]
+    # The speck is gone and the tumours are untouched.
+    for pred, _ in cases:
+        cleaned = apply(plan, pred)
+        assert not cleaned[18:, 18:, 18:].any() and np.array_equal(cleaned[:18], pred[:18])
+
+
+def test_a_rule_that_helps_too_few_cases_is_not_kept():
+    # Two of twelve cases gain (more than 1% overall), but two cases are below the 3 the keep rule demands.
+    plan = tune_postprocessing(small_tumour_cases(12, speck_cases=2), GLI, relabel=None)
+    (record,) = [record for record in plan.rules if record["group"] == "ET"]
+    assert record["after"] > record["before"] * 1.01 and record["improved"] == 2
+    assert not record["kept"] and record["value"] == 0 and "fewer than 3" in record["why"]
+    assert plan.describe() == "no postprocessing"
+
+
+def test_too_few_cases_tune_nothing_and_say_why():
+    plan = tune_postprocessing(small_tumour_cases(6, speck_cases=6), GLI, relabel=relabel_labels("gli"))
+    assert plan.describe() == "no postprocessing" and plan.rules == () and plan.n_cases == 6
+    assert "6 out-of-fold cases are fewer than the 10" in plan.not_tuned
+
+
+def test_a_plan_written_before_the_rule_records_still_loads(tmp_path):
+    plan = PostprocessingPlan.identity(GLI, (ET, NETC))
+    data = plan.to_dict()
+    del data["rules"], data["not_tuned"]
+    path = tmp_path / "postprocessing.json"
+    path.write_text(json.dumps(data))
+    assert load_plan(path) == plan
+
+
+def test_values_within_the_noise_margin_of_the_best_are_ties_and_the_smallest_wins():
+    cases = small_tumour_cases(12, speck_cases=11)
+    pred, _ = cases[10]
+    pred[17:20, 17:20, 18:20] = ET  # case 10's false positive is larger (about 20 voxels) than the others' 7
+    speck = int(np.count_nonzero(pred[16:, 16:, 16:] == ET))
+    assert 10 < speck < 30
+    # Removing case 10's larger speck too gains one case more (1/12 of one group), within a 5% margin.
+    grid = (0, 10, 30)  # a short grid keeps the test fast: 10 removes the 7-voxel specks, 30 case 10's too
+    wide = tune_postprocessing(cases, GLI, relabel=None, grid=grid, keep=KeepRule(min_relative_gain=0.05))
+    assert wide.min_component_voxels["ET"] == 10
+    narrow = tune_postprocessing(cases, GLI, relabel=None, grid=grid, keep=KeepRule(min_relative_gain=0.001))
+    assert narrow.min_component_voxels["ET"] > speck

@@ -4,6 +4,7 @@ challenge's labels on the input's grid) and `evaluate --run --tta`, on a tiny fi
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 
 import nibabel as nib
@@ -162,3 +163,97 @@ def test_a_case_of_another_label_table_is_a_one_line_error(cv_run, tmp_path):
     assert result.exit_code == 1
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and case_id in errors[0] and "3 channels" in errors[0] and "ped" in errors[0]
+
+
+# ---- results you can trust: every case counted, bad cases listed, the others done -----------------------------
+
+
+def test_evaluate_predictions_refuses_missing_cases_or_scores_them_as_empty(cv_run, tmp_path):
+    _, _, root = cv_run
+    cases = discover_cases(root)
+    predictions = tmp_path / "predictions"
+    predictions.mkdir()
+    for case in cases[:2]:
+        shutil.copy(case.seg, predictions / f"{case.case_id}.nii.gz")
+    shutil.copy(cases[0].seg, predictions / "BraTS2021_09999.nii.gz")  # a prediction without a reference case
+    missing = [case.case_id for case in cases[2:]]
+    report = tmp_path / "report"
+
+    refused = CliRunner().invoke(app, ["evaluate", "--predictions", str(predictions), "--data", str(root),
+                                       "--out", str(report)])
+    assert refused.exit_code == 1
+    (error,) = [line for line in refused.output.splitlines() if line.startswith("error:")]
+    assert "no prediction for 2 of 4 reference cases" in error and all(case_id in error for case_id in missing)
+    assert "--missing empty" in error and not report.exists()  # refused before anything is written
+
+    scored = CliRunner().invoke(app, ["evaluate", "--predictions", str(predictions), "--data", str(root),
+                                      "--out", str(report), "--missing", "empty"], env={"COLUMNS": "200"})
+    assert scored.exit_code == 0, scored.output
+    output = " ".join(scored.output.split())
+    assert f"scored as empty (no prediction): {', '.join(missing)}" in output
+    assert "not scored (no reference case): BraTS2021_09999" in output
+    for name in ("metrics.csv", "official.csv"):
+        with open(report / name, newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        assert [row["case"] for row in rows] == [case.case_id for case in cases], name
+    with open(report / "metrics.csv", newline="") as handle:
+        dice = {row["case"]: float(row["dice_wt"]) for row in csv.DictReader(handle)}
+    assert dice == {case.case_id: 0.0 if case.case_id in missing else 1.0 for case in cases}
+    summary_md = (report / "summary.md").read_text()
+    assert all(f"no prediction, scored as empty: {case_id}" in summary_md for case_id in missing)
+    assert "prediction without a reference case, not scored: BraTS2021_09999" in summary_md
+
+
+def test_predict_writes_every_good_case_and_exits_1_naming_the_broken_one(cv_run, two_cases, tmp_path):
+    _, run, _ = cv_run
+    root = tmp_path / "cases"
+    shutil.copytree(two_cases, root)
+    good, broken = discover_cases(root)
+    broken.images["t2"].unlink()  # a case without one of its modalities
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(root), "--out", str(out),
+                                      "--folds", "0", "--no-postprocessing"])
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "1 of 2 case(s) failed" in errors[0] and broken.case_id in errors[0]
+    assert "t2" in errors[0] and good.case_id not in errors[0] and "Traceback" not in result.output
+    assert f"skipped case {broken.case_id}" in " ".join(result.output.split())
+    assert sorted(path.name for path in out.iterdir()) == [f"{good.case_id}.nii.gz"]
+
+
+def test_predict_says_what_postprocessing_removed_per_case(cv_run, tmp_path, capsys):
+    from dataclasses import replace
+
+    from brats_swap.evaluate.postprocess import PostprocessingPlan, relabel_labels, save_plan
+
+    _, run, root = cv_run
+    run = copy_run(run, tmp_path / "run")
+    identity = PostprocessingPlan.identity({"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}, relabel_labels("2021"))
+    save_plan(replace(identity, min_component_voxels={"WT": 10**9, "TC": 0, "ET": 0}), run / "postprocessing.json")
+    case = discover_cases(root)[0]
+    raw = evaluate_run.predict(run, case.seg.parent, tmp_path / "raw", 0, postprocess=False, progress=False)[0]
+    counts = {value: int(np.count_nonzero(np.asarray(nib.load(raw).dataobj) == value)) for value in (1, 2, 4)}
+    evaluate_run.predict(run, case.seg.parent, tmp_path / "processed", 0, progress=True)
+    said = " ".join(capsys.readouterr().err.split())  # progress lines go to stderr
+    removed = "; ".join(f"label {value}: {count} -> 0 voxels" for value, count in counts.items() if count)
+    assert f"{case.case_id}: postprocessing {removed}" in said
+
+
+def test_evaluate_run_scores_the_good_cases_and_exits_1_naming_a_bad_one(cv_run, tmp_path):
+    _, run, root = cv_run
+    run = copy_run(run, tmp_path / "run")  # evaluation rewrites the fold's predictions and reports
+    data = tmp_path / "data"
+    shutil.copytree(root, data)
+    bad, good = json.loads((run / "splits.json").read_text())["folds"][0]["val"]
+    seg = next(case.seg for case in discover_cases(data) if case.case_id == bad)
+    image = nib.load(seg)
+    labels = np.asarray(image.dataobj).astype(np.uint8)
+    labels[0, 0, 0] = 3  # not a 2021 label
+    nib.save(nib.Nifti1Image(labels, image.affine), seg)
+    result = CliRunner().invoke(app, ["evaluate", "--run", str(run), "--folds", "0", "--data", str(data)])
+    assert result.exit_code == 1
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "1 of 2 case(s) failed" in errors[0] and bad in errors[0] and "label value 3" in errors[0]
+    with open(run / "fold_0" / "metrics.csv", newline="") as handle:
+        assert [row["case"] for row in csv.DictReader(handle)] == [good]
+    assert f"not scored: case {bad}" in (run / "fold_0" / "summary.md").read_text()

@@ -36,7 +36,18 @@ RunOption = Annotated[
     Path | None, typer.Option("--run", help="Run folder (default: runs/<config name>).", show_default=False)
 ]
 
+FoldsOption = Annotated[
+    str, typer.Option("--folds", "--fold", "-f", help="Folds: all, a fold K, or folds K,K (--fold is the same "
+                                                      "option).")
+]
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def flag(names: str, help: str) -> Any:
+    """A boolean option spelled `--x/--no-x`. Typer's help would show a `<bool>` type next to it, as if it
+    took a value (`--tta true` is refused); the empty metavar leaves only the two spellings."""
+    return typer.Option(names, help=help, metavar="")
 
 
 def resolve_config(config: Path | None, overrides: list[str] | None) -> Config:

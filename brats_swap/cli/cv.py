@@ -14,6 +14,7 @@ import typer
 
 from brats_swap.cli.common import (
     ConfigOption,
+    FoldsOption,
     RunOption,
     SetOption,
     console,
@@ -22,6 +23,7 @@ from brats_swap.cli.common import (
     resolve_config,
 )
 from brats_swap.errors import ConfigError
+from brats_swap.run.fold_selection import compare_fold_selection, parse_fold_selection
 from brats_swap.run.folder import RunFolder
 
 MaxHoursOption = Annotated[
@@ -44,7 +46,7 @@ def cv(
     config: ConfigOption = None,
     set_: SetOption = None,
     run: RunOption = None,
-    fold: Annotated[str, typer.Option("--fold", help="'all' or one fold number.")] = "all",
+    folds: FoldsOption = "all",
     max_hours: MaxHoursOption = None,
     parallel_folds: Annotated[int, typer.Option("--parallel-folds", help="Train this many folds at once, one "
                                                 "worker process per GPU (or per CPU share).")] = 1,
@@ -105,8 +107,8 @@ def cv(
         prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
         raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
     else:
-        outcome = run_cv(resolved, run_dir, folds=fold, max_hours=max_hours, parallel_folds=parallel_folds,
-                         console=console)
+        outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
+                         parallel_folds=parallel_folds, console=console)
     if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
         return
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
@@ -169,8 +171,8 @@ def compare(
     config: ConfigOption = None,
     set_: SetOption = None,
     run: RunOption = None,
-    folds: Annotated[int | None, typer.Option("--folds", help="Compare the first K folds of the run's splits "
-                                                             "(default: all cv.folds).", show_default=False)] = None,
+    folds: Annotated[str, typer.Option("--folds", "--fold", "-f", help="Folds: all, folds K,K (a single fold: "
+                                       "K,); a bare number K keeps its old meaning, the first K folds.")] = "all",
     max_hours: MaxHoursOption = None,
 ) -> None:
     """Train and evaluate the same folds twice (whole volume and patches) and compare them.
@@ -185,7 +187,8 @@ def compare(
     resolved = resolve_config(config, set_)
     # Not runs/<name>: that is where `brats-swap cv` / `train` put the same config's plain run.
     run_dir = run if run is not None else RunFolder.default_for(f"{resolved.name}-compare").root
-    outcome = run_compare(resolved, run_dir, folds=folds, max_hours=max_hours, console=console)
+    outcome = run_compare(resolved, run_dir, folds=compare_fold_selection(folds), max_hours=max_hours,
+                          console=console)
     console.print(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)", markup=False, highlight=False, soft_wrap=True)
     console.print(f"comparison: {RunFolder(run_dir).compare_md}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(0)

@@ -8,8 +8,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from brats_swap.cli.common import ConfigOption, SetOption, console, handle_errors, resolve_config
+from brats_swap.cli.common import ConfigOption, SetOption, console, flag, handle_errors, resolve_config
 from brats_swap.errors import DataError
+
+# `data synth` numbers the cases of seed s from s x SEED_ID_STRIDE (unless --id-offset says otherwise).
+SEED_ID_STRIDE = 1000
 
 app = typer.Typer(help="Check, prepare and synthesize BraTS data.", no_args_is_help=True)
 
@@ -28,7 +31,7 @@ ChallengeOption = Annotated[
     typer.Option("--challenge", help="Force the 2023+ challenge: gli, gli-post, met, men, men-rt, ped, ssa, goat "
                                      "(default: data.challenge, auto-detected from case ids).", show_default=False),
 ]
-StrictOption = Annotated[bool, typer.Option("--strict", help="Any bad case is an error (exit 1) instead of "
+StrictOption = Annotated[bool, flag("--strict/--no-strict", "Any bad case is an error (exit 1) instead of "
                                                              "being listed and skipped.")]
 
 
@@ -113,10 +116,16 @@ def synth(
     shape: Annotated[tuple[int, int, int] | None, typer.Option("--shape", help="Volume size X Y Z "
                                                                "(default: data.synth.shape, 240 240 155).",
                                                                show_default=False)] = None,
+    id_offset: Annotated[int | None, typer.Option("--id-offset", min=0, help="Number the cases from this "
+                                                  "offset (default: 1000 x the seed, so folders of different "
+                                                  "seeds never share a case id).", show_default=False)] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
 ) -> None:
-    """Write BraTS-format phantom cases (modalities + seg, NIfTI gz, 1 mm), deterministic per seed."""
+    """Write BraTS-format phantom cases (modalities + seg, NIfTI gz, 1 mm), deterministic per seed.
+
+    Case ids are numbered from --id-offset (default 1000 x the seed: seed 0 gives BraTS2021_00000 ...,
+    seed 7 BraTS2021_07000 ...), so predictions for one folder are never scored against another's cases."""
     from brats_swap.data.phantom import synthesize_dataset
 
     overrides = list(set_ or [])
@@ -135,7 +144,9 @@ def synth(
     folder = out if out is not None else Path(cfg.data.root)
     # A forced challenge (--challenge, or data.challenge of the config) names and labels the phantoms.
     table = cfg.data.challenge if cfg.data.challenge != "auto" else synth_cfg.edition
-    ids = synthesize_dataset(folder, synth_cfg.cases, synth_cfg.seed, table, tuple(synth_cfg.shape), progress=True)
+    offset = id_offset if id_offset is not None else SEED_ID_STRIDE * synth_cfg.seed
+    ids = synthesize_dataset(folder, synth_cfg.cases, synth_cfg.seed, table, tuple(synth_cfg.shape), progress=True,
+                             id_offset=offset)
     console.print(f"{folder}: wrote {len(ids)} {table} phantom cases "
                   f"({'x'.join(map(str, synth_cfg.shape))}, seed {synth_cfg.seed}): {ids[0]} ... {ids[-1]}",
                   highlight=False)

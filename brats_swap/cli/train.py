@@ -13,15 +13,18 @@ import typer
 
 from brats_swap.cli.common import (
     ConfigOption,
+    FoldsOption,
     RunOption,
     SetOption,
     console,
     default_run_dir,
+    flag,
     handle_errors,
     resolve_config,
 )
 from brats_swap.errors import ConfigError, TrainingInterrupted
-from brats_swap.run.folder import BEST, RunFolder
+from brats_swap.run.console import warn
+from brats_swap.run.folder import RunFolder
 
 FoldOption = Annotated[int | None, typer.Option("--fold", "-f", help="Fold of splits.json (default 0).",
                                                 show_default=False)]
@@ -34,7 +37,7 @@ def train(
     set_: SetOption = None,
     fold: FoldOption = None,
     run: RunOption = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from fold_<k>/checkpoint_latest.pt.")] = False,
+    resume: Annotated[bool, flag("--resume/--no-resume", "Continue from fold_<k>/checkpoint_latest.pt.")] = False,
     nproc: Annotated[int | None, typer.Option("--nproc", help="Train with N processes on this node (torchrun + "
                                               "DDP: one per GPU, or gloo on CPU); batch_size is per process.",
                                               show_default=False)] = None,
@@ -104,32 +107,38 @@ def evaluate(
     run: Annotated[Path | None, typer.Option("--run", help="Run folder to evaluate.", show_default=False)] = None,
     data: Annotated[Path | None, typer.Option("--data", help="Dataset folder with the ground-truth segmentations "
                                                             "(default: the run's data.root).", show_default=False)] = None,
-    fold: FoldOption = None,
+    folds: FoldsOption = "all",
     checkpoint: CheckpointOption = "best",
     predictions: Annotated[Path | None, typer.Option("--predictions", help="Score <case id>.nii.gz files from any "
                                                                            "tool instead of a run.",
                                                      show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Report folder for --predictions (default: the "
                                                            "predictions folder).", show_default=False)] = None,
+    missing: Annotated[str, typer.Option("--missing", help="--predictions: a reference case without a prediction "
+                                         "is an error (exit 1, naming them, as the challenge's submission check), or "
+                                         "scored as an empty prediction (Dice 0 where there is tumour, the HD95 "
+                                         "penalty) and listed.")] = "error",
     edition: Annotated[str, typer.Option("--edition", help="Label table for --predictions: an edition 2017 ... "
                                          "2021, 2023, or a 2023+ challenge (default: each case's own).")] = "auto",
     challenge: Annotated[str, typer.Option("--challenge", help="Force the 2023+ challenge for --predictions: gli, "
                                            "gli-post, met, men, men-rt, ped, ssa, goat.")] = "auto",
-    tta: Annotated[bool, typer.Option("--tta", help="--run: average the 8 mirrorings of each case (test-time "
-                                                    "augmentation, as predict --tta).")] = False,
+    tta: Annotated[bool, flag("--tta/--no-tta", "--run: average the 8 mirrorings of each case (test-time "
+                                                "augmentation, as predict --tta).")] = False,
     set_: SetOption = None,
 ) -> None:
     """Score a trained run's validation cases, or any tool's predictions, with the BraTS metrics.
 
     Writes metrics.csv, summary.json, summary.md and dice_boxplot.png (the 2017-2021 metrics: WT/TC/ET Dice,
     sensitivity, specificity, HD95) and official.csv, official_summary.json (the official 2023+ lesion-wise
-    metrics of the challenge's groups); prints both tables.
+    metrics of the challenge's groups); prints both tables. A bad case is listed and skipped, the others are
+    scored, and the command exits 1 naming every failed case.
 
     Examples: brats-swap evaluate --run runs/quickstart;
-    brats-swap evaluate --predictions nnunet_out/ --data data/BraTS2021 --out reports/nnunet
+    brats-swap evaluate --predictions nnunet_out/ --data data/BraTS2021 --out reports/nnunet --missing empty
     """
-    from brats_swap.evaluate.metrics import print_summary
+    from brats_swap.evaluate.failures import CaseFailures
 
+    failures = CaseFailures(say=warn)
     if predictions is not None:
         if run is not None:
             raise ConfigError("evaluate: give either --run or --predictions, not both")
@@ -137,30 +146,58 @@ def evaluate(
             raise ConfigError("evaluate --tta: only with --run (--predictions scores files that are already made)")
         if data is None:
             raise ConfigError("evaluate --predictions: --data DIR (the dataset with the ground truth) is required")
-        from brats_swap.evaluate.run import evaluate_predictions
-
-        out_dir = out if out is not None else predictions
-        summary = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge)
-        print_summary(summary, console, title=f"{predictions} vs {data}")
-        _print_official(out_dir, f"{predictions} vs {data}: official BraTS metrics")
-        console.print(f"report: {out_dir}", markup=False, highlight=False)
+        _evaluate_predictions(predictions, data, out if out is not None else predictions, edition, challenge,
+                              missing, failures)
         return
     if run is None:
         raise ConfigError("evaluate: give --run DIR (a trained run) or --predictions DIR --data DIR")
-    from brats_swap.config import load_config
-    from brats_swap.evaluate.run import evaluate_fold
+    _evaluate_run(RunFolder(run), data, folds, checkpoint, tta, set_, failures)
 
-    run_folder = RunFolder(run)
+
+def _evaluate_predictions(predictions: Path, data: Path, out_dir: Path, edition: str, challenge: str, missing: str,
+                          failures) -> None:
+    from brats_swap.evaluate.metrics import print_summary
+    from brats_swap.evaluate.run import evaluate_predictions
+
+    report = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge, missing=missing,
+                                  failures=failures)
+    if report.summary:
+        print_summary(report.summary, console, title=f"{predictions} vs {data}")
+        _print_official(out_dir, f"{predictions} vs {data}: official BraTS metrics")
+    if report.missing:
+        _say(f"scored as empty (no prediction): {', '.join(report.missing)}")
+    if report.unmatched:
+        _say(f"not scored (no reference case): {', '.join(report.unmatched)}")
+    _say(f"report: {out_dir}")
+    failures.raise_if_any(f"evaluate {predictions}", report.references)
+
+
+def _evaluate_run(run_folder: RunFolder, data: Path | None, folds: str, checkpoint: str, tta: bool,
+                  set_: list[str] | None, failures) -> None:
+    from brats_swap.config import load_config
+    from brats_swap.evaluate.metrics import print_summary
+    from brats_swap.evaluate.run import evaluate_fold, select_folds
+
     if not run_folder.config.is_file():
-        raise ConfigError(f"{run_folder.config}: not found; is {run} a brats-swap run folder?")
+        raise ConfigError(f"{run_folder.config}: not found; is {run_folder.root} a brats-swap run folder?")
     resolved = load_config(run_folder.config, set_ or [])
-    folds = [fold] if fold is not None else _trained_folds(run_folder)
-    for k in folds:
-        summary = evaluate_fold(resolved, run_folder, k, checkpoint=checkpoint, data_root=data, tta=tta)
+    from brats_swap.splits import fold_cases, read_splits
+
+    chosen = select_folds(run_folder, folds, checkpoint)
+    for k in chosen:
+        summary = evaluate_fold(resolved, run_folder, k, checkpoint=checkpoint, data_root=data, tta=tta,
+                                failures=failures)
         title = f"{resolved.name} fold {k} ({checkpoint} checkpoint{', 8-mirror TTA' if tta else ''})"
-        print_summary(summary, console, title=title)
-        _print_official(run_folder.fold(k).root, f"{title}: official BraTS metrics")
-        console.print(f"report: {run_folder.fold(k).root}", markup=False, highlight=False)
+        if summary:
+            print_summary(summary, console, title=title)
+            _print_official(run_folder.fold(k).root, f"{title}: official BraTS metrics")
+        _say(f"report: {run_folder.fold(k).root}")
+    failures.raise_if_any(f"evaluate {run_folder.root} fold(s) {', '.join(map(str, chosen))}",
+                          sum(len(fold_cases(read_splits(run_folder.splits), k)[1]) for k in chosen))
+
+
+def _say(line: str) -> None:
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_official(report_dir: Path, title: str) -> None:
@@ -173,40 +210,36 @@ def _print_official(report_dir: Path, title: str) -> None:
         print_official_summary(summary, groups, console, title=title)
 
 
-def _trained_folds(run: RunFolder) -> list[int]:
-    """The folds of `run` that have a best checkpoint to evaluate."""
-    folds = [k for k in run.existing_folds() if run.fold(k).best.exists()]
-    if not folds:
-        raise ConfigError(f"{run.root}: no fold has a {BEST}; train first (brats-swap train)")
-    return folds
-
-
 @handle_errors
 def predict(
     run: Annotated[Path, typer.Option("--run", help="Trained run folder.")],
     input_path: Annotated[Path, typer.Option("--input", "-i", help="A case folder or a dataset folder.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for <case id>.nii.gz.")],
-    folds: Annotated[str, typer.Option("--folds", "--fold", "-f", help="all (average the probabilities of every "
-                                       "fold with the checkpoint), a fold K, or folds K,K.")] = "all",
+    folds: FoldsOption = "all",
     checkpoint: CheckpointOption = "best",
-    tta: Annotated[bool, typer.Option("--tta", help="Average the 8 mirrorings of each case (test-time "
-                                                    "augmentation; 8x the inference time).")] = False,
-    save_probabilities: Annotated[bool, typer.Option("--save-probabilities", help="Also write <case id>.npz: the "
-                                                     "probabilities on the original grid and their channel "
-                                                     "names.")] = False,
-    postprocessing: Annotated[bool, typer.Option("--postprocessing/--no-postprocessing", help="Apply the run's "
-                                                 "postprocessing.json (tuned by cv) when there is one.")] = True,
+    tta: Annotated[bool, flag("--tta/--no-tta", "Average the 8 mirrorings of each case (test-time augmentation; "
+                                                "8x the inference time).")] = False,
+    save_probabilities: Annotated[bool, flag("--save-probabilities/--no-save-probabilities", "Also write "
+                                             "<case id>.npz: the probabilities on the original grid and their "
+                                             "channel names.")] = False,
+    postprocessing: Annotated[bool, flag("--postprocessing/--no-postprocessing", "Apply the run's "
+                                         "postprocessing.json (tuned by cv) when there is one.")] = True,
 ) -> None:
     """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
-    original grid and affine; a fold ensemble, optional mirroring TTA and the cv-tuned postprocessing.
+    original grid and affine; a fold ensemble (--folds all averages every fold), optional mirroring TTA and
+    the cv-tuned postprocessing. A bad case is listed and skipped, the others are written, and the command
+    exits 1 naming every failed case.
 
     Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
     """
+    from brats_swap.evaluate.failures import CaseFailures
     from brats_swap.evaluate.run import predict as predict_cases
 
+    failures = CaseFailures(say=warn)
     written = predict_cases(run, input_path, out, folds, checkpoint, tta=tta, probabilities=save_probabilities,
-                            postprocess=postprocessing)
-    console.print(f"wrote {len(written)} segmentation(s) to {out}", markup=False, highlight=False)
+                            postprocess=postprocessing, failures=failures)
+    _say(f"wrote {len(written)} segmentation(s) to {out}")
+    failures.raise_if_any(f"predict {input_path}", len(written) + len(failures))
 
 
 def register(app: typer.Typer) -> None:

@@ -84,9 +84,11 @@ def share_splits(run: RunFolder, arm: RunFolder) -> None:
                         f"(copy {run.splits} over it, or start a new comparison folder)")
 
 
-def run_compare(config: Config, run_dir: Path, folds: int | None = None, max_hours: float | None = None,
-                *, console=None, clock: Callable[[], float] = time.monotonic) -> CompareOutcome:
-    """Train and evaluate the first `folds` folds (default: all of cv.folds) in both arms, then compare.
+def run_compare(config: Config, run_dir: Path, folds: int | str | list[int] | None = None,
+                max_hours: float | None = None, *, console=None,
+                clock: Callable[[], float] = time.monotonic) -> CompareOutcome:
+    """Train and evaluate folds in both arms, then compare: `folds` an int K is the first K folds (the
+    meaning `compare --folds K` always had), a list those folds, None or "all" every fold of cv.folds.
 
     Resumable and locked like `run_cv` (the same `cv_invocation`): the comparison folder and each arm
     folder are locked; cv.log lines go to the comparison folder and to each arm. Cases of `data.root` the
@@ -108,10 +110,15 @@ def run_compare(config: Config, run_dir: Path, folds: int | None = None, max_hou
     return outcome
 
 
-def _compared_folds(config: Config, run: RunFolder, folds: int | None) -> list[int]:
-    """Folds 0..K-1 of the run's splits.json (made here once), K = `folds` or all of them."""
+def _compared_folds(config: Config, run: RunFolder, folds: int | str | list[int] | None) -> list[int]:
+    """Folds of the run's splits.json (made here once): 0..K-1 for an int K, the listed ones, or all."""
     n_folds = len(load_run_splits(config, run)["folds"])
-    count = n_folds if folds is None else folds
+    if isinstance(folds, list):
+        outside = [k for k in folds if k >= n_folds]
+        if outside:
+            raise ConfigError(f"--folds: fold {outside[0]} is not in {SPLITS_FILE} (folds 0..{n_folds - 1})")
+        return folds
+    count = n_folds if folds is None or folds == "all" else folds
     if not 1 <= count <= n_folds:
         raise ConfigError(f"--folds {count}: must be between 1 and {n_folds} (the folds in {SPLITS_FILE})")
     return list(range(count))

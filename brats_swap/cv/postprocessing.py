@@ -4,7 +4,10 @@ Once every fold of the run is trained and evaluated, the out-of-fold predictions
 <case>.nii.gz` of each fold's validation cases, saved by the evaluation when `evaluate.save_predictions`
 is on) are scored against the dataset's reference segmentations to choose the postprocessing
 (`brats_swap.evaluate.postprocess.tune_postprocessing`: per evaluation group a minimum component size,
-and the small enhancing -> necrosis relabelling, maximising the mean official lesion-wise Dice). The plan
+and the small enhancing -> necrosis relabelling, each kept only when it clearly raises the mean official
+lesion-wise Dice: at least 10 out-of-fold cases, a relative gain of at least 1%, and improvement on a
+majority of the cases the rule changes and on at least 3 of them; see `KeepRule`). With fewer cases the plan
+is the identity and says why, which `cv_summary.md` shows. The plan
 is saved atomically with a digest of the files it was tuned on; a later `cv` invocation tunes again only
 when that digest changes (a fold re-evaluated, e.g. with `evaluate --tta`, or a reference replaced), so
 re-running a finished cross-validation rewrites nothing. `predict` applies the plan.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from brats_swap.config import Config
@@ -27,6 +30,7 @@ from brats_swap.data.challenges import evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.errors import DataError
 from brats_swap.evaluate.postprocess import (
+    KEEP_RULE,
     MIN_SIZE_GRID,
     PostprocessingPlan,
     load_plan,
@@ -65,7 +69,8 @@ def out_of_fold_pairs(config: Config, run: RunFolder, splits: dict) -> tuple[lis
 
 def tuning_digest(pairs: list[tuple[Path, Path]], groups: dict, relabel: tuple[int, int] | None) -> str:
     """sha256 over the tuning's settings and the bytes of every prediction and reference file."""
-    digest = hashlib.sha256(json.dumps({"groups": groups, "relabel": relabel, "grid": MIN_SIZE_GRID}).encode())
+    settings = {"groups": groups, "relabel": relabel, "grid": MIN_SIZE_GRID, "keep": asdict(KEEP_RULE)}
+    digest = hashlib.sha256(json.dumps(settings).encode())
     for prediction, reference in pairs:
         for path in (prediction, reference):
             digest.update(path.name.encode())

@@ -27,7 +27,7 @@ from brats_swap.evaluate.official import (
     read_official_summary,
     summarize_official,
 )
-from brats_swap.evaluate.postprocess import load_plan
+from brats_swap.evaluate.postprocess import KEEP_RULE, load_plan
 from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.folder import POSTPROCESSING_FILE, RunFolder
 
@@ -243,22 +243,36 @@ def postprocessing_record(run_dir: RunFolder | Path) -> dict | None:
 
 
 def postprocessing_markdown_lines(summary: dict) -> list[str]:
-    """cv_summary.md's postprocessing section: the chosen rules and the lesion-wise Dice before/after."""
+    """cv_summary.md's postprocessing section: why nothing was tuned, or per rule (and group) the best
+    value, the cases it changes, before/after and whether it was kept; then the per-group Dice before/after."""
     plan = summary.get("postprocessing")
     if plan is None:
         if not summary["complete"]:
             return []
         return ["", "## Postprocessing", "", "Not tuned: the out-of-fold predictions or the reference "
                 "segmentations were not available (see the cv output)."]
+    if plan.get("not_tuned"):
+        return ["", f"## Postprocessing, not tuned on the {plan['n_cases']} out-of-fold predictions", "",
+                f"No postprocessing: {plan['not_tuned']} (`{POSTPROCESSING_FILE}` holds the identity plan; "
+                f"`brats-swap predict` applies nothing)."]
     lines = [
         "",
         f"## Postprocessing, tuned on the {plan['n_cases']} out-of-fold predictions",
         "",
         f"Chosen: {plan['description']} (`{POSTPROCESSING_FILE}`, applied by `brats-swap predict`).",
-        "",
-        "| group | minimum component (voxels) | lesion-wise Dice before | after |",
-        "|---|---:|---:|---:|",
+        f"Keep rule: {KEEP_RULE.describe()}.",
     ]
+    if plan.get("rules"):
+        lines += ["", "| rule | group | value kept | best value | cases changed | improved / worsened "
+                  "| mean lesion-wise Dice before | with the best value | outcome |",
+                  "|---|---|---:|---:|---|---:|---:|---:|---|"]
+        for rule in plan["rules"]:
+            changed = rule["changed_cases"]
+            shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            lines.append(f"| {rule['rule']} | {rule['group'] or '—'} | {rule['value']} | {rule['candidate']} "
+                         f"| {len(changed)}{f': {shown}' if changed else ''} | {rule['improved']} / {rule['worsened']} "
+                         f"| {rule['before']:.4f} | {rule['after']:.4f} | {rule['why']} |")
+    lines += ["", "| group | minimum component (voxels) | lesion-wise Dice before | after |", "|---|---:|---:|---:|"]
     for name in plan["groups"]:
         before, after = plan["lesionwise_dice_before"].get(name), plan["lesionwise_dice_after"].get(name)
         lines.append(f"| {name} | {plan['min_component_voxels'].get(name, 0)} "

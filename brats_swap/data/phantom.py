@@ -37,6 +37,7 @@ import numpy as np
 
 from brats_swap.data.challenges import CANONICAL_MODALITIES, ChallengeSpec, get_challenge
 from brats_swap.data.nifti import save_nifti
+from brats_swap.errors import DataError
 from brats_swap.progress import progress_bar
 
 # Mean intensity per tissue and modality, relative to white matter on T1 (channel order t1, t1ce, t2, flair).
@@ -121,11 +122,15 @@ def phantom_case_id(edition: str, index: int) -> str:
 
 
 def synthesize_dataset(out: str | os.PathLike, cases: int, seed: int, edition: str = "2021",
-                       shape=(240, 240, 155), progress: bool = False) -> list[str]:
+                       shape=(240, 240, 155), progress: bool = False, id_offset: int = 0) -> list[str]:
     """Write `cases` phantom cases under `out` (one folder per case); returns their ids.
 
     `edition` is any key of the challenge table ("2021", "2023", "ped", "men-rt", ...): it decides the file
-    names, which modalities are written (MEN-RT: t1c only) and the labels."""
+    names, which modalities are written (MEN-RT: t1c only) and the labels. Case `k` is drawn from
+    (`seed`, `k`) and named with number `id_offset + k`, so two folders made with different offsets never
+    share a case id (`data synth` offsets by the seed)."""
+    if id_offset < 0:
+        raise DataError(f"synth: the case id offset must be >= 0, got {id_offset}")
     spec = get_challenge(edition)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +139,7 @@ def synthesize_dataset(out: str | os.PathLike, cases: int, seed: int, edition: s
     with progress_bar(disable=not progress) as bar:
         task = bar.add_task("synth", total=cases)
         for index in range(cases):
-            case_id = phantom_case_id(edition, index)
+            case_id = phantom_case_id(edition, id_offset + index)
             case = synthesize_case(shape, seed=seed, index=index, edition=edition, case_id=case_id)
             folder = out_dir / case_id
             for channel, modality in enumerate(CANONICAL_MODALITIES):

@@ -30,6 +30,7 @@ import numpy as np
 from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
 from brats_swap.data.challenges import REGIONS, ChallengeSpec, get_challenge, isin
 from brats_swap.evaluate.official import Groups, json_safe, official_markdown_table, write_official_report
+from brats_swap.evaluate.tables import print_results_table
 from brats_swap.model.targets import region_names
 from brats_swap.run.dice import dice_sensitivity_specificity, regions_of_columns
 
@@ -174,17 +175,10 @@ def markdown_table(summary: dict) -> str:
 
 
 def print_summary(summary: dict, console, title: str = "") -> None:
-    """The same table as `markdown_table`, printed with rich."""
-    from rich.table import Table
-
+    """The same table as `markdown_table`, printed with rich (numbers never cut: `print_results_table`)."""
     header, body = _table_rows(summary)
     n_cases = max((stats["n"] for stats in summary.values()), default=0)
-    table = Table(title=title or None, caption=f"mean ± std over {n_cases} cases")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for cells in body:
-        table.add_row(*cells)
-    console.print(table)
+    print_results_table(console, header, body, title=title, caption=f"mean ± std over {n_cases} cases")
 
 
 def _metrics_csv(rows: Sequence[dict]) -> str:
@@ -219,10 +213,12 @@ def _save_dice_boxplot(rows: Sequence[dict], path: Path, title: str) -> None:
 
 
 def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str = "",
-                         official_rows: Sequence[dict] | None = None, groups: Groups | None = None) -> dict:
+                         official_rows: Sequence[dict] | None = None, groups: Groups | None = None,
+                         notes: Sequence[str] = ()) -> dict:
     """Write metrics.csv, summary.json, summary.md and dice_boxplot.png into `out_dir` (each atomically);
     with `official_rows` (per case, `case_official_metrics` columns) and their evaluation `groups`, also
     official.csv and official_summary.json (`write_official_report`) and their table in summary.md.
+    `notes`: lines for summary.md's "Cases" section (cases scored as empty, failed, or without reference).
 
     Returns the summary (`summarize(rows)`), which is also the content of summary.json (a statistic that
     could not be computed, NaN in the returned dict, is null there).
@@ -241,8 +237,9 @@ def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str =
                     "\nMeans over cases (a case without a lesion of the group on either side is left out); TP / FP / FN "
                     "are lesion counts summed over cases; HD95 as the official evaluation computes it (mm on 1 mm data), inf "
                     "when some case has lesions but no matched pair.\n")
+    cases_section = "\n## Cases\n\n" + "".join(f"- {note}\n" for note in notes) if notes else ""
     atomic_write_text(out_dir / "summary.md",
-                      f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases\n{official}")
+                      f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases\n{official}{cases_section}")
     if rows:
         _save_dice_boxplot(rows, out_dir / "dice_boxplot.png", title)
     return summary

@@ -296,16 +296,12 @@ def official_markdown_table(summary: Mapping[str, Mapping[str, float]], groups: 
 
 
 def print_official_summary(summary: Mapping[str, Mapping[str, float]], groups: Groups, console, title: str = "") -> None:
-    """The same table as `official_markdown_table`, printed with rich."""
-    from rich.table import Table
+    """The same table as `official_markdown_table`, printed with rich (numbers never cut)."""
+    from brats_swap.evaluate.tables import print_results_table
 
     header, body = official_table_rows(summary, groups)
-    table = Table(title=title or None, caption="official BraTS metrics: mean over cases (lesion-free cases left out)")
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for cells in body:
-        table.add_row(*cells)
-    console.print(table)
+    print_results_table(console, header, body, title=title,
+                        caption="official BraTS metrics: mean over cases (lesion-free cases left out)")
 
 
 # ---- the report files ---------------------------------------------------------------------------------------

@@ -16,8 +16,23 @@ changes (removing one group's voxels can split another group's component), so ap
 gives the same labels as applying it once.
 
 `tune_postprocessing` chooses the values on the grid `MIN_SIZE_GRID` (0 to 1000 voxels) one rule at a
-time (the relabelling first, then each group's minimum size in group order), keeping a value only if it
-raises the objective: the official lesion-wise Dice (`lesionwise_dsc_mean`, the mean Dice over matched
+time (the relabelling first, then each group's minimum size in group order). A rule must earn its place,
+as nnU-Net keeps a postprocessing step only when it helps; the keep rule (`KeepRule`, defaults in
+`KEEP_RULE`) is:
+
+- with fewer than 10 (prediction, reference) cases nothing is tuned: the plan is the identity and its
+  `not_tuned` says why (a threshold grid fitted to a handful of cases fits their noise);
+- a rule's value is kept only if, on the cases, it raises the objective by at least 1% of the objective
+  before it (relative gain), improves more than half of the cases it changes (a case improves when its
+  mean over the groups rises), and improves at least 3 cases;
+- among the values that pass, those within 1% (of the objective before) of the best are ties and the
+  smallest of them wins, so a hair's change in the scores does not move the value from 30 to 1000 voxels;
+  when no value passes (ties and near-ties with no postprocessing included) the rule stays off.
+
+Every rule's outcome is recorded (`RuleRecord` in the plan's `rules`): the best value, the cases it
+changes, how many it improves and worsens, the objective before and with it, kept or why not.
+
+The objective is the official lesion-wise Dice (`lesionwise_dsc_mean`, the mean Dice over matched
 lesions, see `brats_swap.evaluate.official`) averaged over the cases and then over the groups. The
 official report leaves a case with no lesion of a group on either side out of that group's mean (NaN);
 the tuner counts such a case as 1 instead (a correct empty prediction), so every case counts, the score
@@ -122,6 +137,9 @@ class PostprocessingPlan:
     lesionwise_dice_after: dict[str, float] = field(default_factory=dict)
     n_cases: int = 0
     tuned_on: str = ""
+    # One record per rule the tuner weighed (`RuleRecord.to_dict()`), and why nothing was tuned ("" if tuned).
+    rules: tuple[dict, ...] = ()
+    not_tuned: str = ""
 
     @classmethod
     def identity(cls, groups: Groups, relabel: tuple[int, int] | None = None) -> PostprocessingPlan:
@@ -151,13 +169,17 @@ class PostprocessingPlan:
             "lesionwise_dice_after": dict(self.lesionwise_dice_after),
             "n_cases": self.n_cases,
             "tuned_on": self.tuned_on,
+            "rules": [dict(record) for record in self.rules],
+            "not_tuned": self.not_tuned,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping, where: str = "postprocessing plan") -> PostprocessingPlan:
         """The plan of `to_dict`'s output; DataError (one line naming `where` and the key) if malformed."""
         known = set(cls.identity({}).to_dict())
-        if not isinstance(data, Mapping) or set(data) != known:
+        # Plans written before the tuner recorded its rules lack the two optional keys: still valid plans.
+        required = known - set(_OPTIONAL_KEYS)
+        if not isinstance(data, Mapping) or not required <= set(data) <= known:
             keys = sorted(data) if isinstance(data, Mapping) else type(data).__name__
             raise DataError(f"{where}: expected the keys {sorted(known)}, got {keys}")
         try:
@@ -169,7 +191,9 @@ class PostprocessingPlan:
                        small_enhancing_voxels=_count(data["small_enhancing_voxels"]),
                        lesionwise_dice_before={str(k): float(v) for k, v in data["lesionwise_dice_before"].items()},
                        lesionwise_dice_after={str(k): float(v) for k, v in data["lesionwise_dice_after"].items()},
-                       n_cases=_count(data["n_cases"]), tuned_on=_text(data["tuned_on"]))
+                       n_cases=_count(data["n_cases"]), tuned_on=_text(data["tuned_on"]),
+                       rules=tuple(dict(record) for record in data.get("rules", [])),
+                       not_tuned=_text(data.get("not_tuned", "")))
         except (AttributeError, TypeError, ValueError) as exc:
             raise DataError(f"{where}: malformed value ({exc})") from None
         if set(sizes) != set(groups):
@@ -177,6 +201,9 @@ class PostprocessingPlan:
         if plan.small_enhancing_voxels and (plan.enhancing_label is None or plan.necrosis_label is None):
             raise DataError(f"{where}: small_enhancing_voxels is set but enhancing_label/necrosis_label are not")
         return plan
+
+
+_OPTIONAL_KEYS = ("rules", "not_tuned")
 
 
 def _count(value) -> int:
@@ -254,6 +281,7 @@ class _TuningCase:
 @dataclass(frozen=True)
 class _Rule:
     title: str
+    group: str | None  # the evaluation group of a component-size rule; None for the relabelling
     with_value: Callable[[PostprocessingPlan, int], PostprocessingPlan]
     # The rule at value v changes a label map only if v > reach(map): the smallest component of its group,
     # or the enhancing volume (inf when there is nothing the rule could touch).
@@ -344,65 +372,186 @@ def _rules(plan: PostprocessingPlan) -> list[_Rule]:
     if plan.enhancing_label is not None and plan.necrosis_label is not None:
         enhancing = plan.enhancing_label
         rules.append(_Rule(
-            f"label {enhancing} -> {plan.necrosis_label} below",
+            f"label {enhancing} -> {plan.necrosis_label} below", None,
             lambda current, value: replace(current, small_enhancing_voxels=value),
             lambda labels: float(np.count_nonzero(labels == enhancing)) or math.inf))
     for name, values in plan.groups.items():
         rules.append(_Rule(
-            f"{name} components below",
+            f"{name} components below", name,
             lambda current, value, name=name: replace(
                 current, min_component_voxels={**current.min_component_voxels, name: value}),
             lambda labels, values=values: _smallest_component(labels, values)))
     return rules
 
 
+def _case_score(dice: Mapping[str, float], groups: Groups) -> float:
+    """One case's share of the objective: its lesion-wise Dice averaged over the groups (no lesion on either
+    side counts 1). The objective is the mean of these over the cases."""
+    return float(np.mean([1.0 if np.isnan(dice[name]) else dice[name] for name in groups]))
+
+
+@dataclass(frozen=True)
+class RuleRecord:
+    """What the tuner found for one rule: the best grid value (`candidate`, 0 if no value changes anything),
+    the cases it changes and how many of them it improves or worsens, the objective before and with it,
+    whether it is `kept` (then `value` == `candidate`), and `why` in words."""
+
+    rule: str
+    group: str | None  # the evaluation group of a component-size rule; None for the relabelling
+    value: int
+    candidate: int
+    changed_cases: tuple[str, ...]
+    improved: int
+    worsened: int
+    before: float
+    after: float
+    kept: bool
+    why: str
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "group": self.group, "value": self.value, "candidate": self.candidate,
+                "changed_cases": list(self.changed_cases), "improved": self.improved, "worsened": self.worsened,
+                "before": self.before, "after": self.after, "kept": self.kept, "why": self.why}
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """When a rule earns its place (see the module docstring): at least `min_cases` cases to tune on at all;
+    a rule's value is kept only if it raises the objective by at least `min_relative_gain` of its value
+    before, improves more than half of the cases it changes, and at least `min_improved_cases` of them."""
+
+    min_cases: int = 10
+    min_relative_gain: float = 0.01
+    min_improved_cases: int = 3
+
+    def rejects(self, before: float, after: float, improved: int, changed: int) -> str:
+        """Why a candidate is not kept ("" if it is)."""
+        gain = after - before
+        if gain <= self.min_relative_gain * max(before, 1e-12):
+            return f"gain {gain:+.4f} is below {self.min_relative_gain:.0%} of {before:.4f}"
+        if improved * 2 <= changed:
+            return f"improves {improved} of the {changed} cases it changes, not a majority"
+        if improved < self.min_improved_cases:
+            return f"improves {improved} case(s), fewer than {self.min_improved_cases}"
+        return ""
+
+    def describe(self) -> str:
+        return (f"at least {self.min_cases} out-of-fold cases; a rule is kept when it raises the mean lesion-wise "
+                f"Dice by at least {self.min_relative_gain:.0%} (relative), improves a majority of the cases it "
+                f"changes and at least {self.min_improved_cases} of them")
+
+
+KEEP_RULE = KeepRule()
+
+
+@dataclass
+class _Candidate:
+    value: int
+    plan: PostprocessingPlan
+    states: list  # per case: (labels, dice)
+    score: float
+    changed: list[int]  # indexes of the cases whose labels it changes
+    improved: int
+    worsened: int
+
+
+def _try_value(plan: PostprocessingPlan, rule: _Rule, value: int, cases: list[_TuningCase], reaches: list[float],
+               groups: Groups) -> _Candidate:
+    candidate = rule.with_value(plan, value)
+    states, changed, improved, worsened = [], [], 0, 0
+    for index, (case, reach) in enumerate(zip(cases, reaches, strict=True)):
+        # A value above the rule's reach removes (or relabels) at least one component: the case changes.
+        labels = apply(candidate, case.current) if value > reach else case.current
+        dice = _score(case, labels, groups) if value > reach else case.dice
+        states.append((labels, dice))
+        if value > reach:
+            changed.append(index)
+            delta = _case_score(dice, groups) - _case_score(case.dice, groups)
+            improved, worsened = improved + (delta > 1e-12), worsened + (delta < -1e-12)
+    score = _objective([dice for _, dice in states], groups)
+    return _Candidate(value, candidate, states, score, changed, improved, worsened)
+
+
 def _tune_rule(plan: PostprocessingPlan, rule: _Rule, cases: list[_TuningCase], groups: Groups,
-               grid: Sequence[int]) -> tuple[PostprocessingPlan, int, float, float]:
-    """The plan with the grid value of one rule that maximises the objective (kept at 0 unless it helps),
-    the value, and the objective before and after. Candidates are applied to the labels the rules chosen
-    so far produce; a case the candidate cannot change keeps its labels and scores."""
+               grid: Sequence[int], keep: KeepRule) -> tuple[PostprocessingPlan, RuleRecord]:
+    """The plan with one rule's grid value when a value earns its place (`keep`), else unchanged, and the
+    record of the value shown (the kept one, or else the best). Candidates are applied to the labels the
+    rules kept so far produce; a case the candidate cannot change keeps its labels and scores.
+
+    Among the values `keep` accepts, those within the noise margin (`keep.min_relative_gain` of the
+    objective before) of the best are ties, and the smallest of them wins: the smaller intervention, and a
+    choice that does not jump from 30 to 1000 voxels when a re-evaluation moves the scores by a hair."""
     reaches = [rule.reach(case.current) for case in cases]
-    start = best_score = _objective([case.dice for case in cases], groups)
-    best_plan, best_value, best_states = plan, 0, None
+    start = _objective([case.dice for case in cases], groups)
+    tried = []  # per value changing some case: the candidate without its label maps (memory: one at a time)
     for value in sorted(v for v in grid if v > 0):
-        if not any(value > reach for reach in reaches):
-            continue  # changes nothing: the same score as a smaller value
-        candidate = rule.with_value(plan, value)
-        states = []
-        for case, reach in zip(cases, reaches, strict=True):
-            labels = apply(candidate, case.current) if value > reach else case.current
-            states.append((labels, _score(case, labels, groups)))
-        score = _objective([dice for _, dice in states], groups)
-        if score > best_score + 1e-12:  # a tie keeps the smaller intervention
-            best_plan, best_value, best_score, best_states = candidate, value, score, states
-    for case, (labels, dice) in zip(cases, best_states or [], strict=False):
+        if any(value > reach for reach in reaches):  # else it changes nothing: the score of a smaller value
+            tried.append(replace(_try_value(plan, rule, value, cases, reaches, groups), states=[]))
+    if not tried:
+        return plan, RuleRecord(rule.title, rule.group, 0, 0, (), 0, 0, start, start, False, "changes no case")
+    accepted = [c for c in tried if not keep.rejects(start, c.score, c.improved, len(c.changed))]
+    if accepted:
+        margin = keep.min_relative_gain * max(start, 1e-12)
+        top = max(c.score for c in accepted)
+        shown = min((c for c in accepted if c.score >= top - margin), key=lambda c: c.value)
+    else:
+        shown = max(tried, key=lambda c: c.score)  # the first maximum: a tie shows the smaller value
+    why = "kept" if accepted else keep.rejects(start, shown.score, shown.improved, len(shown.changed))
+    record = RuleRecord(rule.title, rule.group, shown.value if accepted else 0, shown.value,
+                        tuple(cases[i].name for i in shown.changed), shown.improved, shown.worsened, start,
+                        shown.score, bool(accepted), why)
+    if not accepted:
+        return plan, record
+    kept = _try_value(plan, rule, shown.value, cases, reaches, groups)  # its label maps again (scores cached)
+    for case, (labels, dice) in zip(cases, kept.states, strict=True):
         case.current, case.dice = labels, dice
-    return best_plan, best_value, start, best_score
+    return kept.plan, record
 
 
 def tune_postprocessing(cases: Sequence[tuple[LabelSource, LabelSource]], groups: Groups,
                         relabel: tuple[int, int] | None = None, grid: Sequence[int] = MIN_SIZE_GRID,
-                        report: Callable[[str], None] | None = None) -> PostprocessingPlan:
-    """Choose the postprocessing that maximises the mean official lesion-wise Dice on these cases.
+                        report: Callable[[str], None] | None = None, keep: KeepRule = KEEP_RULE) -> PostprocessingPlan:
+    """Choose the postprocessing that clearly raises the mean official lesion-wise Dice on these cases.
 
     `cases`: (prediction, reference) pairs, each a label array or a NIfTI path, in the challenge's labels
     (typically the out-of-fold predictions of every cv fold). `groups`: the challenge's evaluation groups.
     `relabel`: (enhancing, necrosis) labels for the small-enhancing rule (`relabel_labels(challenge)`),
-    None to leave that rule off. `grid`: candidate thresholds in voxels. `report` gets one line per rule.
-    The returned plan holds the chosen thresholds and the per-group objective without it and with it
-    (the final plan applied to the raw predictions).
+    None to leave that rule off. `grid`: candidate thresholds in voxels. `keep`: when a rule earns its
+    place (`KeepRule`; below `keep.min_cases` cases nothing is tuned and `not_tuned` says why). `report`
+    gets one line per rule. The returned plan holds the kept thresholds, a `RuleRecord` per rule and the
+    per-group objective without and with the plan (the final plan applied to the raw predictions).
     """
     loaded = [_load_tuning_case(index, pair, groups) for index, pair in enumerate(cases)]
     if not loaded:
         raise DataError("postprocessing: no (prediction, reference) pairs to tune on")
     plan = PostprocessingPlan.identity(groups, relabel)
     before = _group_means([case.dice for case in loaded], groups)
-    for rule in _rules(plan):
-        plan, value, start, score = _tune_rule(plan, rule, loaded, groups, grid)
+    if len(loaded) < keep.min_cases:
+        why = (f"{len(loaded)} out-of-fold cases are fewer than the {keep.min_cases} needed to tell a rule's gain "
+               "from noise")
         if report is not None:
-            report(f"{rule.title}: {value} voxels (mean lesion-wise Dice {start:.4f} -> {score:.4f})")
+            report(f"not tuned: {why}")
+        return replace(plan, lesionwise_dice_before=before, lesionwise_dice_after=before, n_cases=len(loaded),
+                       not_tuned=why)
+    records = []
+    for rule in _rules(plan):
+        plan, record = _tune_rule(plan, rule, loaded, groups, grid, keep)
+        records.append(record.to_dict())
+        if report is not None:
+            report(f"{rule.title}: {record.value} voxels ({record.why}; best value {record.candidate} changes "
+                   f"{len(record.changed_cases)} case(s), mean lesion-wise Dice {record.before:.4f} -> {record.after:.4f})")
     for case in loaded:
         final = apply(plan, case.prediction)
         case.dice, case.current = _score(case, final, groups), final
     after = _group_means([case.dice for case in loaded], groups)
-    return replace(plan, lesionwise_dice_before=before, lesionwise_dice_after=after, n_cases=len(loaded))
+    return replace(plan, lesionwise_dice_before=before, lesionwise_dice_after=after, n_cases=len(loaded),
+                   rules=tuple(records))
+
+
+def describe_label_changes(before: np.ndarray, after: np.ndarray) -> str:
+    """What postprocessing did to one label map, for people: "label 2: 493 -> 0 voxels; ..." per label
+    whose voxel count changed, or "changed nothing"."""
+    values = sorted((set(np.unique(before).tolist()) | set(np.unique(after).tolist())) - {0})
+    parts = [f"label {value}: {np.count_nonzero(before == value)} -> {np.count_nonzero(after == value)} voxels"
+             for value in values if np.count_nonzero(before == value) != np.count_nonzero(after == value)]
+    return "; ".join(parts) if parts else "changed nothing"

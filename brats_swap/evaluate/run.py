@@ -4,13 +4,18 @@
   sliding window for patch models) -> probabilities mapped back to the original grid -> labels in the
   edition's convention, saved as `fold_<k>/predictions/<case>.nii.gz` with the original affine -> BraTS
   metrics against the original segmentation file -> `fold_<k>/{metrics.csv, summary.json, ...}`.
-- `evaluate_predictions`: `<case id>.nii.gz` files from any tool (nnU-Net names them so) against a
-  dataset's ground truth, with the same metrics and report.
+- `evaluate_predictions`: `<case id>.nii.gz` files from any tool (nnU-Net names them so) against every
+  reference case of a dataset, one for one as the challenge's submission check demands (a missing
+  prediction is an error, or scored as empty on request), with the same metrics and report.
 - `predict`: new cases (a case folder or a dataset folder), preprocessed on the fly with the run's data
   config (no cache), segmented by one fold or the average of several folds' probabilities (each model
   loaded once for the whole folder), optionally with the 8-mirror test-time augmentation, postprocessed
   with the run's `postprocessing.json` when there is one, written as `<out>/<case id>.nii.gz` (and the
   probabilities as `<out>/<case id>.npz` on request).
+
+A bad case (a missing or unreadable file, a wrong shape, foreign labels) never stops the others: each
+entry point records it (`evaluate.failures.CaseFailures`), finishes every other case, and then fails
+with one error naming every failed case.
 
 Both evaluations score every case twice: the legacy BraTS 2017-2021 metrics (`evaluate.metrics`: Dice,
 sensitivity, specificity, HD95 of WT/TC/ET) and the official 2023+ lesion-wise metrics of the case's
@@ -19,7 +24,7 @@ challenge groups (`evaluate.official`, written to official.csv / official_summar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,13 +41,15 @@ from brats_swap.data.editions import get_edition
 from brats_swap.data.nifti import read_volume, save_label_nifti
 from brats_swap.data.preprocess import header_from_meta, probabilities_to_original_grid
 from brats_swap.errors import ConfigError, DataError
+from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.metrics import case_metrics, write_metrics_report
 from brats_swap.evaluate.official import case_official_metrics, merge_groups
-from brats_swap.evaluate.postprocess import PostprocessingPlan, load_plan
+from brats_swap.evaluate.postprocess import PostprocessingPlan, describe_label_changes, load_plan
 from brats_swap.evaluate.postprocess import apply as apply_postprocessing
 from brats_swap.model.targets import labels_from_probs, output_names
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
+from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import BEST, LATEST, RunFolder
 from brats_swap.run.inference import predict_cube, predict_ensemble
 from brats_swap.run.trained import load_for_inference, load_run_config
@@ -94,8 +101,9 @@ class _Scores:
                                                                              what=f"case {case_id}")})
         self.groups = merge_groups(self.groups, groups)
 
-    def write(self, out_dir: Path, title: str) -> dict:
-        return write_metrics_report(self.rows, out_dir, title, official_rows=self.official_rows, groups=self.groups)
+    def write(self, out_dir: Path, title: str, notes: Sequence[str] = ()) -> dict:
+        return write_metrics_report(self.rows, out_dir, title, official_rows=self.official_rows, groups=self.groups,
+                                    notes=notes)
 
 
 def _read_label(case_id: str, path: Path, edition: str) -> tuple[np.ndarray, np.ndarray, object]:
@@ -115,7 +123,8 @@ def _spacing(header) -> tuple[float, float, float]:
 
 
 def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, checkpoint: str = "best",
-                  data_root: Path | None = None, progress: bool = True, tta: bool = False) -> dict:
+                  data_root: Path | None = None, progress: bool = True, tta: bool = False,
+                  failures: CaseFailures | None = None) -> dict:
     """Predict and score the validation cases of one fold (see the module docstring).
 
     Args:
@@ -128,17 +137,18 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
         progress: show a progress bar.
         tta: average the 8 mirrorings (`brats_swap.run.inference`); the saved predictions are then the
             mirrored ones too.
+        failures: where a bad case (unreadable cache entry or ground truth, wrong shape, foreign labels) is
+            recorded while the others go on; without it such cases end in one DataError naming them all,
+            after the report of the good cases is written.
 
     Returns:
         The legacy summary written to `fold_<k>/summary.json` by `write_metrics_report` (the official one is
-        in `fold_<k>/official_summary.json`).
+        in `fold_<k>/official_summary.json`); {} when no case could be scored.
     """
     run = RunFolder.of(run_dir)
     folder = run.fold(fold)
     _, val_ids = fold_cases(read_splits(run.splits), fold)
     model, predict_config, device = load_for_inference(run, fold, checkpoint, config)
-    cache = Path(config.data.cache)
-    on_original_grid = config.evaluate.grid == "original"
     root = Path(data_root) if data_root is not None else Path(config.data.root)
     cases = {c.case_id: c for c in discover_cases(root, config.data.edition, config.data.modalities,
                                                   config.data.challenge)}
@@ -147,32 +157,45 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
         raise DataError(f"{root}: case {missing[0]} of fold {fold} has no segmentation file there "
                         "(pass --data with the dataset the run was prepared from)")
 
+    failed = failures if failures is not None else CaseFailures(say=warn)
+    already_failed = len(failed)
     scores = _Scores(hd95=config.evaluate.hd95, regions=predict_config.model.regions)
     with _progress(progress) as bar:
         task = bar.add_task(f"evaluate fold {fold}", total=len(val_ids))
         for case_id in val_ids:
-            prepared = load_prepared(cache, case_id, mmap=True)
-            edition = prepared.meta["edition"]
-            probs, prediction = _segment(model, prepared.image, prepared.meta, edition, predict_config, device, tta,
-                                         case_id)
-            truth, truth_affine, truth_header = _read_label(case_id, cases[case_id].seg, edition)
-            # The prediction takes the image's grid (affine and header of the first modality, as prepared).
-            if prediction.shape != truth.shape:
-                raise DataError(f"case {case_id}: prediction mapped back to {prediction.shape} but "
-                                f"{cases[case_id].seg.name} is {truth.shape}")
-            affine = np.asarray(prepared.meta.get("affine", truth_affine), dtype=np.float64)
-            if config.evaluate.save_predictions:
-                header = header_from_meta(prepared.meta) if "header" in prepared.meta else truth_header
-                save_label_nifti(prediction, affine, folder.prediction(case_id), header=header)
-            if on_original_grid:
-                scores.add(case_id, prediction, truth, edition, _spacing(truth_header))
-            else:  # in the network's cube, against the cached (resampled) label
-                scores.add(case_id, _labels(probs, edition, predict_config, case_id), np.asarray(prepared.label),
-                           edition)
+            with failed.case(case_id):
+                _evaluate_cached_case(case_id, cases[case_id].seg, (model, predict_config, device), config,
+                                      folder, scores, tta)
             bar.advance(task)
     title = (f"{config.name} fold {fold} ({checkpoint} checkpoint, {config.evaluate.grid} grid"
              f"{', 8-mirror TTA' if tta else ''})")
-    return scores.write(folder.root, title)
+    fold_failures = list(failed.reasons.values())[already_failed:]
+    summary = scores.write(folder.root, title, notes=[f"not scored: {line}" for line in fold_failures]) \
+        if scores.rows else {}
+    if failures is None:
+        failed.raise_if_any(f"evaluate fold {fold}", len(val_ids))
+    return summary
+
+
+def _evaluate_cached_case(case_id: str, seg: Path, predictor: tuple, config: Config, folder, scores: _Scores,
+                          tta: bool) -> None:
+    """One validation case of `evaluate_fold`: segment it from the cache, save and score the prediction."""
+    model, predict_config, device = predictor
+    prepared = load_prepared(Path(config.data.cache), case_id, mmap=True)
+    edition = prepared.meta["edition"]
+    probs, prediction = _segment(model, prepared.image, prepared.meta, edition, predict_config, device, tta, case_id)
+    truth, truth_affine, truth_header = _read_label(case_id, seg, edition)
+    # The prediction takes the image's grid (affine and header of the first modality, as prepared).
+    if prediction.shape != truth.shape:
+        raise DataError(f"case {case_id}: prediction mapped back to {prediction.shape} but {seg.name} is {truth.shape}")
+    affine = np.asarray(prepared.meta.get("affine", truth_affine), dtype=np.float64)
+    if config.evaluate.save_predictions:
+        header = header_from_meta(prepared.meta) if "header" in prepared.meta else truth_header
+        save_label_nifti(prediction, affine, folder.prediction(case_id), header=header)
+    if config.evaluate.grid == "original":
+        scores.add(case_id, prediction, truth, edition, _spacing(truth_header))
+    else:  # in the network's cube, against the cached (resampled) label
+        scores.add(case_id, _labels(probs, edition, predict_config, case_id), np.asarray(prepared.label), edition)
 
 
 def _forced_convention(edition: str, challenge: str) -> tuple[str, str]:
@@ -185,18 +208,25 @@ def _forced_convention(edition: str, challenge: str) -> tuple[str, str]:
     return "auto", edition
 
 
-def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition: str = "auto",
-                         *, challenge: str = "auto", hd95: bool = True, progress: bool = True) -> dict:
-    """Score `<case id>.nii.gz` segmentations from any tool against the dataset's ground truth.
+MISSING_POLICIES = ("error", "empty")
 
-    `edition` (2017 ... 2021, 2023) and `challenge` (gli, gli-post, met, men, men-rt, ped, ssa, goat) force
-    the label table as `data.edition` / `data.challenge` do (default: each case's own, from its id); a
-    challenge given as `edition` is taken as the challenge. Cases of the dataset without a prediction are
-    reported (warning) and skipped; a prediction whose grid differs from the ground truth, or with label
-    values outside the table, is a DataError.
-    """
-    edition, challenge = _forced_convention(edition, challenge)
-    pred_dir, out_dir = Path(pred_dir), Path(out_dir)
+
+@dataclass
+class PredictionsReport:
+    """What `evaluate_predictions` scored: the legacy summary (summary.json), the reference cases without a
+    prediction (scored as empty with `missing="empty"`), the prediction files without a reference case
+    (not scored), and the cases that failed (an unreadable file, a wrong shape, foreign labels: scored as
+    empty too, so that every reference case has its row)."""
+
+    summary: dict
+    references: int = 0  # the reference cases: each has a row in the report unless its own file is bad
+    missing: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)
+    failures: CaseFailures = field(default_factory=CaseFailures)
+
+
+def _prediction_files(pred_dir: Path) -> dict[str, Path]:
+    """case id -> `<case id>.nii.gz` (or .nii) in `pred_dir`."""
     if not pred_dir.is_dir():
         raise DataError(f"{pred_dir}: predictions folder not found")
     predictions = {}
@@ -205,43 +235,95 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
             if path.name.endswith(extension):
                 predictions[path.name[: -len(extension)]] = path
                 break
+    return predictions
+
+
+def _name_cases(case_ids: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(case_ids[:limit])
+    return shown + (f" and {len(case_ids) - limit} more" if len(case_ids) > limit else "")
+
+
+def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition: str = "auto",
+                         *, challenge: str = "auto", hd95: bool = True, progress: bool = True,
+                         missing: str = "error", failures: CaseFailures | None = None) -> PredictionsReport:
+    """Score `<case id>.nii.gz` segmentations from any tool against the dataset's ground truth.
+
+    `edition` (2017 ... 2021, 2023) and `challenge` (gli, gli-post, met, men, men-rt, ped, ssa, goat) force
+    the label table as `data.edition` / `data.challenge` do (default: each case's own, from its id); a
+    challenge given as `edition` is taken as the challenge.
+
+    Every reference case (a case of `data_root` with a segmentation) is scored, as the challenge's own
+    submission check demands predictions that match the reference cases one for one. `missing`: "error"
+    (default) refuses a folder that lacks a reference case's prediction with a DataError naming them, before
+    anything is written; "empty" scores each missing case as an empty prediction (the worst case: Dice 0
+    where the reference has tumour, the HD95 penalty) and lists it in the report. Prediction files without
+    a reference case are named (warning and report), not scored. A bad prediction file (unreadable, another
+    grid, label values outside the table) is recorded in `failures`, scored as empty so its row exists, and
+    the others go on; without `failures` it ends in one DataError after the report is written.
+    """
+    if missing not in MISSING_POLICIES:
+        raise ConfigError(f"--missing {missing!r}: expected one of {', '.join(MISSING_POLICIES)}")
+    edition, challenge = _forced_convention(edition, challenge)
+    pred_dir, out_dir = Path(pred_dir), Path(out_dir)
+    predictions = _prediction_files(pred_dir)
     cases = [c for c in discover_cases(data_root, edition, challenge=challenge) if c.seg is not None]
     if not cases:
         raise DataError(f"{data_root}: no case has a segmentation file to score against")
-    scored = [c for c in cases if c.case_id in predictions]
-    if not scored:
-        raise DataError(f"{pred_dir}: no <case id>.nii.gz matches a case of {data_root} "
-                        f"(e.g. expected {cases[0].case_id}.nii.gz)")
-    unscored = [c.case_id for c in cases if c.case_id not in predictions]
-    if unscored:
-        warn(f"{pred_dir}: no prediction for {len(unscored)} of {len(cases)} cases (e.g. {unscored[0]}); "
-              "they are left out of the scores")
-
+    references = {c.case_id for c in cases}
+    report = PredictionsReport(summary={}, references=len(cases), missing=[c.case_id for c in cases if c.case_id not in predictions],
+                               unmatched=[case_id for case_id in predictions if case_id not in references],
+                               failures=failures if failures is not None else CaseFailures(say=warn))
+    if report.missing and missing == "error":
+        raise DataError(f"{pred_dir}: no prediction for {len(report.missing)} of {len(cases)} reference cases of "
+                        f"{data_root}: {_name_cases(report.missing)} (score them as empty with --missing empty)")
+    if report.unmatched:
+        warn(f"{pred_dir}: {len(report.unmatched)} prediction(s) without a reference case in {data_root}, not "
+             f"scored: {_name_cases(report.unmatched)}")
+    if report.missing:
+        warn(f"{pred_dir}: no prediction for {len(report.missing)} of {len(cases)} cases, scored as empty "
+             f"(--missing empty): {_name_cases(report.missing)}")
     scores = _Scores(hd95=hd95)
     with _progress(progress) as bar:
-        task = bar.add_task("score predictions", total=len(scored))
-        for case in scored:
-            truth, _, truth_header = _read_label(case.case_id, case.seg, case.edition)
-            prediction, _, _ = _read_label(case.case_id, predictions[case.case_id], case.edition)
-            if prediction.shape != truth.shape:
-                raise DataError(f"case {case.case_id}: file {predictions[case.case_id].name}: shape {prediction.shape} "
-                                f"differs from the ground truth {truth.shape}")
-            scores.add(case.case_id, prediction, truth, case.edition, _spacing(truth_header))
+        task = bar.add_task("score predictions", total=len(cases))
+        for case in cases:
+            _score_prediction_file(case, predictions.get(case.case_id), scores, report.failures)
             bar.advance(task)
-    return scores.write(out_dir, f"{pred_dir.name} vs {Path(data_root).name}")
+    notes = ([f"no prediction, scored as empty: {case_id}" for case_id in report.missing]
+             + [f"failed: {line}" for line in report.failures.reasons.values()]
+             + [f"prediction without a reference case, not scored: {case_id}" for case_id in report.unmatched])
+    if scores.rows:
+        report.summary = scores.write(out_dir, f"{pred_dir.name} vs {Path(data_root).name}", notes=notes)
+    if failures is None:
+        report.failures.raise_if_any(f"evaluate {pred_dir}", len(cases))
+    return report
 
 
-FoldSelection = str | int | Sequence[int]
+def _score_prediction_file(case, path: Path | None, scores: _Scores, failures: CaseFailures) -> None:
+    """Score one reference case: its prediction file, or an empty prediction when there is none or it is bad.
+    An unreadable reference is a failure without a row (there is nothing to score against)."""
+    with failures.case(case.case_id):
+        truth, _, truth_header = _read_label(case.case_id, case.seg, case.edition)
+        prediction = np.zeros_like(truth)
+        if path is not None:
+            with failures.case(case.case_id):
+                read, _, _ = _read_label(case.case_id, path, case.edition)
+                if read.shape != truth.shape:
+                    raise DataError(f"case {case.case_id}: file {path.name}: shape {read.shape} differs from the "
+                                    f"ground truth {truth.shape}")
+                prediction = read
+        scores.add(case.case_id, prediction, truth, case.edition, _spacing(truth_header))
 
 
-def select_folds(run_dir: Path | RunFolder, folds: FoldSelection = "all", checkpoint: str = "best") -> list[int]:
-    """The folds to predict with: "all" (every fold folder holding the checkpoint: `checkpoint_best.pt`, or
-    `checkpoint_latest.pt` for "latest"), a fold number, "K,K" or a sequence of numbers; ConfigError naming
-    `--folds` for a fold without that checkpoint. With a checkpoint file path there is one model: fold 0
-    (or the one fold given) only names it."""
+def select_folds(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, checkpoint: str = "best",
+                 option: str = "--folds") -> list[int]:
+    """The folds to predict or evaluate with (`parse_fold_selection`: "all", a fold number, "K,K" or a
+    sequence of numbers); "all" is every fold folder holding the checkpoint (`checkpoint_best.pt`, or
+    `checkpoint_latest.pt` for "latest"). ConfigError naming `option` for a fold without that checkpoint.
+    With a checkpoint file path there is one model: fold 0 (or the first fold given) only names it."""
     run = RunFolder.of(run_dir)
+    selection = parse_fold_selection(folds, option)
     if checkpoint not in ("best", "latest"):
-        return [0] if isinstance(folds, str) and folds.strip().lower() == "all" else _parse_folds(folds)[:1]
+        return [0] if selection == ALL_FOLDS else selection[:1]
     name = BEST if checkpoint == "best" else LATEST
 
     def has_checkpoint(k: int) -> bool:
@@ -249,29 +331,15 @@ def select_folds(run_dir: Path | RunFolder, folds: FoldSelection = "all", checkp
         return folder.best.is_file() if checkpoint == "best" else folder.latest.is_file() or folder.previous.is_file()
 
     available = [k for k in run.existing_folds() if has_checkpoint(k)]
-    if isinstance(folds, str) and folds.strip().lower() == "all":
+    if selection == ALL_FOLDS:
         if not available:
             raise ConfigError(f"{run.root}: no fold has a {name}; train first (brats-swap train or cv)")
         return available
-    chosen = _parse_folds(folds)
-    for k in chosen:
+    for k in selection:
         if not has_checkpoint(k):
-            raise ConfigError(f"--folds: {run.fold(k).root} has no {name} (folds that have one: "
+            raise ConfigError(f"{option}: {run.fold(k).root} has no {name} (folds that have one: "
                               f"{', '.join(map(str, available)) or 'none'})")
-    return chosen
-
-
-def _parse_folds(folds: FoldSelection) -> list[int]:
-    try:
-        if isinstance(folds, str):
-            chosen = [int(k) for k in folds.split(",")]
-        else:
-            chosen = [int(folds)] if isinstance(folds, int) else [int(k) for k in folds]
-    except ValueError:
-        raise ConfigError(f"--folds {folds!r}: expected 'all', a fold number or numbers like 0,2") from None
-    if not chosen or min(chosen) < 0:
-        raise ConfigError(f"--folds {folds!r}: expected 'all', a fold number or numbers like 0,2")
-    return sorted(set(chosen))
+    return selection
 
 
 def _load_ensemble(run: RunFolder, folds: list[int], checkpoint: str,
@@ -323,21 +391,23 @@ def _case_progress(show: bool) -> Progress:
                         transient=True, disable=not show)
 
 
-def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: FoldSelection = "all",
+def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: FoldSelection = ALL_FOLDS,
             checkpoint: str = "best", *, tta: bool = False, probabilities: bool = False, postprocess: bool = True,
-            progress: bool = True) -> list[Path]:
+            progress: bool = True, failures: CaseFailures | None = None) -> list[Path]:
     """Segment new cases; returns the written `<out_dir>/<case id>.nii.gz` paths.
 
     `input_path` is one case folder or a dataset folder; images are preprocessed on the fly with the
     run's data config (crop, normalisation, fit to the cube), no cache is needed. `folds` (`select_folds`):
     the probabilities of these folds' models are averaged, each model loaded once for all cases. `tta`:
     each model averages the 8 mirrorings. `postprocess`: apply the run's postprocessing.json if there is
-    one. `probabilities`: also write `<case id>.npz` (`save_probabilities`; before postprocessing). The
-    labels are in the case's challenge values, on the grid and with the affine of its first modality.
-    """
-    from brats_swap.data.nifti import load_case
-    from brats_swap.data.preprocess import preprocess_case, preprocess_settings
+    one; what it changed is said per case (voxels per label). `probabilities`: also write `<case id>.npz`
+    (`save_probabilities`; before postprocessing). The labels are in the case's challenge values, on the
+    grid and with the affine of its first modality.
 
+    A bad case (a missing or unreadable modality, images of different shapes, a label table the model does
+    not predict) is skipped and the others are written: it is recorded in `failures`, or, without it, all
+    such cases end in one DataError naming them after the good cases are written.
+    """
     run = RunFolder.of(run_dir)
     config = load_run_config(run)
     chosen = select_folds(run, folds, checkpoint)
@@ -346,30 +416,47 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
     cases = discover_cases(input_path, config.data.edition, config.data.modalities, config.data.challenge)
     if plan is not None:
         _check_plan_fits(plan, cases, run.postprocessing)
-    settings, first = preprocess_settings(config.data), members[0][1]
-    if progress:
-        console.print(f"predict: fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint)"
-                      f"{', 8-mirror TTA' if tta else ''}; postprocessing: "
-                      f"{plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}",
-                      markup=False, highlight=False)
-    out_dir = Path(out_dir)
+    say = (lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)) if progress else None
+    if say is not None:
+        say(f"predict: fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint){', 8-mirror TTA' if tta else ''}"
+            f"; postprocessing: {plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}")
+    failed = failures if failures is not None else CaseFailures(say=warn)
+    already_failed = len(failed)
     written = []
     with _case_progress(progress) as bar:
         task = bar.add_task("predict", total=len(cases), case="")
         for case in cases:
             bar.update(task, case=case.case_id)
-            loaded = load_case(case, config.data.modalities)
-            cube_image, _, meta = preprocess_case(loaded, settings)
-            cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
-            probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
-            label = _labels(probs, loaded.edition, first, case.case_id)
-            if plan is not None:
-                label = apply_postprocessing(plan, label)
-            path = save_label_nifti(label, loaded.affine, out_dir / f"{case.case_id}.nii.gz", header=loaded.header)
-            if probabilities:
-                save_probabilities(out_dir / f"{case.case_id}.npz", probs,
-                                   output_names(loaded.edition, first.model.outputs, first.model.regions),
-                                   first.model.outputs)
-            written.append(path)
+            with failed.case(case.case_id):
+                written.append(_predict_case(case, config, members, device, Path(out_dir), tta=tta, plan=plan,
+                                             probabilities=probabilities, say=say))
             bar.advance(task)
+    if failures is None and len(failed) > already_failed:
+        failed.raise_if_any(f"predict {input_path}", len(cases))
     return written
+
+
+def _predict_case(case, config: Config, members: list, device: torch.device, out_dir: Path, *, tta: bool,
+                  plan: PostprocessingPlan | None, probabilities: bool,
+                  say: Callable[[str], None] | None) -> Path:
+    """One case of `predict`: its labels (postprocessed) and, on request, its probabilities, written;
+    returns the labels' path."""
+    from brats_swap.data.nifti import load_case
+    from brats_swap.data.preprocess import preprocess_case, preprocess_settings
+
+    first = members[0][1]
+    loaded = load_case(case, config.data.modalities)
+    cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
+    cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
+    probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
+    label = _labels(probs, loaded.edition, first, case.case_id)
+    if plan is not None:
+        processed = apply_postprocessing(plan, label)
+        if say is not None:
+            say(f"{case.case_id}: postprocessing {describe_label_changes(label, processed)}")
+        label = processed
+    path = save_label_nifti(label, loaded.affine, out_dir / f"{case.case_id}.nii.gz", header=loaded.header)
+    if probabilities:
+        save_probabilities(out_dir / f"{case.case_id}.npz", probs,
+                           output_names(loaded.edition, first.model.outputs, first.model.regions), first.model.outputs)
+    return path

@@ -1,0 +1,47 @@
+"""The one spelling of fold selection on the command line: `--folds all|K|K,K`.
+
+`all` is every fold; `K` one fold number; `K,K` several (order and repeats do not matter). Every command
+that picks folds (cv, evaluate, predict, compare) parses it here, so the same text means the same folds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from brats_swap.errors import ConfigError
+
+ALL_FOLDS = "all"
+FoldSelection = str | int | Sequence[int]
+
+
+def parse_fold_selection(selection: FoldSelection, option: str = "--folds") -> str | list[int]:
+    """`ALL_FOLDS`, or the sorted distinct fold numbers of "K" / "K,K" / an int / a sequence of ints;
+    ConfigError naming `option` for anything else (a negative number, a word, an empty list)."""
+    if isinstance(selection, str) and selection.strip().lower() == ALL_FOLDS:
+        return ALL_FOLDS
+    try:
+        if isinstance(selection, str):
+            # Empty items are skipped, so "3," is fold 3 (how `compare` names a single fold, see its help).
+            chosen = [int(item) for item in selection.split(",") if item.strip()]
+        elif isinstance(selection, int):
+            chosen = [int(selection)]
+        else:
+            chosen = [int(k) for k in selection]
+    except (TypeError, ValueError):
+        chosen = []
+    if not chosen or min(chosen) < 0:
+        raise ConfigError(f"{option} {selection!r}: expected 'all', a fold number or numbers like 0,2")
+    return sorted(set(chosen))
+
+
+def compare_fold_selection(selection: str) -> str | int | list[int]:
+    """`compare --folds`: as `parse_fold_selection`, except that a bare number K keeps the meaning it had
+    before fold selection had one spelling, "the first K folds" (returned as the int K; `run_compare`
+    reads an int as a count). One fold is written "K," there."""
+    text = selection.strip()
+    if text.isdigit():
+        return int(text)
+    return parse_fold_selection(selection)
+
+
+__all__ = ["ALL_FOLDS", "FoldSelection", "compare_fold_selection", "parse_fold_selection"]
