@@ -30,7 +30,7 @@ from brats_swap.model import build_model
 from brats_swap.model.targets import run_output_count
 from brats_swap.run.device import amp_dtype
 from brats_swap.run.folder import FoldFolder
-from brats_swap.train.losses import weighted_dice_loss
+from brats_swap.train.losses import training_loss, weighted_dice_loss
 
 console = Console(stderr=True, highlight=False)
 
@@ -67,7 +67,7 @@ def config_model(config: Config, out_channels: int | None = None) -> torch.nn.Mo
 
 
 def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_shape: tuple[int, ...],
-                     dtype: torch.dtype) -> int:
+                     dtype: torch.dtype, loss_fn=weighted_dice_loss) -> int:
     """Host bytes of the arena that holds one step's swapped storages under the resolved policy `memory_cfg`
     (`MemoryEngine(arena_bytes=...)`); 0 for a mode that does not swap.
 
@@ -78,7 +78,7 @@ def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_sha
     """
     if memory_cfg.mode not in SWAP_MODES:
         return 0
-    planner = Planner(model, input_shape, dtype=dtype, loss_fn=weighted_dice_loss)
+    planner = Planner(model, input_shape, dtype=dtype, loss_fn=loss_fn)
     swapped = planner.swapped(memory_cfg)
     return arena_bytes(transfer_bytes(record, memory_cfg.swap) for record in planner.records(memory_cfg)
                        if record.index in swapped)
@@ -100,7 +100,7 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
         return effective_memory_config(from_dict(MemoryConfig, saved["memory"], "memory"))
     chosen, report = choose_policy(model, config.memory, input_shape, amp_dtype(config.train.amp), device,
-                                   loss_fn=weighted_dice_loss)
+                                   loss_fn=training_loss(config.train.loss, model))
     chosen = effective_memory_config(chosen)
     atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
@@ -125,9 +125,10 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
         dtype = amp_dtype(config.train.amp)
         # Priced for the device that ran out: on CUDA a GPU's time model (assumed, not measured: the device
         # is full), on the configured link when `memory.bandwidth_gbs` names one.
-        cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=weighted_dice_loss,
+        loss_fn = training_loss(config.train.loss, model)
+        cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=loss_fn,
                                   bandwidth_gbs=memory_cfg.bandwidth_gbs)
-        planner = Planner(model, shape, dtype=dtype, loss_fn=weighted_dice_loss, cost=cost)
+        planner = Planner(model, shape, dtype=dtype, loss_fn=loss_fn, cost=cost)
         peak = planner.memory(memory_cfg).peak_bytes
         needs = f" the planner predicts it needs about {peak / GIB:.2f} GiB for input {list(shape)}"
         needs += f" on this {total:.0f} GiB device;" if total else ";"
@@ -178,10 +179,11 @@ def plan_for_config(config: Config, *, size: int | None = None, batch: int | Non
     memory.bandwidth_gbs = bandwidth_gbs if bandwidth_gbs is not None else memory.bandwidth_gbs
     validate_memory_config(memory)
     model = config_model(config)
-    cost = resolve_cost_model(model, device, torch_dtype, loss_fn=weighted_dice_loss, profile=profile,
+    loss_fn = training_loss(config.train.loss, model)
+    cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     return plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype, cost=cost,
-                       loss_fn=weighted_dice_loss)
+                       loss_fn=loss_fn)
 
 
 _TIMELINE_COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "recompute": "#55A868", "stall": "#C44E52",
