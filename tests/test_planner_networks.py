@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 
 from brats_swap.config import MemoryConfig
 from brats_swap.errors import ConfigError
-from brats_swap.memory.planner import Planner, default_cost_model
+from brats_swap.memory.planner import Planner
 from brats_swap.memory.presets import PRESETS, named_policies, resolve_presets
 from brats_swap.memory.simulate import GIB
 from brats_swap.memory.stages import check_globs, model_stages, unmatched_globs
 from brats_swap.memory.trace import trace_step
-from brats_swap.train.planning import traced_loss
+from brats_swap.train.losses import SegmentationLoss
 
 
 class _TwoHeads(nn.Module):
@@ -39,33 +39,34 @@ class _TwoHeads(nn.Module):
         return outputs if self.kind == "list" else tuple(outputs)
 
 
+def _dice_over(outputs, target):
+    """A deep-supervision loss for any output structure: each output against the target at its size."""
+    loss = SegmentationLoss("dice", from_logits=False)
+    return loss(list(outputs.values()) if isinstance(outputs, dict) else outputs, target)
+
+
 @pytest.mark.parametrize("kind", ["list", "tuple", "dict"])
-def test_the_tracer_gives_each_output_of_a_structure_its_own_target(kind):
+def test_the_tracer_takes_a_structure_of_outputs(kind):
+    """A network without `out_channels` whose output is a list, tuple or dict: the target is shaped as its
+    first (full-resolution) output, and every output's loss is part of the step."""
     shape = (1, 2, 16, 16, 16)
-    trace = trace_step(_TwoHeads(kind), shape, loss_fn=traced_loss)
-    full, half = 3 * 16**3 * 4, 3 * 8**3 * 4  # one fp32 target per output, at that output's size
-    assert trace.input_bytes == 2 * 16**3 * 4 + full + half
-    assert trace.saved_bytes > 0
+    trace = trace_step(_TwoHeads(kind), shape, loss_fn=_dice_over)
+    assert trace.input_bytes == 2 * 16**3 * 4 + 3 * 16**3 * 4  # the batch and one fp32 target
+    heads = {trace.ops[i].module for i in range(trace.fwd_end)} & {"head_low", "head_high"}
+    assert heads == {"head_low", "head_high"}
 
 
-def _nnunet(residual: bool, strides: list, stages: int = 6) -> nn.Module:
-    """nnU-Net's plain or residual-encoder U-Net as its planners build it for BraTS 2021: `stages` stages of
-    32-64-128-256-320-320 features, 3³ kernels, ResEnc blocks 1,3,4,6,6,6 with one decoder convolution per
-    stage (plain: two everywhere), instance norm, LeakyReLU, deep supervision."""
-    unet = pytest.importorskip("dynamic_network_architectures.architectures.unet")
-    common = dict(input_channels=4, n_stages=stages, features_per_stage=[32, 64, 128, 256, 320, 320][:stages],
-                  conv_op=nn.Conv3d, kernel_sizes=3, strides=strides, num_classes=3, conv_bias=True,
-                  norm_op=nn.InstanceNorm3d, norm_op_kwargs={"eps": 1e-5, "affine": True}, nonlin=nn.LeakyReLU,
-                  nonlin_kwargs={"inplace": True}, deep_supervision=True)
-    if residual:
-        return unet.ResidualEncoderUNet(n_blocks_per_stage=[1, 3, 4, 6, 6, 6][:stages], n_conv_per_stage_decoder=1,
-                                        **common)
-    return unet.PlainConvUNet(n_conv_per_stage=2, n_conv_per_stage_decoder=2, **common)
+def _config(*overrides: str):
+    from brats_swap.config import load_config
+
+    return load_config(None, list(overrides))
 
 
 def _resenc() -> nn.Module:
-    """A 4-stage residual encoder: phantom sizes (32³) keep every stage at 4 voxels or more."""
-    return _nnunet(True, [1, 2, 2, 2], stages=4)
+    """nnU-Net's residual-encoder U-Net at a phantom cube: its plan adapted to 32³ (4 stages)."""
+    from brats_swap.model import build_model
+
+    return build_model(_config("model.name=resenc_l", "data.cube=[32,32,32]").model)
 
 
 def test_presets_resolve_to_the_residual_encoders_own_stages():
@@ -88,13 +89,14 @@ def test_presets_resolve_to_the_residual_encoders_own_stages():
     assert unmatched_globs(model, unet_recompute) == [("memory.recompute.modules", "encoder.level*"),
                                                       ("memory.recompute.modules", "decoder.level*")]
     with pytest.raises(ConfigError, match=r"^memory.recompute.modules: 'encoder.level\*' matches no module of "
-                                          r"ResidualEncoderUNet .*top-level modules are: encoder, decoder$"):
+                                          r"ResidualEncoderUNetBraTS .*top-level modules are: encoder, decoder$"):
         check_globs(model, unet_recompute)
 
 
 def test_every_preset_does_something_on_a_residual_encoder():
     """Priced on the model's own stages, checkpointing and swapping lower the peak below keeping everything."""
-    planner = Planner(_resenc(), (1, 4, 32, 32, 32), loss_fn=traced_loss)
+    model = _resenc()
+    planner = Planner(model, (1, 4, 32, 32, 32), loss_fn=SegmentationLoss("dice_bce", from_logits=True))
     base = MemoryConfig()
     base.swap.min_bytes = 1 << 16
     predictions = {name: planner.predict(name, cfg) for name, cfg in named_policies(base, planner.presets).items()}
@@ -109,13 +111,12 @@ def test_the_optimizer_state_is_the_configured_optimizers():
     from brats_swap.train import planning
 
     model = _TwoHeads("list")
-    adam = Planner(model, (1, 2, 16, 16, 16), loss_fn=traced_loss, optimizer_state_factor=2)
-    sgd = Planner(model, (1, 2, 16, 16, 16), loss_fn=traced_loss, optimizer_state_factor=1)
+    adam = Planner(model, (1, 2, 16, 16, 16), loss_fn=_dice_over, optimizer_state_factor=2)
+    sgd = Planner(model, (1, 2, 16, 16, 16), loss_fn=_dice_over, optimizer_state_factor=1)
     assert adam.floor_bytes() - sgd.floor_bytes() == adam.trace().param_bytes
-    config = load_config(None, [])
-    assert planning.optimizer_state_factor(config) == 2  # Adam, the default
-    config.train.optimizer = "sgd"  # `train.optimizer`: SGD with momentum keeps one buffer per parameter
-    assert planning.optimizer_state_factor(config) == 1
+    assert planning.optimizer_state_factor(load_config(None, [])) == 2  # Adam's two moments, the default
+    # SGD with momentum keeps one buffer per parameter
+    assert planning.optimizer_state_factor(load_config(None, ["train.optimizer=sgd"])) == 1
 
 
 def test_plan_cli_sizes_overhead_and_globs(tmp_path):
@@ -141,23 +142,22 @@ def test_plan_cli_sizes_overhead_and_globs(tmp_path):
     assert len(result.output.strip().splitlines()) == 1
 
 
-# nnU-Net's BraTS 2021 plans (its planners, 2.8.1) and the GPU memory it reports for them under fp16 AMP
-# (resenc_presets.md): (network, input shape, published GB).
-_STRIDES_128_160_112 = [1, 2, 2, 2, 2, (2, 2, 1)]  # the 112 axis stops halving at 7 voxels
-_NNUNET = {
-    "default": (lambda: _nnunet(False, _STRIDES_128_160_112), (2, 4, 128, 160, 112), 7.7),
-    "resenc_m": (lambda: _nnunet(True, _STRIDES_128_160_112), (2, 4, 128, 160, 112), 9.1),
-    "resenc_l": (lambda: _nnunet(True, [1, 2, 2, 2, 2, 2]), (3, 4, 160, 192, 160), 22.7),
-    "resenc_xl": (lambda: _nnunet(True, [1, 2, 2, 2, 2, 2]), (5, 4, 160, 192, 160), 36.6),
-}
-
-
-@pytest.mark.parametrize("network", list(_NNUNET))
+@pytest.mark.parametrize("network", ["nnunet", "resenc_m", "resenc_l", "resenc_xl"])
 def test_no_policy_peak_is_within_15_percent_of_nnunets_published_memory(network):
-    """Meta-device traces at nnU-Net's plans (seconds each): the no-policy peak on the card (tensors plus
-    the GPU's default device overhead) within 15% of the GPU memory nnU-Net reports for the same plan."""
-    build, shape, published = _NNUNET[network]
-    planner = Planner(build(), shape, dtype=torch.float16, loss_fn=traced_loss,
-                      cost=default_cost_model("gpu", torch.float16))
+    """Meta-device traces at nnU-Net's BraTS 2021 plans (its patch, batch, fp16 AMP, SGD, Dice + BCE on
+    regions; seconds each): the no-policy peak on the card (tensors plus a GPU's default device overhead)
+    within 15% of the GPU memory nnU-Net reports for the same plan."""
+    from brats_swap.config.networks import NNUNET_PRESETS
+    from brats_swap.train import planning
+
+    preset = NNUNET_PRESETS[network]
+    config = _config(f"model.name={network}", "data.cube=[{},{},{}]".format(*preset.patch),
+                     f"train.batch_size={preset.batch_size}", "train.amp=fp16", "train.optimizer=sgd",
+                     "train.loss=dice_bce", "model.outputs=regions")
+    model = planning.config_model(config)
+    planner = Planner(model, planning.training_input_shape(config), dtype=torch.float16,
+                      loss_fn=planning.training_loss(config.train.loss, model),
+                      optimizer_state_factor=planning.optimizer_state_factor(config))
     none = planner.predict("none", MemoryConfig(device_overhead_gib=2.0))
+    published = preset.published_vram_gb
     assert abs(none.peak_bytes / GIB - published) <= 0.15 * published, none.peak_bytes / GIB

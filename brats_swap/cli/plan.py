@@ -46,8 +46,10 @@ def plan(
                                                   "timeline as PNG.")] = None,
 ) -> None:
     """Price none, the swap presets, recompute, norm_act, hybrid and the auto-tuned plan for a budget."""
-    shape = size_option(size, ctx.args)
-    resolved = resolve_config(config, set_)
+    edges = size_option(size, ctx.args)
+    # The planned step's input is the cube: the network's stages adapt to it as they do in training.
+    sized = [f"data.cube=[{','.join(map(str, edges))}]", "train.mode=full"] if edges else []
+    resolved = resolve_config(config, [*(set_ or []), *sized])
     saved_profile = None
     if profile is not None:
         try:
@@ -56,7 +58,7 @@ def plan(
             raise ConfigError(f"{profile}: cannot read the cost profile ({exc})") from exc
     # Tracing and pricing take seconds to a minute at full size, with no countable steps: a spinner says so.
     with console.status("planning: tracing one step on the meta device and pricing every policy ..."):
-        report, planner = plan_for_config(resolved, size=shape, batch=batch, budget_gib=budget, dtype=dtype,
+        report, planner = plan_for_config(resolved, batch=batch, budget_gib=budget, dtype=dtype,
                                           bandwidth_gbs=bandwidth, device=device, profile=saved_profile)
     print_report(report)
     if json_out is not None:

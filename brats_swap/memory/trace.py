@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from brats_swap.config import MemoryConfig, RecomputeConfig
@@ -534,15 +534,6 @@ def _pre_hook(tracer: _Tracer, name: str, is_block: bool, root: bool, module, ar
     tracer.on_module_pre(name, is_block, module, args, kwargs, root)
 
 
-def _target_like(channels: int | None, output):
-    """The traced target of one model output: its shape, with `channels` channels when given (a
-    network's outputs are class scores or probabilities; its targets may have another channel count)."""
-    if not isinstance(output, torch.Tensor):
-        return output
-    shape = (output.shape[0], channels, *output.shape[2:]) if channels and output.dim() > 2 else output.shape
-    return torch.empty(shape, device="meta")
-
-
 def _run_step(meta_model: nn.Module, tracer: _Tracer, step: Callable[[nn.Module], torch.Tensor]) -> int:
     """Forward + loss under the saved-tensor hooks (as inside `engine.step()`), then backward outside
     them. Returns the op index where backward starts."""
@@ -586,10 +577,10 @@ def trace_step(
     with another calling convention passes `step(model, x) -> loss` instead (x: the meta batch; make any
     other argument on `x.device`). `dtype` bfloat16 or float16 emulates autocast in that dtype.
     `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
-    meta copy. `blocks` overrides the engine's `discover_blocks`. The target mirrors the output: a tensor,
-    or a list / tuple / dict of them (deep supervision: one target per output, at that output's size, as
-    nnU-Net's loader downsamples them), each with `target_channels` channels (default: the model's
-    `out_channels`, else the output's own). The input model is not modified.
+    meta copy. `blocks` overrides the engine's `discover_blocks`. The output may be a tensor or a list,
+    tuple or dict of them (deep supervision, full resolution first); the loss gets one target: with
+    `target_channels` (default: the model's `out_channels`) at the input's size, else shaped as the
+    (first) output. The input model is not modified.
     """
     if (loss_fn is None) == (step is None):
         raise ValueError("trace_step needs exactly one of loss_fn and step")
@@ -609,15 +600,17 @@ def trace_step(
     held = [x]
     if step is None:
         channels = target_channels or getattr(model, "out_channels", None)
+        if channels is not None:
+            held.append(torch.empty((input_shape[0], channels, *input_shape[2:]), device="meta"))
+            tracer.storage_id(held[-1].untyped_storage())
 
         def step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
             output = module(batch)
-            target = tree_map(functools.partial(_target_like, channels), output)
-            for tensor in tree_leaves(target):
-                held.append(tensor)
+            if len(held) == 1:  # the target takes the shape of the (first) output
+                held.append(torch.empty_like(next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))))
                 # Allocated before the step (the data loader's), alive to its end like the batch.
-                tracer.storages[tracer.storage_id(tensor.untyped_storage())].alloc_op = 0
-            return loss_fn(output, target)
+                tracer.storages[tracer.storage_id(held[-1].untyped_storage())].alloc_op = 0
+            return loss_fn(output, held[1])
     try:
         fwd_end = _run_step(meta_model, tracer, lambda module: step(module, x))
     finally:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from torch.utils._pytree import tree_leaves
 
 from brats_swap.atomic import atomic_path, atomic_write_json
 from brats_swap.config import Config, ConfigError, DataConfig, MemoryConfig, validate_memory_config
@@ -33,7 +32,7 @@ from brats_swap.model import build_model
 from brats_swap.model.targets import run_output_count
 from brats_swap.run.device import amp_dtype
 from brats_swap.run.folder import FoldFolder
-from brats_swap.train.losses import weighted_dice_loss
+from brats_swap.train.losses import training_loss, weighted_dice_loss
 
 console = Console(stderr=True, highlight=False)
 
@@ -45,17 +44,8 @@ OPTIMIZER_STATE_FACTOR = {"adam": 2, "sgd": 1}
 
 
 def optimizer_state_factor(config: Config) -> int:
-    """What `train.optimizer` (Adam where the config has no such key) keeps per parameter, in parameters."""
-    return OPTIMIZER_STATE_FACTOR[getattr(config.train, "optimizer", "adam")]
-
-
-def traced_loss(output, target) -> torch.Tensor:
-    """The training loss as the planner traces it: the weighted Dice of the output, or of each output of a
-    deep-supervised network (a list, tuple or dict; the tracer gives each its own target)."""
-    if isinstance(output, torch.Tensor):
-        return weighted_dice_loss(output, target)
-    losses = [weighted_dice_loss(o, t) for o, t in zip(tree_leaves(output), tree_leaves(target), strict=True)]
-    return torch.stack(losses).sum()
+    """What `train.optimizer` keeps on the device per parameter, in parameters."""
+    return OPTIMIZER_STATE_FACTOR[config.train.optimizer]
 
 
 def training_input_shape(config: Config) -> tuple[int, ...]:
@@ -86,7 +76,7 @@ def config_model(config: Config, out_channels: int | None = None) -> torch.nn.Mo
 
 
 def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_shape: tuple[int, ...],
-                     dtype: torch.dtype) -> int:
+                     dtype: torch.dtype, loss_fn=weighted_dice_loss) -> int:
     """Host bytes of the arena that holds one step's swapped storages under the resolved policy `memory_cfg`
     (`MemoryEngine(arena_bytes=...)`); 0 for a mode that does not swap.
 
@@ -97,7 +87,7 @@ def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_sha
     """
     if memory_cfg.mode not in SWAP_MODES:
         return 0
-    planner = Planner(model, input_shape, dtype=dtype, loss_fn=traced_loss)
+    planner = Planner(model, input_shape, dtype=dtype, loss_fn=loss_fn)
     swapped = planner.swapped(memory_cfg)
     return arena_bytes(transfer_bytes(record, memory_cfg.swap) for record in planner.records(memory_cfg)
                        if record.index in swapped)
@@ -120,7 +110,8 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
         return effective_memory_config(from_dict(MemoryConfig, saved["memory"], "memory"))
     chosen, report = choose_policy(model, config.memory, input_shape, amp_dtype(config.train.amp), device,
-                                   loss_fn=traced_loss, optimizer_state_factor=optimizer_state_factor(config))
+                                   loss_fn=training_loss(config.train.loss, model),
+                                   optimizer_state_factor=optimizer_state_factor(config))
     chosen = effective_memory_config(chosen)
     atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
@@ -145,9 +136,10 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
         dtype = amp_dtype(config.train.amp)
         # Priced for the device that ran out: on CUDA a GPU's time model (assumed, not measured: the device
         # is full), on the configured link when `memory.bandwidth_gbs` names one.
-        cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=traced_loss,
+        loss_fn = training_loss(config.train.loss, model)
+        cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=loss_fn,
                                   bandwidth_gbs=memory_cfg.bandwidth_gbs)
-        planner = Planner(model, shape, dtype=dtype, loss_fn=traced_loss, cost=cost,
+        planner = Planner(model, shape, dtype=dtype, loss_fn=loss_fn, cost=cost,
                           optimizer_state_factor=optimizer_state_factor(config))
         peak = planner.memory(memory_cfg).peak_bytes
         needs = f" the planner predicts it needs about {peak / GIB:.2f} GiB for input {list(shape)}"
@@ -167,12 +159,12 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
     return DeviceOutOfMemoryError(f"{where}: {device} ran out of memory with memory.mode={mode};{needs} {advice}")
 
 
-def plan_for_config(config: Config, *, size: int | list[int] | None = None, batch: int | None = None,
+def plan_for_config(config: Config, *, batch: int | None = None,
                     budget_gib: float | None = None, dtype: str | None = None,
                     bandwidth_gbs: float | None = None, device: str = "auto",
                     profile: dict | None = None) -> tuple[PlanReport, Planner]:
     """`brats-swap plan`: the run's model at its training sample (the patch in `train.mode: patch`, else the
-    cube; or `size`: one edge of a cube or three) and batch, every policy priced.
+    cube; `plan --size` sets the cube, so the network's stages adapt to it) and batch, every policy priced.
 
     Activations are priced in `dtype` (fp32, bf16, fp16), by default in the dtype `train.amp` trains in.
     `budget_gib` and `bandwidth_gbs` replace `memory.budget_gib` / `memory.bandwidth_gbs` and are checked
@@ -183,13 +175,10 @@ def plan_for_config(config: Config, *, size: int | list[int] | None = None, batc
     (`config_model`: 4 for a PED run, 1 for MEN-RT). Peaks include the device overhead
     (`memory.device_overhead_gib`, default: the device's); the optimizer state is `train.optimizer`'s.
     """
-    if size is None:
-        cube = list(training_input_shape(config)[2:])
-    else:
-        cube = [size] * 3 if isinstance(size, int) else list(size)
+    cube = list(training_input_shape(config)[2:])
     batch = batch if batch is not None else config.train.batch_size
-    if batch < 1 or len(cube) != 3 or any(v < 1 for v in cube):
-        raise ConfigError(f"plan: batch {batch} and size {cube} must be positive")
+    if batch < 1:
+        raise ConfigError(f"plan --batch: must be positive, got {batch}")
     if dtype is not None and dtype not in PLAN_DTYPES:
         raise ConfigError(f"plan --dtype: {dtype!r} is not one of fp32, bf16, fp16")
     torch_dtype = PLAN_DTYPES[dtype] if dtype is not None else amp_dtype(config.train.amp)
@@ -206,10 +195,11 @@ def plan_for_config(config: Config, *, size: int | list[int] | None = None, batc
     memory = with_overhead(memory, device)
     model = config_model(config)
     check_globs(model, memory)
-    cost = resolve_cost_model(model, device, torch_dtype, loss_fn=traced_loss, profile=profile,
+    loss_fn = training_loss(config.train.loss, model)
+    cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     return plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype, cost=cost,
-                       loss_fn=traced_loss, optimizer_state_factor=optimizer_state_factor(config))
+                       loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config))
 
 
 _TIMELINE_COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "recompute": "#55A868", "stall": "#C44E52",
