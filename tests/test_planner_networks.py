@@ -3,6 +3,7 @@ nothing refused, the optimizer's state, the device overhead, and nnU-Net's publi
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -62,11 +63,17 @@ def _config(*overrides: str):
     return load_config(None, list(overrides))
 
 
-def _resenc() -> nn.Module:
-    """nnU-Net's residual-encoder U-Net at a phantom cube: its plan adapted to 32³ (4 stages)."""
+def _resenc(cube: int = 32) -> nn.Module:
+    """nnU-Net's residual-encoder U-Net at a phantom cube: its plan adapted to `cube`³ (32: 4 stages, blocks
+    1-3-4-6; 16: 3 stages), with a quarter of the features (cheap on 2 CPU cores; the structure is what
+    these tests are about)."""
     from brats_swap.model import build_model
 
-    return build_model(_config("model.name=resenc_l", "data.cube=[32,32,32]").model)
+    torch.manual_seed(0)
+    stages = 4 if cube == 32 else 3
+    features = ",".join(str(f) for f in [8, 16, 32, 64][:stages])
+    return build_model(_config("model.name=resenc_l", f"data.cube=[{cube},{cube},{cube}]",
+                               f"model.features=[{features}]").model)
 
 
 def test_presets_resolve_to_the_residual_encoders_own_stages():
@@ -96,7 +103,7 @@ def test_presets_resolve_to_the_residual_encoders_own_stages():
 def test_every_preset_does_something_on_a_residual_encoder():
     """Priced on the model's own stages, checkpointing and swapping lower the peak below keeping everything."""
     model = _resenc()
-    planner = Planner(model, (1, 4, 32, 32, 32), loss_fn=SegmentationLoss("dice_bce", from_logits=True))
+    planner = Planner(model, (1, 4, 32, 32, 32), loss_fn=SegmentationLoss("dice", from_logits=True))
     base = MemoryConfig()
     base.swap.min_bytes = 1 << 16
     predictions = {name: planner.predict(name, cfg) for name, cfg in named_policies(base, planner.presets).items()}
@@ -104,6 +111,46 @@ def test_every_preset_does_something_on_a_residual_encoder():
     for name, prediction in predictions.items():
         assert prediction.peak_bytes < none.peak_bytes, name
     assert predictions["recompute"].recompute_flops > 0 and predictions["hybrid"].swapped_bytes > 0
+
+
+def _step_grads(model: nn.Module, engine, x, y, loss_fn) -> tuple[torch.Tensor, list]:
+    with engine.step() if engine is not None else contextlib.nullcontext():
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]  # the lowest output's head has none
+
+
+def test_no_prefetch_misses_on_a_residual_encoder_planned_and_run():
+    """Every swappable storage of nnU-Net's residual encoder swapped: the planner predicts no use without a
+    reload issued ahead at any lookahead (its blocks are the ConvDropoutNormReLU units, one marker each), the
+    engine runs it so, and the gradients are bitwise plain PyTorch's."""
+    from brats_swap.memory import MemoryEngine
+
+    policy = MemoryConfig(mode="hybrid")
+    policy.swap.min_bytes, policy.recompute.norm_act = 0, True
+    loss = SegmentationLoss("dice", from_logits=True)
+    shape = (1, 4, 16, 16, 16)
+    planner = Planner(_resenc(16), shape, loss_fn=loss)
+    for lookahead in (0, 1, 2, 4):
+        policy.swap.lookahead = lookahead
+        predicted = planner.predict("hybrid", policy)
+        assert predicted.swapped_bytes > 0 and predicted.prefetch_misses == 0, lookahead
+
+    policy.swap.lookahead = 1
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(shape, generator=generator), (torch.rand((1, 3, 16, 16, 16), generator=generator) > 0.7).float()
+    plain_loss, plain_grads = _step_grads(_resenc(16), None, x, y, loss)
+    model = _resenc(16)
+    engine = MemoryEngine(model, policy)
+    try:
+        engine_loss, engine_grads = _step_grads(model, engine, x, y, loss)
+        stats = engine.last_stats()
+    finally:
+        engine.close()
+    assert torch.equal(plain_loss, engine_loss)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain_grads, engine_grads, strict=True))
+    assert sum(g is not None for g in engine_grads) > 0
+    assert stats.swapped_out_bytes > 0 and stats.prefetch_misses == 0
 
 
 def test_the_optimizer_state_is_the_configured_optimizers():

@@ -125,6 +125,7 @@ class PolicyPrediction:
             "swapped_gib": round(self.swapped_bytes / GIB, 4),
             "recompute_gflop": round(self.recompute_flops / 1e9, 3),
             "predicted_step_s": round(float(self.step_s), 5),
+            "prefetch_misses": self.prefetch_misses,
             "fits": self.fits,
         }
 
