@@ -24,7 +24,7 @@ from brats_swap.data.discovery import check_forced_convention, resolve_conventio
 from brats_swap.errors import DeviceOutOfMemoryError
 from brats_swap.memory.arena import arena_bytes
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
-from brats_swap.memory.policy import SWAP_MODES, effective_memory_config
+from brats_swap.memory.records import SWAP_MODES, effective_memory_config
 from brats_swap.memory.rulebook import transfer_bytes
 from brats_swap.model import build_model
 from brats_swap.model.targets import run_output_count
