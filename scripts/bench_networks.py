@@ -37,7 +37,8 @@ from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import Config, load_config
 from brats_swap.config.networks import NETWORK_NAMES, NNUNET_PRESETS
 from brats_swap.memory.budget import DEFAULT_DEVICE_OVERHEAD_GIB
-from brats_swap.memory.planner import Planner, default_cost_model
+from brats_swap.memory.cost import default_cost_model
+from brats_swap.memory.planner import Planner
 from brats_swap.memory.simulate import GIB
 from brats_swap.train import planning
 

@@ -48,9 +48,10 @@ from validate_plan import SAVE_ON_CPU, measure, relative_error, torch_threads  #
 from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
 from brats_swap.memory.arena import HostArena, arena_bytes  # noqa: E402
+from brats_swap.memory.cost import resolve_cost_model  # noqa: E402
 from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from  # noqa: E402
 from brats_swap.memory.link import open_link  # noqa: E402
-from brats_swap.memory.planner import Planner, resolve_cost_model  # noqa: E402
+from brats_swap.memory.planner import Planner  # noqa: E402
 from brats_swap.memory.presets import PRESET_NAMES, named_policies  # noqa: E402
 from brats_swap.memory.simulate import GIB  # noqa: E402
 from brats_swap.model import build_model  # noqa: E402

@@ -51,11 +51,12 @@ import torch
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config.schema import MemoryConfig, ModelConfig
+from brats_swap.memory.cost import OpCostModel, default_cost_model, profile_device
 from brats_swap.memory.engine import MemoryEngine
 from brats_swap.memory.link import EmulatedLink
-from brats_swap.memory.planner import Planner, default_cost_model, profile_device
+from brats_swap.memory.planner import Planner
 from brats_swap.memory.presets import named_policies
-from brats_swap.memory.simulate import GIB, OpCostModel
+from brats_swap.memory.simulate import GIB
 from brats_swap.model import build_model
 from brats_swap.train.losses import weighted_dice_loss
 

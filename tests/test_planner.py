@@ -16,17 +16,17 @@ from typer.testing import CliRunner
 
 from brats_swap.config.schema import MemoryConfig, ModelConfig
 from brats_swap.errors import ConfigError
+from brats_swap.memory.cost import OpCostModel, default_cost_model
 from brats_swap.memory.engine import MemoryEngine
 from brats_swap.memory.planner import (
     BUDGET_HEADROOM,
     Planner,
     choose_policy,
-    default_cost_model,
     plan_report,
 )
 from brats_swap.memory.presets import named_policies
-from brats_swap.memory.simulate import GIB, OpCostModel, simulate_memory
-from brats_swap.memory.trace import meta_copy, trace_step
+from brats_swap.memory.recorder import meta_copy, trace_step
+from brats_swap.memory.simulate import GIB, simulate_memory
 from brats_swap.model import build_model
 from brats_swap.train.losses import weighted_dice_loss
 
@@ -325,8 +325,8 @@ def test_yaml_presets_equal_the_preset_data():
 def test_presets_resolved_on_the_unet_match_the_same_modules_as_its_globs(small_model):
     """`resolve_presets` writes each rule in the model's own names; on the default U-Net they are the modules
     `PRESETS` (and configs/*.yaml) name with globs."""
-    from brats_swap.memory.policy import module_matches
     from brats_swap.memory.presets import PRESETS, resolve_presets
+    from brats_swap.memory.records import module_matches
     from brats_swap.memory.stages import policy_globs
 
     names = [name for name, _ in small_model.named_modules() if name]

@@ -15,9 +15,9 @@ from brats_swap.config import MemoryConfig
 from brats_swap.errors import ConfigError
 from brats_swap.memory.planner import Planner
 from brats_swap.memory.presets import PRESETS, named_policies, resolve_presets
+from brats_swap.memory.recorder import trace_step
 from brats_swap.memory.simulate import GIB
 from brats_swap.memory.stages import check_globs, model_stages, unmatched_globs
-from brats_swap.memory.trace import trace_step
 from brats_swap.train.losses import SegmentationLoss
 
 

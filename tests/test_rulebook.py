@@ -21,8 +21,8 @@ from brats_swap.config import MemoryConfig, SwapConfig
 from brats_swap.config.loader import from_dict
 from brats_swap.memory import MemoryEngine
 from brats_swap.memory.planner import BUDGET_HEADROOM, Planner
-from brats_swap.memory.policy import SavedRecord
 from brats_swap.memory.presets import named_policies
+from brats_swap.memory.records import SavedRecord
 from brats_swap.memory.rulebook import KEEP, RECOMPUTE, SWAP, Decider
 from brats_swap.memory.simulate import replay
 from brats_swap.model import build_model
@@ -114,7 +114,7 @@ def _engine_logs(model: nn.Module, cfg: MemoryConfig, shape, step) -> tuple[list
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     logs = []
     for index in range(2):
-        engine.core.log = []
+        engine.front.log = []
         torch.manual_seed(index)
         x = torch.randn(shape)
         with engine.step():
@@ -122,7 +122,7 @@ def _engine_logs(model: nn.Module, cfg: MemoryConfig, shape, step) -> tuple[list
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        logs.append(engine.core.log)
+        logs.append(engine.front.log)
     return logs[0], logs[1], engine
 
 
@@ -226,7 +226,7 @@ def test_slow_copies_are_waited_for_only_when_the_in_flight_budget_needs_it():
 def test_a_host_running_ahead_finds_copies_finished_later():
     """The host is up to `host_lead_kernels` kernels ahead of the device when it asks whether a copy
     finished, so it releases later and the predicted peak can only grow with the lead."""
-    from brats_swap.memory.planner import default_cost_model
+    from brats_swap.memory.cost import default_cost_model
     from brats_swap.memory.simulate import simulate_memory
 
     planner = Planner(build_model(TINY_UNET), (1, 4, 16, 16, 16), step=_unet_step)

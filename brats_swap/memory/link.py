@@ -57,6 +57,7 @@ import weakref
 import torch
 
 from brats_swap.config.schema import SwapConfig
+from brats_swap.memory.cost import bytes_per_second, link_seconds
 
 # `torch.cuda._sleep` counts GPU clock cycles; when the device does not report its clock, assume this.
 _FALLBACK_CLOCK_HZ = 1.5e9
@@ -177,7 +178,7 @@ def _copy_worker(jobs: queue.SimpleQueue, bytes_per_s: float) -> None:
             if delay:
                 time.sleep(delay)
             _move(destination, source)
-            remaining = started + delay + source.numel() * source.element_size() / bytes_per_s
+            remaining = started + delay + link_seconds(source.numel() * source.element_size(), bytes_per_s)
             remaining -= time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
@@ -195,7 +196,7 @@ class EmulatedLink(CopyLink):
 
     def __init__(self, gbs: float, delay_s: float = 0.0, sync: bool = False, seed: int | None = None):
         super().__init__(delay_s, sync, seed)
-        self.bytes_per_s = gbs * 1e9
+        self.bytes_per_s = bytes_per_second(gbs)
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._issued: list[ThreadCopyEvent] = []

@@ -72,7 +72,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from brats_swap.memory.policy import module_matches
+from brats_swap.memory.records import module_matches
 
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.LeakyReLU, nn.ReLU, nn.ReLU6, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish,
@@ -315,8 +315,8 @@ class NormActRecipes:
     """Module hooks that teach the engine recipes for norm / activation / dropout / resize outputs.
 
     `engine` answers `lookup(t)` (its record of `t`'s storage, with a `decision`), `pack(t)` (a handle)
-    and, for `Recipe.materialize`, `unpack(handle)` and `rebuild(recipe)`: `swap.SavedTensorEngine`, or the
-    tracer on `meta`.
+    and, for `Recipe.materialize`, `unpack(handle)` and `rebuild(recipe)`: the saved-tensor front end
+    (`frontend.SavedTensorFrontEnd`), with the executor or the recorder behind it.
     `recognised` maps module names to their kind; `skipped` maps the module names whose output was not
     made recomputable in the current forward to the reason (module docstring), until `reset()`.
     """

@@ -30,9 +30,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from brats_swap.config import ConfigError, MemoryConfig
-from brats_swap.memory.engine import COMPUTE_TYPES
-from brats_swap.memory.policy import module_matches
-from brats_swap.memory.trace import meta_copy
+from brats_swap.memory.frontend import COMPUTE_TYPES
+from brats_swap.memory.recorder import meta_copy
+from brats_swap.memory.records import module_matches
 
 ENCODER, DECODER = "encoder", "decoder"
 

@@ -25,7 +25,7 @@ from brats_swap.errors import DeviceOutOfMemoryError
 from brats_swap.memory.arena import arena_bytes
 from brats_swap.memory.budget import with_overhead
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
-from brats_swap.memory.policy import SWAP_MODES, effective_memory_config
+from brats_swap.memory.records import SWAP_MODES, effective_memory_config
 from brats_swap.memory.rulebook import transfer_bytes
 from brats_swap.memory.stages import check_globs
 from brats_swap.model import build_model
