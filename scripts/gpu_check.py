@@ -14,7 +14,9 @@ Stages (each adds its section to `<out>/gpu_check.json`, or `gpu_check_dry_run.j
    widens the window in which a missing wait would read unfinished data.
 4. `peak`: under a 16 GiB cap (`torch.cuda.set_per_process_memory_fraction`), 192³ batch 1 and 2, every
    policy (none, the presets, the planner's auto plan for 16 GiB): `torch.cuda.max_memory_allocated`
-   after a warm-up step against the planner's prediction; out of memory is recorded as such.
+   after a warm-up step against the planner's prediction; out of memory is recorded as such. Each row also
+   measures the device overhead (`device_overhead_gib`: context, libraries, allocator reserve beyond the
+   predicted tensors), the quantity `memory.device_overhead_gib` defaults to 2 GiB for.
 5. `step_time`: 192³ batch 1, no policy (no hooks), `torch.autograd.graph.save_on_cpu(pin_memory=True)`,
    per-block checkpointing (every block of `discover_blocks`), swap_all, hybrid and the auto plan.
 6. `pinned`: swap_all at 192³ batch 2 with the arena sized from the plan: pinned host bytes against the
@@ -306,6 +308,13 @@ def _peak_row(check: Check, planner: Planner, model, name: str, cfg: MemoryConfi
         return row
     row.update(status="ok", measured_peak_bytes=measured["peak_bytes"], measured_step_s=measured["step_s"],
                peak_error=relative_error(predicted, measured["peak_bytes"]))
+    if cuda:
+        # `memory.device_overhead_gib` measured: what the card held beyond the planner's tensors, i.e. the CUDA
+        # context and libraries (used, not the allocator's) plus the allocator's peak reserve (all processes
+        # on the card count: run it alone).
+        free, total = torch.cuda.mem_get_info(check.device)
+        held = total - free - torch.cuda.memory_reserved(check.device) + torch.cuda.max_memory_reserved(check.device)
+        row["device_overhead_gib"] = round((held - predicted) / GIB, 3)
     return row
 
 
