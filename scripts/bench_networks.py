@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/bench_networks.py                 # every row (CPU only: meta-device traces; an hour)
     .venv/bin/python scripts/bench_networks.py --acceptance    # the issue's three acceptance plans only
-    .venv/bin/python scripts/bench_networks.py --networks resenc_l --settings patch --dtypes fp16
+    .venv/bin/python scripts/bench_networks.py --networks resenc_l --settings patch --dtypes fp16 --out /tmp/a
+    .venv/bin/python scripts/bench_networks.py --merge /tmp/a /tmp/b   # partial runs -> one table
 
 Nothing runs on a GPU: each row is `brats-swap plan`'s prediction (a trace of one training step on the
 `meta` device at full size, priced on the assumed H200 time model with a 50 GB/s PCIe 5 link), with a
@@ -28,6 +29,7 @@ without `--acceptance`, the Markdown table `docs/benchmarks/networks.md` that th
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -115,6 +117,17 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_runs(folders: list[Path], out: Path) -> dict:
+    runs = [json.loads((folder / "networks.json").read_text(encoding="utf-8")) for folder in folders]
+    order = {name: i for i, name in enumerate(NETWORK_NAMES)}
+    rows = sorted((row for run in runs for row in run["rows"]),
+                  key=lambda row: (order[row["network"]], row["setting"] != "patch", row["dtype"] != "fp16"))
+    result = {**runs[0], "rows": rows}
+    atomic_write_json(out / "networks.json", result)
+    atomic_write_text(out / "networks.md", markdown(rows))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--networks", nargs="+", default=list(NETWORK_NAMES), choices=NETWORK_NAMES)
@@ -122,7 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtypes", nargs="+", default=["fp16", "fp32"], choices=list(DTYPES))
     parser.add_argument("--acceptance", action="store_true", help="Price the issue's three plans only.")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    parser.add_argument("--merge", type=Path, nargs="+", help="Folders of partial runs (run in parallel): write "
+                        "their rows, in network order, as one networks.json / networks.md in --out.")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge_runs(args.merge, args.out)
     torch.set_num_threads(1)
     result: dict = {"time_model": default_cost_model("gpu", torch.float16).name, "cards_gb": list(CARDS_GB),
                     "measured_on_gpu": False, "rows": [], "acceptance": []}
