@@ -121,9 +121,10 @@ def _step_grads(model: nn.Module, engine, x, y, loss_fn) -> tuple[torch.Tensor, 
 
 
 def test_no_prefetch_misses_on_a_residual_encoder_planned_and_run():
-    """Every swappable storage of nnU-Net's residual encoder swapped: the planner predicts no use without a
-    reload issued ahead at any lookahead (its blocks are the ConvDropoutNormReLU units, one marker each), the
-    engine runs it so, and the gradients are bitwise plain PyTorch's."""
+    """Every swappable storage of nnU-Net's residual encoder swapped, norm and activation outputs rebuilt:
+    the planner predicts no use without a reload issued ahead at any lookahead (its blocks are the
+    ConvDropoutNormReLU units, one marker each), the engine runs it so with no norm left out, and the
+    gradients are bitwise plain PyTorch's."""
     from brats_swap.memory import MemoryEngine
 
     policy = MemoryConfig(mode="hybrid")
@@ -151,6 +152,8 @@ def test_no_prefetch_misses_on_a_residual_encoder_planned_and_run():
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(plain_grads, engine_grads, strict=True))
     assert sum(g is not None for g in engine_grads) > 0
     assert stats.swapped_out_bytes > 0 and stats.prefetch_misses == 0
+    # norm_act rebuilds every norm of it: each norm's input (a convolution's output) is a stored tensor.
+    assert stats.recomputed_bytes > 0 and stats.norm_act_skipped == {}
 
 
 def test_the_optimizer_state_is_the_configured_optimizers():
