@@ -126,7 +126,7 @@ def run_point(policy: str, cube: int, batch: int, dtype: str, device: torch.devi
             if device.type != "cuda":
                 row["peak_bytes"] = stats.peak_resident_saved_bytes
         row["status"] = "ok"
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError exists from torch 2.5 only
         row["status"] = "oom"
     finally:
         if case is not None:

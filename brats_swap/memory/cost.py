@@ -54,12 +54,12 @@ class OpCostModel:
     # The engine's synchronous CPU link copies at once (the compute waits for the whole copy); CUDA
     # streams and the emulated link copy while the compute runs.
     sync_copies: bool = False
-    # How many kernels the device may lag behind the host when the host asks whether a copy finished
-    # (module docstring): CUDA's launch queue on a GPU; 0 on the CPU, whose host is the compute.
-    host_lead_kernels: int | None = 1024
     # The emulated CPU link (`memory.swap.emulate_gbs`): compute seconds its copy threads take from the
     # step per byte they move (on 2 cores a copy preempts an intra-op thread); 0 for real copy engines.
     copy_interference_s_per_byte: float = 0.0
+    # bf16 transport converts on the device through a staging buffer the size of the bf16 copy (CUDA);
+    # the CPU links convert on the host.
+    staged_conversion: bool = False
 
     def durations(self, trace) -> list[float]:
         """Seconds of each op of `trace` (0 for ops that launch no kernel)."""
@@ -112,12 +112,8 @@ class OpCostModel:
 
 # The engine's synchronous CPU path with free copies: what the byte-exact tests replay.
 INSTANT = OpCostModel(name="instant synchronous copies", h2d_bytes_per_s=float("inf"),
-                      d2h_bytes_per_s=float("inf"), sync_copies=True, host_lead_kernels=0)
+                      d2h_bytes_per_s=float("inf"), sync_copies=True)
 
-
-# The engine's synchronous CPU path with free copies: what the byte-exact tests replay.
-INSTANT = OpCostModel(name="instant synchronous copies", h2d_bytes_per_s=float("inf"),
-                      d2h_bytes_per_s=float("inf"), sync_copies=True, host_lead_kernels=0)
 
 # Pinned host<->device copies over PCIe 5 x16 measure about 50-55 GB/s per direction (PCIe 4 x16: about
 # 22-25 GB/s); `--bandwidth` / `memory.bandwidth_gbs` set another link, a CUDA profile measures it.
@@ -128,13 +124,13 @@ DEFAULT_BANDWIDTH_GBS = 50.0
 _GPU_LINK = f"PCIe 5 link {DEFAULT_BANDWIDTH_GBS:g} GB/s"
 DEFAULT_COSTS = {
     "cpu": OpCostModel(name="cpu (assumed)", flops_per_s=60e9, bytes_per_s=20e9, launch_s=20e-6,
-                       h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True, host_lead_kernels=0),
+                       h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True),
     "gpu-float32": OpCostModel(name=f"H200-class GPU, fp32/TF32, {_GPU_LINK} (assumed)", flops_per_s=60e12,
                                bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
-                               d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9),
+                               d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
     "gpu-half": OpCostModel(name=f"H200-class GPU, bf16/fp16, {_GPU_LINK} (assumed)", flops_per_s=150e12,
                             bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
-                            d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9),
+                            d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
 }
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 

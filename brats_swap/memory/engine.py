@@ -103,13 +103,15 @@ class MemoryEngine:
     saved bytes), `prefetch=False` (every reload is a synchronous miss; for tests), `arena_bytes`
     (the host arena's size, `arena.arena_bytes` of the planner's swapped storages; with `device` it is
     allocated here, so a host that cannot hold it is a one-line `ConfigError` before the first step),
-    `log` (a list that receives the rulebook's per-tensor event sequence of every step; tests compare it
+    `host_arena` (an `arena.HostArena` the caller owns and reuses across engines: pinned once, never
+    closed by the engine), `log` (a list that receives the rulebook's per-tensor event sequence of every step; tests compare it
     with the simulator's).
     """
 
     def __init__(self, model: nn.Module, memory_cfg: MemoryConfig | dict | str | None = None,
                  device: torch.device | str | None = None, *, blocks: Sequence | None = None,
-                 measure: bool = False, prefetch: bool = True, arena_bytes: int = 0, log: list | None = None):
+                 measure: bool = False, prefetch: bool = True, arena_bytes: int = 0, host_arena=None,
+                 log: list | None = None):
         cfg = memory_config_from(memory_cfg)
         if cfg.mode == "auto":
             raise ConfigError("memory.mode=auto: the planner (brats_swap.memory.planner.choose_policy) must "
@@ -127,7 +129,7 @@ class MemoryEngine:
         if not self.enabled:
             return
 
-        self.executor = SwapExecutor(cfg, arena_bytes=arena_bytes)
+        self.executor = SwapExecutor(cfg, arena_bytes=arena_bytes, host_arena=host_arena)
         self.front = SavedTensorFrontEnd(cfg, self.executor, param_storages=self._param_storages, prefetch=prefetch,
                                          log=log)
         if arena_bytes and self.device is not None and self.device.type != "meta":

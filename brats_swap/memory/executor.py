@@ -15,14 +15,17 @@ where `empty_like` + `copy_` of the view would lose them.
 Memory safety on CUDA:
 
 - a swapped storage stays referenced (`gpu_ref`) until its release, where the *compute* stream waits on
-  its copy's event unless the copy was found finished: the caching allocator only tracks the stream
+  its copy's event (device-side: the host runs on): the caching allocator only tracks the stream
   that allocated a block, so a storage freed while a side stream still reads it could be reused under
   the copy; the event wait makes the free safe without `record_stream`, which would delay the reuse
   until the allocator polls the event and make peaks nondeterministic;
 - reload buffers are allocated on the compute stream (freed and reused in compute order); the link's
   reload waits for the compute stream and for the storage's copy out (never read a host slot before
   its bytes landed); the compute waits for the reload at use, and before a buffer is dropped;
-- a bf16-compressed storage is converted on the copy's own stream, before its event fires.
+- a bf16-compressed storage is converted on the copy's own stream, before its event fires, through a
+  staging buffer allocated on the compute stream (so it comes from, and returns to, the pool the planner
+  counts) and held until the compute has waited for that copy: from the save to the release for a copy
+  out, from the reload to its first use (or its drop) for a copy in (`staging_bytes`, rulebook rule 15).
 - a storage of an earlier step is never read from the reused arena: `StaleSavedTensorError` instead.
 """
 
@@ -51,7 +54,7 @@ def _flat(storage: torch.UntypedStorage, dtype: torch.dtype) -> torch.Tensor:
 class _Slot:
     """The executor's tensors for one entry (its `payload`)."""
 
-    __slots__ = ("step", "device", "gpu_ref", "host", "out_event", "reloaded", "in_event", "recipe")
+    __slots__ = ("step", "device", "gpu_ref", "host", "out_event", "reloaded", "in_event", "recipe", "staging")
 
     def __init__(self, step: int, t: torch.Tensor):
         self.step = step
@@ -62,23 +65,34 @@ class _Slot:
         self.reloaded: torch.Tensor | None = None  # device buffer restored from host
         self.in_event = FINISHED
         self.recipe = None  # recompute: how to rebuild the storage (set by the front end)
+        self.staging: torch.Tensor | None = None  # CUDA bf16 transport: the conversion's buffer (module docstring)
 
 
 class SwapExecutor(BackEnd):
-    """The rulebook's executor on real tensors. `arena_bytes`: the host arena's planned size."""
+    """The rulebook's executor on real tensors. `arena_bytes`: the host arena's planned size; `host_arena`:
+    an arena the caller owns and lends (reused across engines, never closed here)."""
 
-    def __init__(self, memory_cfg: MemoryConfig, *, arena_bytes: int = 0):
+    def __init__(self, memory_cfg: MemoryConfig, *, arena_bytes: int = 0, host_arena: HostArena | None = None):
         self.swap_cfg = memory_cfg.swap
         self._arena_bytes = arena_bytes
         self._arenas: dict[bool, HostArena] = {}
+        self._lent = host_arena
+        if host_arena is not None:
+            host_arena.reset()
+            self._arenas[host_arena.pin] = host_arena
         self._links: dict[torch.device, CopyLink] = {}
         self.late_reloads = 0
 
     # ------------------------------------------------------------------ step lifecycle
     def begin_step(self) -> None:
-        # The arena may be rewritten only after last step's copies finished.
+        # The arena is rewritten by this step's copies out: they run after last step's copies (a fence on
+        # the copy engines; the host does not wait), unless an arena that spilled frees memory now.
+        freeing = any(arena.spilled for arena in self._arenas.values())
         for link in self._links.values():
-            link.synchronize()
+            if freeing:
+                link.synchronize()
+            else:
+                link.fence()
         for arena in self._arenas.values():
             arena.reset()
         self.late_reloads = 0
@@ -95,7 +109,8 @@ class SwapExecutor(BackEnd):
         for link in self._links.values():
             link.close()
         for arena in self._arenas.values():
-            arena.close()
+            if arena is not self._lent:
+                arena.close()
         self._links, self._arenas = {}, {}
 
     def _link(self, device: torch.device) -> CopyLink:
@@ -132,28 +147,39 @@ class SwapExecutor(BackEnd):
         return view_of(source.untyped_storage(), handle.dtype, handle.size, handle.stride, handle.offset)
 
     # ------------------------------------------------------------------ the rulebook's executor
+    def copies_synchronously(self) -> bool:
+        return any(not link.asynchronous for link in self._links.values())
+
+    def staging_bytes(self, entry: Entry) -> int:
+        """Device bytes of the conversion buffer a copy of `entry` holds: CUDA bf16 transport only."""
+        return entry.transfer_bytes if entry.compressed and entry.payload.device.type == "cuda" else 0
+
+    def _staging(self, entry: Entry) -> torch.Tensor | None:
+        """A bf16 buffer on the compute stream for the link's conversion (CUDA), else None."""
+        if not self.staging_bytes(entry):
+            return None
+        return torch.empty(entry.transfer_bytes // 2, dtype=torch.bfloat16, device=entry.payload.device)
+
     def swap_out(self, entry: Entry) -> None:
         slot: _Slot = entry.payload
         if slot.device.type == "meta":  # a trace: decide and count, move nothing
             return
         storage = slot.gpu_ref.untyped_storage()
         host = self._arena(slot.device).alloc(entry.transfer_bytes)
-        if entry.transfer_bytes != entry.record.nbytes:  # bf16 on the host: the link converts
+        if entry.compressed:  # bf16 on the host: the link converts
             slot.host = host.view(torch.bfloat16)
             source = _flat(storage, torch.float32)
         else:
             slot.host = host
             source = _flat(storage, torch.uint8)
-        slot.out_event = self._link(slot.device).copy_out(slot.host, source)
-
-    def copy_out_done(self, entry: Entry) -> bool:
-        return entry.payload.out_event.done()
+        slot.staging = self._staging(entry)
+        slot.out_event = self._link(slot.device).copy_out(slot.host, source, staging=slot.staging)
 
     def release(self, entry: Entry, wait: bool) -> None:
         slot: _Slot = entry.payload
         if wait:
             slot.out_event.wait()  # the block returns to the compute stream's pool only after the copy read it
-        slot.gpu_ref = None
+        slot.gpu_ref = slot.staging = None
 
     def died(self, entry: Entry) -> None:
         if entry.payload.gpu_ref is not None:
@@ -174,7 +200,8 @@ class SwapExecutor(BackEnd):
             buffer = torch.empty(entry.record.nbytes // 4, dtype=torch.float32, device=slot.device)
         else:
             buffer = torch.empty(entry.record.nbytes, dtype=torch.uint8, device=slot.device)
-        slot.in_event = self._link(slot.device).copy_in(buffer, slot.host, after=slot.out_event)
+        slot.staging = self._staging(entry)
+        slot.in_event = self._link(slot.device).copy_in(buffer, slot.host, after=slot.out_event, staging=slot.staging)
         slot.reloaded = buffer
 
     def await_reload(self, entry: Entry) -> None:
@@ -182,8 +209,9 @@ class SwapExecutor(BackEnd):
         if not event.done():
             self.late_reloads += 1
         event.wait()
+        entry.payload.staging = None  # the compute waited for the copy that used it
 
     def drop_reload(self, entry: Entry) -> None:
         slot: _Slot = entry.payload
         slot.in_event.wait()  # the buffer was written by the link: free it only after the compute waited
-        slot.reloaded = None
+        slot.reloaded = slot.staging = None

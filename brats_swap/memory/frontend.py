@@ -252,6 +252,14 @@ class BackEnd:
     def begin_step(self) -> None:
         """A new step starts (the front end's per-step state is new)."""
 
+    def staging_bytes(self, entry: Entry) -> int:
+        """The rulebook's `Executor.staging_bytes`: no conversion buffers."""
+        return 0
+
+    def copies_synchronously(self) -> bool:
+        """The rulebook's `Executor.copies_synchronously`: nothing is copied."""
+        return True
+
     def died(self, entry: Entry) -> None:
         """Rule 14 (the rulebook's `Executor.died`): a dead entry's recipe is forgotten."""
         self.front.forget_recipe(entry)

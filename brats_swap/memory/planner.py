@@ -45,12 +45,13 @@ import torch
 from torch import nn
 
 from brats_swap.config import ConfigError, MemoryConfig, RecomputeConfig
+from brats_swap.memory.arena import arena_bytes
 from brats_swap.memory.budget import BUDGET_HEADROOM, overhead_bytes, tensor_limit, with_overhead
 from brats_swap.memory.cost import OpCostModel, default_cost_model, resolve_cost_model
 from brats_swap.memory.presets import named_policies, resolve_presets
 from brats_swap.memory.recorder import trace_step
 from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES, SavedRecord
-from brats_swap.memory.rulebook import select_swapped
+from brats_swap.memory.rulebook import select_swapped, transfer_bytes
 from brats_swap.memory.simulate import (
     GIB,
     MemoryResult,
@@ -219,6 +220,12 @@ class Planner:
     def swapped(self, cfg: MemoryConfig) -> set[int]:
         """Indices of the records the engine swaps under `cfg` (`MemoryEngine.last_swapped()` predicted)."""
         return select_swapped(self.records(cfg), cfg.swap) if cfg.mode in SWAP_MODES else set()
+
+    def arena_bytes(self, cfg: MemoryConfig) -> int:
+        """Host bytes of the arena that holds one step's swapped storages under `cfg` (their size on the
+        link, `rulebook.transfer_bytes`, rounded as the arena hands out slices); 0 when nothing swaps."""
+        swapped = self.swapped(cfg)
+        return arena_bytes(transfer_bytes(record, cfg.swap) for record in self.records(cfg) if record.index in swapped)
 
     # ---- pricing -------------------------------------------------------------------------------------
     def schedule(self, cfg: MemoryConfig, keep_lanes: bool = False) -> Schedule:

@@ -31,12 +31,16 @@ Swapped storages, forward (release):
 
 - Rule 5: the copy out is issued at the save; the device storage stays referenced (`COPYING`) until
   it is released.
-- Rule 6: at every module start the oldest storages whose copy is found finished are released (FIFO:
-  the copies run in order; finding out never waits).
+- Rule 6: a storage is never released because its copy happens to be found finished: release points
+  depend on the saves alone (rules 7 and 8), so the device memory of a step is the same for every copy
+  timing, and the planner's peak is a bound a late copy cannot break (a late copy costs a wait
+  instead). Only a synchronous link, whose copy has finished when the save returns, releases at every
+  module start and at the end of the forward whatever it copied (`Executor.copies_synchronously`).
 - Rule 7: `swap.max_inflight_bytes` bounds how long a copy may run: once that many bytes of further
   storages were saved after a swapped storage, it is released and the compute waits for that one copy.
 - Rule 8: at the end of the forward (the step's peak comes as backward starts) every storage still
-  copying that backward does not need within `swap.lookahead` blocks is released, waiting for its copy.
+  copying that backward does not need within `swap.lookahead` blocks is released, waiting for its copy
+  (every compressed one: rule 16).
 
 Swapped storages, backward (reload):
 
@@ -56,8 +60,11 @@ Lifetime and accounting:
 
 - Rule 14: an entry dies with its last handle; whatever the engine still holds for it goes then.
 - Rule 15: `stats.peak_resident_saved_bytes` counts the bytes of saved storages the engine holds on the
-  device (kept, copying, reloaded), so the engine's measurement and the simulator's prediction are
-  the same counter.
+  device (kept, copying, reloaded, and the conversion buffers of bf16 copies: `Executor.staging_bytes`),
+  so the engine's measurement and the simulator's prediction are the same counter.
+- Rule 16 (`swap.compress: bf16`): backward reads a compressed storage from the host, never from the
+  device, so its values (rounded to bf16) do not depend on when its copy finished: rule 8 releases it
+  at the end of the forward, and a use that finds it still copying waits, releases and reloads it.
 
 Each entry is in one state (`EntryState`): `ON_DEVICE` (kept or recomputed: its handles hold it),
 `COPYING` (swapped, device storage referenced until released), `ON_HOST` (released, no reload held),
@@ -191,6 +198,11 @@ class Entry:
     def index(self) -> int:
         return self.record.index
 
+    @property
+    def compressed(self) -> bool:
+        """Swapped in bf16: the host holds a rounded copy (rule 16)."""
+        return self.transfer_bytes != self.record.nbytes
+
 
 class Executor(Protocol):
     """What a rulebook asks of whoever runs it (the engine: real copies; the simulator: a clock)."""
@@ -198,8 +210,12 @@ class Executor(Protocol):
     def swap_out(self, entry: Entry) -> None:
         """Issue the copy of the entry's storage to the host."""
 
-    def copy_out_done(self, entry: Entry) -> bool:
-        """Has that copy finished, as far as the host can tell now? Never waits."""
+    def copies_synchronously(self) -> bool:
+        """Every copy has finished when it is issued (the synchronous CPU link): rule 6."""
+
+    def staging_bytes(self, entry: Entry) -> int:
+        """Device bytes a copy of `entry` holds besides the storage itself (a conversion buffer for bf16
+        transport on CUDA), from the copy's issue until the compute waited for it (rule 15)."""
 
     def release(self, entry: Entry, wait: bool) -> None:
         """Drop the device storage; with `wait`, the compute first waits for its copy out."""
@@ -262,7 +278,7 @@ class Rulebook:
 
     def module_start(self, name: str, is_block: bool) -> None:
         self.module_stack.append(name)
-        self.release_finished()
+        self._release_copied()
         if is_block:
             ordinal = self.blocks_started
             self.blocks_started += 1
@@ -303,7 +319,7 @@ class Rulebook:
         elif entry.decision == SWAP:
             stats.swapped_out_bytes += nbytes
             stats.swapped_tensors += 1
-            self._hold(entry, nbytes)
+            self._hold(entry, nbytes + self.executor.staging_bytes(entry))
             self._note("swap_out", entry)
             self.executor.swap_out(entry)
             entry.state = EntryState.COPYING
@@ -341,12 +357,11 @@ class Rulebook:
                 self.raise_use_marker(entry, self.last_block)
 
     # ------------------------------------------------------------------ release (forward)
-    def release_finished(self) -> None:
-        """Release the oldest copying storages whose copy out has finished, never waiting (rule 6)."""
+    def _release_copied(self) -> None:
+        """Rule 6: with a synchronous link every copy has finished already; release them all."""
+        if not self.executor.copies_synchronously():
+            return
         while self.unreleased:
-            entry = self.unreleased[0]
-            if entry.state is not EntryState.DEAD and not self.executor.copy_out_done(entry):
-                break  # FIFO on one link direction: later copies are not done either
             self._release(self.unreleased.popleft(), wait=False)
 
     def _enforce_inflight_budget(self) -> None:
@@ -394,13 +409,14 @@ class Rulebook:
     def _release_outside_window(self) -> None:
         """At the end of the forward (rule 8): keep on the device only the copying storages the first
         markers of backward would reload (`use_marker + lookahead >= last block`; with lookahead 0, those
-        saved after the last block); release the others, finished copies first, then waiting for each."""
-        self.release_finished()
+        saved after the last block, and none compressed: rule 16); release the others, oldest first,
+        waiting for each copy (rule 6: whether a copy finished early changes nothing)."""
+        self._release_copied()
         keep: deque[Entry] = deque()
         reach = self.last_block - self.lookahead if self.lookahead else self.last_block + 1
         while self.unreleased:
             entry = self.unreleased.popleft()
-            if entry.state is EntryState.DEAD or entry.use_marker >= reach:
+            if entry.state is EntryState.DEAD or (entry.use_marker >= reach and not entry.compressed):
                 keep.append(entry)
             else:
                 self._release(entry, wait=True)
@@ -487,7 +503,7 @@ class Rulebook:
         self.executor.reload(entry)
         entry.state = EntryState.RELOADED
         self.held.append(entry)
-        self._hold(entry, entry.record.nbytes)
+        self._hold(entry, entry.record.nbytes + self.executor.staging_bytes(entry))
         self.stats.swapped_in_bytes += entry.record.nbytes
 
     # ------------------------------------------------------------------ unpack
@@ -497,13 +513,22 @@ class Rulebook:
         if not entry.seen:
             entry.seen = True
             self.unpack_order.append(entry.index)
-        if entry.decision != SWAP or entry.state is EntryState.COPYING:
-            return  # kept, recomputed, or never released: on the device
+        if entry.decision != SWAP:
+            return  # kept or recomputed: on the device
+        if entry.state is EntryState.COPYING:
+            if not entry.compressed:
+                return  # never released: read on the device
+            self.unreleased.remove(entry)  # rule 16: read what the host holds, whatever the timing
+            self._release(entry, wait=True)
         if entry.state is not EntryState.RELOADED:
             self.stats.prefetch_misses += 1  # still correct, just synchronous
             self._reload(entry)
         self._note("reloaded", entry)
         self.executor.await_reload(entry)
+        staging = self.executor.staging_bytes(entry)
+        if staging and entry.resident > entry.record.nbytes:  # the reload's conversion buffer goes now
+            entry.resident -= staging
+            self.resident -= staging
 
     def unpack_end(self, entry: Entry, first_for_handle: bool) -> None:
         """After the view was built: count the handle as unpacked, drop the reload autograd now owns

@@ -13,14 +13,9 @@ saved and the link is free; a reload starts when it is issued, the link is free 
 landed. The compute stream waits (a stall) where the engine waits: a release forced by
 `swap.max_inflight_bytes` waits for that copy, every use waits for its reload.
 
-The host runs ahead of the device on a GPU: kernels are queued, not finished, when the host reaches a
-module start, so the engine finds a copy finished later than the device finished it. `host_lead_kernels`
-models that: when the host is at an op, the device may still be that many kernels behind (CUDA queues
-about a thousand launches before the host blocks), and a copy counts as found finished only when it
-finished before the device started that earlier kernel. With the queue's depth the prediction assumes
-the worst the queue allows, so the predicted peak is not lower than the real one; `None` means no bound
-(only the in-flight budget releases storages). The CPU engine (`sync_copies`) copies at once; on the
-emulated CPU link the host is the compute, so the lead is 0.
+Where storages are released does not depend on the clock (rulebook rule 6): the clock only prices the
+waits, so the predicted memory is the same for any link speed of a kind (synchronous, as the CPU
+engine's default link; or asynchronous: CUDA streams, the emulated link) and holds for every timing.
 
 Memory (a liveness walk, SuperNeurons-style): every storage of the step occupies the device from the op
 that allocates it to the op at which the program drops it, or later while the engine holds it (kept:
@@ -32,7 +27,6 @@ peak is the maximum over ops of the running sum.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -93,17 +87,19 @@ class Schedule:
     hold_end: dict[int, int] = field(default_factory=dict)  # record -> op where the engine dropped its storage
     use_end: dict[int, int] = field(default_factory=dict)  # record -> op where its last on-device use ended
     reloads: list[list[int]] = field(default_factory=list)  # [record, issue op, end op]
+    staging: list[list[int]] = field(default_factory=list)  # bf16 conversion buffers: [bytes, start op, end op]
 
 
 class _Timing:
     """The clock's state of one entry (its `payload`)."""
 
-    __slots__ = ("out_done", "in_done", "reload")
+    __slots__ = ("out_done", "in_done", "reload", "staging")
 
     def __init__(self):
         self.out_done = 0.0
         self.in_done = 0.0
         self.reload: list[int] | None = None  # the current reload interval in `Schedule.reloads`
+        self.staging: list[int] | None = None  # the open conversion-buffer interval in `Schedule.staging`
 
 
 class _Clock:
@@ -119,9 +115,6 @@ class _Clock:
         self.stalled = 0.0
         self.d2h_free = self.h2d_free = self.d2h_busy = self.h2d_busy = 0.0
         self.stalls: list[tuple[int, float]] = []  # (op, seconds) for op start times
-        self.stall_ops: list[int] = []  # ops with a stall and the total stalled up to and with each
-        self.stall_totals: list[float] = []
-        self.kernels = [i for i, seconds in enumerate(durations) if seconds > 0]
         self.lanes = {"compute": [], "d2h": [], "h2d": [], "stall": []} if keep_lanes else None
 
     @property
@@ -135,16 +128,33 @@ class _Clock:
                 self.lanes["stall"].append((now, t, "stall"))
             self.stalls.append((self.op, t - now))
             self.stalled += t - now
-            self.stall_ops.append(self.op)
-            self.stall_totals.append(self.stalled)
 
     def _copy(self, lane: str, start: float, seconds: float, label: str) -> float:
         if self.lanes is not None and seconds > 0:
             self.lanes[lane].append((start, start + seconds, label))
         return start + seconds
 
+    def staging_bytes(self, entry: Entry) -> int:
+        return entry.transfer_bytes if entry.compressed and self.cost.staged_conversion else 0
+
+    def copies_synchronously(self) -> bool:
+        return self.cost.sync_copies
+
+    def _open_staging(self, entry: Entry) -> None:
+        nbytes = self.staging_bytes(entry)
+        if nbytes:
+            entry.payload.staging = [nbytes, self.op, -1]
+            self.schedule.staging.append(entry.payload.staging)
+
+    def _close_staging(self, entry: Entry) -> None:
+        interval = entry.payload.staging
+        if interval is not None:
+            interval[2] = max(self.op, interval[1] + 1)
+            entry.payload.staging = None
+
     def swap_out(self, entry: Entry) -> None:
         timing: _Timing = entry.payload
+        self._open_staging(entry)
         start = max(self.d2h_free, self.now)
         seconds = self.cost.copy_seconds(entry.transfer_bytes, entry.record.nbytes, D2H)
         self.d2h_busy += seconds
@@ -158,31 +168,11 @@ class _Clock:
         if self.cost.copy_interference_s_per_byte:
             self.stall_until(self.now + entry.transfer_bytes * self.cost.copy_interference_s_per_byte)
 
-    def copy_out_done(self, entry: Entry) -> bool:
-        if self.cost.sync_copies:
-            return True
-        return entry.payload.out_done <= self.device_time_behind()
-
-    def device_time_behind(self) -> float:
-        """The latest time at which the device may be starting, when the host is at the current op (the
-        device `host_lead_kernels` kernels behind it)."""
-        lead = self.cost.host_lead_kernels
-        if lead == 0:
-            return self.now
-        position = bisect.bisect_left(self.kernels, self.op) - (lead if lead is not None else len(self.kernels))
-        if position < 0:
-            return float("-inf")
-        op = self.kernels[position]
-        return self.cum[op] + self.stalls_before(op)
-
-    def stalls_before(self, op: int) -> float:
-        position = bisect.bisect_right(self.stall_ops, op)
-        return self.stall_totals[position - 1] if position else 0.0
-
     def release(self, entry: Entry, wait: bool) -> None:
         if wait:
             self.stall_until(entry.payload.out_done)
         self.schedule.hold_end[entry.index] = self.op
+        self._close_staging(entry)
 
     def reload(self, entry: Entry) -> None:
         timing: _Timing = entry.payload
@@ -192,20 +182,24 @@ class _Clock:
         self.h2d_free = timing.in_done = self._copy("h2d", start, seconds, f"r{entry.index}")
         timing.reload = [entry.index, self.op, self.op + 1]
         self.schedule.reloads.append(timing.reload)
+        self._open_staging(entry)
         if self.cost.sync_copies:
             self.stall_until(timing.in_done)
         self._interfere(entry)
 
     def await_reload(self, entry: Entry) -> None:
         self.stall_until(entry.payload.in_done)
+        self._close_staging(entry)
 
     def drop_reload(self, entry: Entry) -> None:
         reload = entry.payload.reload
         reload[2] = max(reload[2], self.op)
+        self._close_staging(entry)
 
     def died(self, entry: Entry) -> None:
         if entry.decision != RECOMPUTE:  # kept, or swapped and never released: held until now
             self.schedule.hold_end.setdefault(entry.index, self.op)
+        self._close_staging(entry)
 
     def used(self, entry: Entry, artifact_end: int) -> None:
         """A use of `entry` whose view lives until `artifact_end`: on the device or on its reload."""
@@ -385,9 +379,11 @@ def simulate_memory(trace: Trace, memory_cfg: MemoryConfig | None = None, *, sch
     ends = _held_ends(trace, schedule)
     reloads = np.array(schedule.reloads, dtype=np.int64).reshape(-1, 3)
     reload_bytes = np.array([trace.records[r].record.nbytes for r in reloads[:, 0]], dtype=np.int64)
-    starts = np.concatenate([arrays["alloc"], reloads[:, 1]])
-    stops = np.concatenate([ends, np.maximum(reloads[:, 2], reloads[:, 1] + 1)])
-    peak, peak_op, timeline = _peak(n, starts, stops, np.concatenate([arrays["nbytes"], reload_bytes]),
+    staging = np.array(schedule.staging, dtype=np.int64).reshape(-1, 3)
+    staging_ends = np.where(staging[:, 2] < 0, n, staging[:, 2])  # still held at the end of the step
+    starts = np.concatenate([arrays["alloc"], reloads[:, 1], staging[:, 1]])
+    stops = np.concatenate([ends, np.maximum(reloads[:, 2], reloads[:, 1] + 1), staging_ends])
+    peak, peak_op, timeline = _peak(n, starts, stops, np.concatenate([arrays["nbytes"], reload_bytes, staging[:, 0]]),
                                     keep_timeline)
     stats = schedule.stats
     persistent = persistent_bytes(trace, optimizer_state_factor)

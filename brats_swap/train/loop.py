@@ -480,13 +480,14 @@ class FoldRecipe:
         try:
             with autocast_context(self.device, self.config.train.amp), self.engine.step():
                 loss = self.loss(self.train_model(images), targets)
+            # Backward is queued before the loss is read: reading it (and the all-reduce) waits for the device.
+            self.scaler.scale(loss).backward()
             loss_value = all_reduce_mean(float(loss.detach()), self.ctx)  # the same value on every rank
             if not math.isfinite(loss_value):
                 raise NumericalError(
                     f"{self.folder.root}: loss is {loss_value} at epoch {self.loop.epoch + 1} step "
                     f"{self.loop.step_in_epoch + 1}; training stopped, the last good checkpoint is kept "
                     "(try train.amp=none or a lower train.lr)")
-            self.scaler.scale(loss).backward()
             clip_gradients(self.model, self.optimizer, self.scaler, self.config.train.grad_clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from brats_swap.config import Config, ConfigError, DataConfig, MemoryConfig, val
 from brats_swap.config.loader import from_dict
 from brats_swap.data.discovery import check_forced_convention, resolve_convention
 from brats_swap.errors import DeviceOutOfMemoryError
-from brats_swap.memory.arena import arena_bytes
+from brats_swap.memory.arena import arena_bytes, check_host_memory
 from brats_swap.memory.budget import with_overhead
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
 from brats_swap.memory.records import SWAP_MODES, effective_memory_config
@@ -84,13 +85,17 @@ def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_sha
     storages the engine swaps; each takes its size on the link (`rulebook.transfer_bytes`: half of an fp32
     storage with `swap.compress: bf16`), rounded as the arena hands out slices. Sized up front, the arena is
     allocated before the first step, so a host without the memory fails then with a one-line error.
+    Under torchrun every rank on this host (`LOCAL_WORLD_SIZE`) holds such an arena: the host is checked
+    here for all of them at once, before any allocates (this runs on rank 0, the others wait for it).
     """
     if memory_cfg.mode not in SWAP_MODES:
         return 0
     planner = Planner(model, input_shape, dtype=dtype, loss_fn=loss_fn)
     swapped = planner.swapped(memory_cfg)
-    return arena_bytes(transfer_bytes(record, memory_cfg.swap) for record in planner.records(memory_cfg)
-                       if record.index in swapped)
+    nbytes = arena_bytes(transfer_bytes(record, memory_cfg.swap) for record in planner.records(memory_cfg)
+                         if record.index in swapped)
+    check_host_memory(nbytes, ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return nbytes
 
 
 def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, input_shape: tuple[int, ...],
