@@ -146,9 +146,9 @@ def input_size_problem(model, size: list[int]) -> str | None:
         edges = str(divisor[0]) if len(set(divisor)) == 1 else "x".join(map(str, divisor))
         why = "2^(model.depth-1)" if model.name == "isensee2017" else f"the strides of {model.name}"
         return f"each size must be divisible by {edges} ({why}), got {list(size)}"
-    if model.name == "swinunetr" and min(size) < 2 * SWIN_DIVISOR:
-        # At 32 voxels the bottleneck is 1 voxel, where instance norm cannot train.
-        return f"SwinUNETR needs edges of at least {2 * SWIN_DIVISOR}, got {list(size)}"
+    if model.name == "swinunetr" and all(s == SWIN_DIVISOR for s in size):
+        # Its bottleneck (edges / 32) would be one voxel, where instance norm cannot train.
+        return f"SwinUNETR needs an edge of at least {2 * SWIN_DIVISOR} (a bottleneck of more than one voxel), got {list(size)}"
     return None
 
 
