@@ -208,6 +208,11 @@ def validate_memory_config(memory: MemoryConfig) -> None:
     require(memory.mode != "auto" or memory.budget_gib is not None, "memory.budget_gib",
             "memory.mode=auto needs a budget (e.g. --set memory.budget_gib=16)")
     require(memory.bandwidth_gbs is None or memory.bandwidth_gbs > 0, "memory.bandwidth_gbs", "must be positive")
+    overhead = memory.device_overhead_gib
+    require(overhead is None or (overhead >= 0 and math.isfinite(overhead)), "memory.device_overhead_gib",
+            f"must be 0 or more GiB, or null for the device's default; got {overhead}")
+    require(overhead is None or memory.budget_gib is None or overhead < memory.budget_gib,
+            "memory.device_overhead_gib", f"{overhead} GiB leaves nothing of memory.budget_gib={memory.budget_gib}")
     require(memory.swap.tensors == -1 or memory.swap.tensors >= 0, "memory.swap.tensors", "must be -1 (all) or >= 0")
     require(memory.swap.lookahead >= 0, "memory.swap.lookahead", "must be 0 or more")
     require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")

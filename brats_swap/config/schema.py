@@ -97,6 +97,9 @@ class MemoryConfig:
     mode: Literal["none", "swap", "recompute", "hybrid", "auto"] = "none"
     budget_gib: float | None = None  # device-memory budget for `auto` (and the planner's `fits`)
     bandwidth_gbs: float | None = None  # host<->device GB/s for the planner; None = measure
+    # GiB a card holds before a step's first tensor (CUDA context, cuDNN workspace, allocator reserve), part of
+    # budget_gib; None = the device's default: 2 on a GPU, 0 on a CPU (see brats_swap.memory.budget)
+    device_overhead_gib: float | None = None
     swap: SwapConfig = field(default_factory=SwapConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 

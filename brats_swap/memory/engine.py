@@ -48,8 +48,10 @@ def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Blocks for prefetch markers, found structurally: the innermost modules that own a conv/linear layer.
 
     A module is a candidate when one of its direct children is a convolution or linear layer. Candidates
-    that contain other candidates are not blocks themselves; their direct conv/linear children are. For
-    the U-Net each ConvNormAct is a block (and a bare 1x1 segmentation conv). Returns (name, module)
+    that contain other candidates are not blocks themselves; their direct conv/linear children are, unless
+    a candidate inside holds the same layer; a ModuleList / ModuleDict (never called) is not a block either:
+    its layers are. For the U-Net each ConvNormAct is a block (and a bare 1x1 segmentation conv); for
+    nnU-Net's networks each ConvDropoutNormReLU's `all_modules`, each transposed conv and segmentation layer. Returns (name, module)
     pairs in registration order; block *ordinals* are assigned per call at run time.
     """
     parents: dict[str, nn.Module] = {}
@@ -63,13 +65,21 @@ def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         prefix = f"{name}." if name else ""
         return any(other != name and other.startswith(prefix) for other in parents)
 
+    def in_candidate_below(name: str, layer: nn.Module) -> bool:
+        """The layer is also a child of a candidate inside `name` (nnU-Net's ConvDropoutNormReLU holds its conv
+        as `conv` and again in `all_modules`, which runs it): that candidate is its block."""
+        prefix = f"{name}." if name else ""
+        return any(other.startswith(prefix) and any(c is layer for c in parents[other].children())
+                   for other in parents if other != name)
+
     blocks: list[tuple[str, nn.Module]] = []
     for name, module in parents.items():
-        if not contains_candidate(name):
+        # A ModuleList / ModuleDict is never called, so it cannot mark anything: its layers are the blocks.
+        if not contains_candidate(name) and not isinstance(module, nn.ModuleList | nn.ModuleDict):
             blocks.append((name, module))
             continue
         for child_name, child in module.named_children():
-            if isinstance(child, COMPUTE_TYPES):
+            if isinstance(child, COMPUTE_TYPES) and not in_candidate_below(name, child):
                 blocks.append((f"{name}.{child_name}" if name else child_name, child))
     return blocks
 

@@ -9,7 +9,8 @@ prints. Both are reached through `brats_swap.train.planning`, which knows the pr
 configs; this package plans any model, given its loss and the dtype its activations are saved in.
 
 `Planner.auto` searches the policies the engine can run (the knobs of `MemoryConfig`) for the fastest
-whose predicted peak fits `budget x BUDGET_HEADROOM`:
+whose predicted peak fits `memory.budget.tensor_limit` (the budget less the device overhead, times
+`BUDGET_HEADROOM`):
 
 1. the named policies (`presets.py`);
 2. recompute variants, each with its own trace, cheapest first (one whose compute alone cannot beat
@@ -35,6 +36,7 @@ Nothing fits -> `ConfigError` naming `memory.budget_gib` and the floor.
 from __future__ import annotations
 
 import copy
+import functools
 import glob
 import time
 from collections.abc import Callable, Sequence
@@ -46,8 +48,9 @@ import torch
 from torch import nn
 
 from brats_swap.config import ConfigError, MemoryConfig, RecomputeConfig
+from brats_swap.memory.budget import BUDGET_HEADROOM, overhead_bytes, tensor_limit, with_overhead
 from brats_swap.memory.policy import RECOMPUTE_MODES, SWAP_MODES, SavedRecord
-from brats_swap.memory.presets import named_policies
+from brats_swap.memory.presets import named_policies, resolve_presets
 from brats_swap.memory.rulebook import select_swapped, transfer_bytes
 from brats_swap.memory.simulate import (
     GIB,
@@ -70,9 +73,6 @@ from brats_swap.memory.trace import (
     trace_step,
 )
 
-# Fraction of the budget a plan may use: the rest is allocator slack (block rounding, fragmentation) and
-# cuDNN workspace the trace does not see. TFLMS's simulator uses 0.9 for the same reason.
-BUDGET_HEADROOM = 0.92
 # Pinned host<->device copies over PCIe 5 x16 measure about 50-55 GB/s per direction (PCIe 4 x16: about
 # 22-25 GB/s); `--bandwidth` / `memory.bandwidth_gbs` set another link, a CUDA profile measures it.
 DEFAULT_BANDWIDTH_GBS = 50.0
@@ -125,6 +125,7 @@ class PolicyPrediction:
             "swapped_gib": round(self.swapped_bytes / GIB, 4),
             "recompute_gflop": round(self.recompute_flops / 1e9, 3),
             "predicted_step_s": round(float(self.step_s), 5),
+            "prefetch_misses": self.prefetch_misses,
             "fits": self.fits,
         }
 
@@ -141,6 +142,7 @@ class PlanReport:
     chosen: PolicyPrediction | None = None
     reason: str = ""
     plan_seconds: float = 0.0
+    device_overhead_gib: float = 0.0  # in every peak and the floor (`memory.budget`)
 
     @property
     def size(self) -> int:
@@ -167,6 +169,7 @@ class PlanReport:
             "dtype": self.dtype,
             "budget_gib": self.budget_gib,
             "floor_gib": round(self.floor_gib, 4),
+            "device_overhead_gib": self.device_overhead_gib,
             "bandwidth_gbs": self.bandwidth_gbs,
             "cost_model": self.cost_model,
             "policies": [p.row() for p in self.policies],
@@ -207,6 +210,11 @@ class Planner:
         self._traces: dict[tuple, Trace] = {}
         self._durations: dict[tuple, list[float]] = {}
         self._schedules: dict[str, Schedule] = {}
+
+    @functools.cached_property
+    def presets(self) -> dict[str, dict]:
+        """The named policies in this model's module names (`presets.resolve_presets`)."""
+        return resolve_presets(self.model, self.input_shape, self.step)
 
     # ---- traces --------------------------------------------------------------------------------------
     @staticmethod
@@ -271,12 +279,12 @@ class Planner:
     def predict(self, name: str, cfg: MemoryConfig, budget_bytes: float | None = None) -> PolicyPrediction:
         mem = self.memory(cfg)
         timing = self.time(cfg)
-        return PolicyPrediction(
-            name=name, policy=cfg, peak_bytes=mem.peak_bytes, saved_bytes=mem.saved_bytes,
+        return PolicyPrediction(  # the peak on the card: the step's tensors and the device overhead
+            name=name, policy=cfg, peak_bytes=mem.peak_bytes + overhead_bytes(cfg), saved_bytes=mem.saved_bytes,
             swapped_bytes=mem.swapped_bytes, recompute_flops=self.recompute_flops(cfg),
             peak_resident_saved_bytes=mem.peak_resident_saved_bytes, step_s=timing.step_s,
             exposed_transfer_s=timing.exposed_transfer_s, prefetch_misses=timing.prefetch_misses,
-            fits=budget_bytes is None or mem.peak_bytes <= budget_bytes * BUDGET_HEADROOM,
+            fits=budget_bytes is None or mem.peak_bytes <= tensor_limit(budget_bytes, cfg),
         )
 
     def floor_bytes(self) -> int:
@@ -285,14 +293,14 @@ class Planner:
     # ---- search --------------------------------------------------------------------------------------
     def auto(self, budget_bytes: float, base: MemoryConfig | None = None,
              allow_compress: bool | None = None) -> tuple[PolicyPrediction | None, list[PolicyPrediction]]:
-        """The fastest policy whose predicted peak fits `budget_bytes * BUDGET_HEADROOM` (None if none),
+        """The fastest policy whose predicted tensors fit `budget.tensor_limit` (None if none),
         and every fitting policy priced on the way (module docstring). Recompute variants are tried
         cheapest first; one whose compute alone is no faster than the best plan so far is skipped."""
         base = copy.deepcopy(base or MemoryConfig())
         if allow_compress is None:
             allow_compress = base.swap.compress == "bf16"
-        limit = budget_bytes * BUDGET_HEADROOM
-        fitting = [p for p in (self.predict(name, cfg, budget_bytes) for name, cfg in named_policies(base).items())
+        limit = tensor_limit(budget_bytes, base)
+        fitting = [p for p in (self.predict(name, cfg, budget_bytes) for name, cfg in named_policies(base, self.presets).items())
                    if p.fits]
         for variant, compute_s in sorted(self._variants(base, limit), key=lambda item: item[1]):
             if compute_s >= min((p.step_s for p in fitting), default=float("inf")):
@@ -661,29 +669,31 @@ def resolve_cost_model(model: nn.Module, device: torch.device | str, dtype: torc
 
 def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int], *, loss_fn: Callable,
                 dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
-                ) -> tuple[PlanReport, Planner]:
+                optimizer_state_factor: int = 2) -> tuple[PlanReport, Planner]:
     """Price every named policy over `memory_cfg` and, with `memory_cfg.budget_gib`, auto-tune; never
-    raises when nothing fits."""
+    raises when nothing fits. Peaks and the floor include `memory_cfg`'s device overhead."""
     started = time.perf_counter()
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    planner = Planner(model, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn)
+    planner = Planner(model, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn,
+                      optimizer_state_factor=optimizer_state_factor)
     budget_gib = memory_cfg.budget_gib
     planner.budget_gib = budget_gib
     budget_bytes = budget_gib * GIB if budget_gib is not None else None
     report = PlanReport(
         input_shape=planner.input_shape, dtype=str(dtype).split(".")[-1], budget_gib=budget_gib,
-        floor_gib=planner.floor_bytes() / GIB, bandwidth_gbs=planner.cost.h2d_bytes_per_s / 1e9,
-        cost_model=planner.cost.as_dict(),
+        floor_gib=(planner.floor_bytes() + overhead_bytes(memory_cfg)) / GIB,
+        bandwidth_gbs=planner.cost.h2d_bytes_per_s / 1e9, cost_model=planner.cost.as_dict(),
+        device_overhead_gib=float(memory_cfg.device_overhead_gib or 0.0),
     )
-    for name, cfg in named_policies(memory_cfg).items():
+    for name, cfg in named_policies(memory_cfg, planner.presets).items():
         report.policies.append(planner.predict(name, cfg, budget_bytes))
     if budget_bytes is not None:
         best, _ = planner.auto(budget_bytes, memory_cfg)
         if best is not None:
             report.policies.append(best)
             report.chosen = best
-            report.reason = (f"fastest of the priced policies whose predicted peak fits "
-                             f"{BUDGET_HEADROOM:.0%} of {budget_gib:g} GiB")
+            report.reason = (f"fastest of the priced policies whose tensors fit {BUDGET_HEADROOM:.0%} of "
+                             f"{budget_gib:g} GiB less the {report.device_overhead_gib:g} GiB device overhead")
         else:
             report.reason = (f"no policy fits memory.budget_gib={budget_gib:g}: the floor is "
                              f"{report.floor_gib:.2f} GiB and the best plan needs "
@@ -697,21 +707,23 @@ def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequenc
 
 def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int],
                   dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-                  *, loss_fn: Callable, cost: OpCostModel | None = None,
+                  *, loss_fn: Callable, cost: OpCostModel | None = None, optimizer_state_factor: int = 2,
                   ) -> tuple[MemoryConfig, PlanReport]:
     """`memory.mode: auto`: the fastest concrete policy predicted to fit `memory.budget_gib`.
 
     `memory_cfg` is a validated memory section with a budget (the config loader requires one for mode
     auto). Returns the MemoryConfig to hand to the engine (mode none/swap/recompute/hybrid, knobs filled,
-    the budget and bandwidth carried over from `memory_cfg`) and the report to save with the run. Raises
-    ConfigError naming `memory.budget_gib` and the floor when nothing fits.
+    the budget, bandwidth and device overhead (default: `device`'s) carried over from `memory_cfg`) and the
+    report to save with the run. Raises ConfigError naming `memory.budget_gib` and the floor when nothing fits.
     """
+    memory_cfg = with_overhead(memory_cfg, device)
     if memory_cfg.budget_gib is None:
         raise ValueError("choose_policy needs memory_cfg.budget_gib (a validated config with mode auto has one)")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if cost is None:
         cost = resolve_cost_model(model, device, dtype, loss_fn=loss_fn, bandwidth_gbs=memory_cfg.bandwidth_gbs)
-    report, _ = plan_report(model, memory_cfg, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn)
+    report, _ = plan_report(model, memory_cfg, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn,
+                            optimizer_state_factor=optimizer_state_factor)
     if report.chosen is None:
         raise ConfigError(report.reason)
     return copy.deepcopy(report.chosen.policy), report

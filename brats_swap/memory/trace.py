@@ -577,8 +577,10 @@ def trace_step(
     with another calling convention passes `step(model, x) -> loss` instead (x: the meta batch; make any
     other argument on `x.device`). `dtype` bfloat16 or float16 emulates autocast in that dtype.
     `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
-    meta copy. `blocks` overrides the engine's `discover_blocks`. The target has `target_channels`
-    (default: the model's `out_channels`, else the output's shape). The input model is not modified.
+    meta copy. `blocks` overrides the engine's `discover_blocks`. The output may be a tensor or a list,
+    tuple or dict of them (deep supervision, full resolution first); the loss gets one target: with
+    `target_channels` (default: the model's `out_channels`) at the input's size, else shaped as the
+    (first) output. The input model is not modified.
     """
     if (loss_fn is None) == (step is None):
         raise ValueError("trace_step needs exactly one of loss_fn and step")
@@ -604,9 +606,10 @@ def trace_step(
 
         def step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
             output = module(batch)
-            if len(held) == 1:
-                held.append(torch.empty_like(output))
-                tracer.storage_id(held[-1].untyped_storage())
+            if len(held) == 1:  # the target takes the shape of the (first) output
+                held.append(torch.empty_like(next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))))
+                # Allocated before the step (the data loader's), alive to its end like the batch.
+                tracer.storages[tracer.storage_id(held[-1].untyped_storage())].alloc_op = 0
             return loss_fn(output, held[1])
     try:
         fwd_end = _run_step(meta_model, tracer, lambda module: step(module, x))
