@@ -15,6 +15,7 @@ from brats_swap.config import ConfigError, load_config
 from brats_swap.data.discovery import discover_cases
 from brats_swap.evaluate.run import evaluate_fold, predict
 from brats_swap.memory.planner import Planner
+from brats_swap.memory.presets import resolve_presets
 from brats_swap.model import build_model
 from brats_swap.run.checkpoint import load_checkpoint
 from brats_swap.run.folder import RunFolder
@@ -29,13 +30,7 @@ NETWORKS = {
     "segresnet": ("model.features=[4,8,16]",),
     "swinunetr": ("model.features=[12]", "data.cube=[64,32,32]", "model.outputs=regions", "train.loss=dice_bce"),
 }
-POLICIES = {
-    "none": ("memory.mode=none",),
-    # configs/hybrid.yaml's policy
-    "hybrid": ("memory.mode=hybrid", "memory.recompute.norm_act=true", "memory.swap.lookahead=2",
-               "memory.swap.include=[encoder.level0,encoder.level1]"),
-    "auto": ("memory.mode=auto",),
-}
+POLICIES = ("none", "hybrid", "auto")
 # Every saved tensor of these tiny networks is large enough to swap; 2 epochs of 1 step, validated once on
 # one case (4 folds of the 4 phantoms).
 COMMON = ("memory.swap.min_bytes=0", "train.max_epochs=2", "train.steps_per_epoch=1", "train.val_every=2",
@@ -50,23 +45,34 @@ def datasets(tmp_path_factory):
     small = small_dataset(tmp_path_factory)
     root, _ = prepared_dataset(tmp_path_factory)
     swin_cache = tmp_path_factory.mktemp("swin-data") / "cache"
-    prepare_dataset(root, swin_cache, network_config("swinunetr", (root, swin_cache), "none").data, workers=1,
+    prepare_dataset(root, swin_cache, network_config("swinunetr", (root, swin_cache)).data, workers=1,
                     progress=False)
     return {name: (root, swin_cache) if name == "swinunetr" else small for name in NETWORKS}
 
 
-def network_config(name: str, data, policy: str, *extra: str):
+def network_config(name: str, data, policy: str = "none", *extra: str):
     root, cache = data
-    return tiny_config(root, cache, "data.cube=[16,16,16]", f"model.name={name}", *NETWORKS[name],
-                       *POLICIES[policy], *COMMON, *extra)
+    config = tiny_config(root, cache, "data.cube=[16,16,16]", f"model.name={name}", *NETWORKS[name], *COMMON,
+                         *extra)
+    return tiny_config(root, cache, "data.cube=[16,16,16]", f"model.name={name}", *NETWORKS[name], *COMMON,
+                       *policy_keys(config, policy), *extra)
 
 
-def auto_budget(config) -> str:
-    """A budget 10% under the network's no-policy peak: `auto` must swap or recompute to fit it."""
+def policy_keys(config, policy: str) -> tuple[str, ...]:
+    """The `memory.*` overrides of `policy` for the network of `config`: hybrid is the named preset resolved
+    from the network's own stages (norm_act everywhere, the two high-resolution encoder stages swapped); auto
+    gets a budget 10% under the network's no-policy peak, so it must swap or recompute to fit."""
+    if policy == "none":
+        return ("memory.mode=none",)
     model = build_model(config.model, 3)
     shape = (config.train.batch_size, config.model.in_channels, *config.data.cube)
-    peak = Planner(model, shape, loss_fn=training_loss(config.train.loss, model)).memory(config.memory).peak_bytes
-    return f"memory.budget_gib={0.9 * peak / 2**30}"
+    if policy == "hybrid":
+        hybrid = resolve_presets(model, shape)["hybrid"]
+        return ("memory.mode=hybrid", "memory.recompute.norm_act=true",
+                f"memory.swap.lookahead={hybrid['swap']['lookahead']}",
+                f"memory.swap.include=[{','.join(hybrid['swap']['include'])}]")
+    planner = Planner(model, shape, loss_fn=training_loss(config.train.loss, model))
+    return ("memory.mode=auto", f"memory.budget_gib={0.9 * planner.memory(config.memory).peak_bytes / 2**30}")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +82,7 @@ def trained(datasets, tmp_path_factory):
     for name, data in datasets.items():
         runs[name] = {}
         for policy in POLICIES:
-            budget = auto_budget(network_config(name, data, "none")) if policy == "auto" else "memory.budget_gib=null"
-            config = network_config(name, data, policy, budget)
+            config = network_config(name, data, policy)
             run = tmp_path_factory.mktemp(f"{name}-{policy}") / "run"
             runs[name][policy] = (run, train_fold(config, run, 0, progress=False))
     return runs
@@ -89,7 +94,7 @@ def test_every_policy_trains_the_network_to_bitwise_equal_losses_and_weights(tra
     losses = [record["train_loss"] for record in reference.history]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
     weights = load_checkpoint(RunFolder.of(reference_run).fold(0).latest)["model"]
-    for (run, result), policy in zip(others, list(POLICIES)[1:], strict=True):
+    for (run, result), policy in zip(others, POLICIES[1:], strict=True):
         assert [record["train_loss"] for record in result.history] == losses, policy
         tested = load_checkpoint(RunFolder.of(run).fold(0).latest)["model"]
         assert tested.keys() == weights.keys()
