@@ -15,6 +15,8 @@ def test_deep_supervision_weights_halve_per_level_skip_the_lowest_and_sum_to_one
     # nnU-Net v2 (nnUNetTrainer._build_loss): 1 / 2**i, the last set to 0, normalised.
     assert deep_supervision_weights(5) == pytest.approx([8 / 15, 4 / 15, 2 / 15, 1 / 15, 0.0])
     assert deep_supervision_weights(1) == [1.0]
+    # Under DDP every parameter must get a gradient: nnU-Net gives the lowest output 1e-6.
+    assert deep_supervision_weights(3, distributed=True)[-1] == pytest.approx(1e-6 / 1.500001)
 
 
 def nnunet_region_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
