@@ -61,8 +61,14 @@ def _derive_unset(config: Config, raw: dict[str, Any]) -> None:
         config.model.in_channels = len(config.data.modalities)
     size = config.train.patch if config.train.mode == "patch" else config.data.cube
     unset = {key for key in ("features", "kernels", "strides", "blocks", "decoder_convs") if key not in model_raw}
-    for key, value in derived_model_keys(config.model.name, unset, list(size)).items():
+    stages = len(config.model.features) if "features" in model_raw else None
+    derived = derived_model_keys(config.model.name, unset, list(size), stages)
+    for key, value in derived.items():
         setattr(config.model, key, value)
+    allowed = len(derived.get("blocks", derived.get("strides", [])))
+    if stages is not None and unset and derived and stages > allowed:
+        raise ConfigError(f"model.features: {stages} stages, but {config.model.name} at {list(size)} has at most "
+                          f"{allowed} (no stage below 4 voxels); give fewer features or a larger input")
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:

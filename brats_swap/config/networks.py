@@ -100,19 +100,25 @@ def segresnet_levels(levels: int, size: list[int]) -> int:
     return kept
 
 
-def derived_model_keys(name: str, unset: set[str], size: list[int]) -> dict:
-    """Values of the keys of network `name` that the config leaves unset (`unset`), at input `size`."""
+def derived_model_keys(name: str, unset: set[str], size: list[int], stages: int | None = None) -> dict:
+    """Values of the keys of network `name` that the config leaves unset (`unset`), at input `size`.
+
+    `stages`: the number of stages (levels) the config's own `model.features` asks for; at most what the rule
+    allows at `size` (more fails the config check), by default all of those.
+    """
     defaults = NETWORK_DEFAULTS.get(name)
     if defaults is None:
         return {}
     if name in NNUNET_NAMES:
-        stages = len(adapted_strides(defaults["strides"], size))
-        derived = {"features": defaults["features"][:stages], "kernels": defaults["kernels"][:stages],
-                   "strides": adapted_strides(defaults["strides"], size),
-                   "blocks": defaults["blocks"][:stages], "decoder_convs": defaults["decoder_convs"][:stages - 1]}
+        strides = adapted_strides(defaults["strides"], size)
+        count = min(stages or len(strides), len(strides))
+        derived = {"features": defaults["features"][:count], "kernels": defaults["kernels"][:count],
+                   "strides": strides[:count], "blocks": defaults["blocks"][:count],
+                   "decoder_convs": defaults["decoder_convs"][:count - 1]}
     elif name == "segresnet":
         levels = segresnet_levels(len(defaults["blocks"]), size)
-        derived = {"features": defaults["features"][:levels], "blocks": defaults["blocks"][:levels]}
+        count = min(stages or levels, levels)
+        derived = {"features": defaults["features"][:count], "blocks": defaults["blocks"][:count]}
     else:
         derived = dict(defaults)
     return {key: value for key, value in derived.items() if key in unset}
@@ -146,9 +152,9 @@ def input_size_problem(model, size: list[int]) -> str | None:
         edges = str(divisor[0]) if len(set(divisor)) == 1 else "x".join(map(str, divisor))
         why = "2^(model.depth-1)" if model.name == "isensee2017" else f"the strides of {model.name}"
         return f"each size must be divisible by {edges} ({why}), got {list(size)}"
-    if model.name == "swinunetr" and min(size) < 2 * SWIN_DIVISOR:
-        # At 32 voxels the bottleneck is 1 voxel, where instance norm cannot train.
-        return f"SwinUNETR needs edges of at least {2 * SWIN_DIVISOR}, got {list(size)}"
+    if model.name == "swinunetr" and all(s == SWIN_DIVISOR for s in size):
+        # Its bottleneck (edges / 32) would be one voxel, where instance norm cannot train.
+        return f"SwinUNETR needs an edge of at least {2 * SWIN_DIVISOR} (a bottleneck of more than one voxel), got {list(size)}"
     return None
 
 

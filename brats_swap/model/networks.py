@@ -16,6 +16,8 @@ holds the exact architecture.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -45,6 +47,13 @@ class SigmoidInEval:
         if self.training:
             return outputs
         return torch.sigmoid(outputs[0] if isinstance(outputs, list | tuple) else outputs)
+
+
+@functools.cache
+def _with_outputs(mixin: type, base: type) -> type:
+    """`base` (a library network) with the output contract `mixin`; one class per pair, so that every model
+    of a network has the same type."""
+    return type(f"{base.__name__}BraTS", (mixin, base), {"__module__": __name__})
 
 
 def _nnunet_kwargs(cfg: ModelConfig, out_channels: int) -> dict:
@@ -83,7 +92,7 @@ def _build_nnunet(cfg: ModelConfig, out_channels: int) -> nn.Module:
 
     base = PlainConvUNet if cfg.name == "nnunet" else ResidualEncoderUNet
     blocks_key = "n_conv_per_stage" if cfg.name == "nnunet" else "n_blocks_per_stage"
-    network_class = type(f"{base.__name__}BraTS", (_NnUNetOutputs, base), {})
+    network_class = _with_outputs(_NnUNetOutputs, base)
     network = network_class(**_nnunet_kwargs(cfg, out_channels), **{blocks_key: list(cfg.blocks)})
     network.apply(base.initialize)  # nnU-Net's He initialisation (and zeroed last norm per residual block)
     network.deep_supervision = cfg.deep_supervision
@@ -94,7 +103,7 @@ def _build_nnunet(cfg: ModelConfig, out_channels: int) -> nn.Module:
 def _build_segresnet(cfg: ModelConfig, out_channels: int) -> nn.Module:
     from monai.networks.nets import SegResNetDS
 
-    network_class = type("SegResNetDSBraTS", (SigmoidInEval, SegResNetDS), {})
+    network_class = _with_outputs(SigmoidInEval, SegResNetDS)
     levels = len(cfg.blocks)
     return network_class(spatial_dims=3, init_filters=cfg.features[0], in_channels=cfg.in_channels,
                          out_channels=out_channels, norm="instance", blocks_down=tuple(cfg.blocks),
@@ -104,7 +113,7 @@ def _build_segresnet(cfg: ModelConfig, out_channels: int) -> nn.Module:
 def _build_swinunetr(cfg: ModelConfig, out_channels: int) -> nn.Module:
     from monai.networks.nets import SwinUNETR
 
-    network_class = type("SwinUNETRBraTS", (SigmoidInEval, SwinUNETR), {})
+    network_class = _with_outputs(SigmoidInEval, SwinUNETR)
     return network_class(in_channels=cfg.in_channels, out_channels=out_channels, feature_size=cfg.features[0],
                          spatial_dims=3)
 

@@ -382,7 +382,8 @@ class FoldRecipe:
         seed_everything(config.seed)
         self.model = build_model(config.model, out_channels=self.out_channels).to(device)
         # The weighted Dice looked up here, when the fold is built: the tests' seam for a faulty loss.
-        self.loss = training_loss(train_cfg.loss, self.model, dice=weighted_dice_loss)
+        self.loss = training_loss(train_cfg.loss, self.model, dice=weighted_dice_loss,
+                                  distributed=self.ctx.is_distributed)
         input_shape = training_input_shape(config)
         self.sample_shape = input_shape[2:]
         # The one resolved policy: what the engine runs, the checkpoint saves and train.log records.

@@ -36,13 +36,14 @@ def weighted_dice_loss(probs: torch.Tensor, target: torch.Tensor, smooth: float 
     return -dice.mean()
 
 
-def deep_supervision_weights(outputs: int) -> list[float]:
+def deep_supervision_weights(outputs: int, distributed: bool = False) -> list[float]:
     """nnU-Net's weights for `outputs` deep-supervision outputs (full resolution first): halving per level,
-    the lowest-resolution output off, normalised to sum 1; a single output weighs 1."""
+    the lowest-resolution output off, normalised to sum 1; a single output weighs 1. `distributed`: the
+    lowest weighs 1e-6 instead, as in nnU-Net under DDP, whose gradient reduction waits for every parameter."""
     if outputs == 1:
         return [1.0]
     weights = [1.0 / 2**level for level in range(outputs)]
-    weights[-1] = 0.0
+    weights[-1] = 1e-6 if distributed else 0.0
     return [w / sum(weights) for w in weights]
 
 
@@ -75,10 +76,11 @@ class SegmentationLoss:
     across the channels, for mutually exclusive label outputs; needs logits); dice_bce: nnU-Net's region loss.
     """
 
-    def __init__(self, name: str, from_logits: bool, dice: Callable = weighted_dice_loss) -> None:
+    def __init__(self, name: str, from_logits: bool, dice: Callable = weighted_dice_loss,
+                 distributed: bool = False) -> None:
         if name == "dice_ce" and not from_logits:
             raise ValueError("dice_ce needs a network whose training outputs are logits")
-        self.name, self.from_logits, self.dice = name, from_logits, dice
+        self.name, self.from_logits, self.dice, self.distributed = name, from_logits, dice, distributed
         self.dice_ce = None
         if name == "dice_ce":
             from monai.losses import DiceCELoss  # imported where used: MONAI takes seconds to import
@@ -97,14 +99,15 @@ class SegmentationLoss:
         outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
         target = target.float()
         total = None
-        for weight, output in zip(deep_supervision_weights(len(outputs)), outputs, strict=True):
+        for weight, output in zip(deep_supervision_weights(len(outputs), self.distributed), outputs, strict=True):
             if weight > 0:
                 term = weight * self.single(output, _at_resolution(target, output))
                 total = term if total is None else total + term
         return total
 
 
-def training_loss(loss: str, model: torch.nn.Module, dice: Callable = weighted_dice_loss) -> SegmentationLoss:
+def training_loss(loss: str, model: torch.nn.Module, dice: Callable = weighted_dice_loss,
+                  distributed: bool = False) -> SegmentationLoss:
     """The loss `train.loss` names, for `model`'s training outputs (logits or probabilities); `dice` is the
-    weighted Dice the `dice` loss applies to probabilities."""
-    return SegmentationLoss(loss, from_logits=emits_logits(model), dice=dice)
+    weighted Dice the `dice` loss applies to probabilities; `distributed`: trained under DDP."""
+    return SegmentationLoss(loss, from_logits=emits_logits(model), dice=dice, distributed=distributed)
