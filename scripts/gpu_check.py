@@ -11,7 +11,7 @@ measurements at the deadline and lists what it skipped):
 1. `environment`: date, GPU, driver, torch and CUDA versions, the deterministic settings used.
 2. `bandwidth`: pinned host<->device copies each way through the engine's own path (`memory.link` copy
    streams into the run's one `memory.arena.HostArena`), 256 MiB x 5.
-3. `bitwise`: 3 SGD steps (dropout on) of the U-Net at 128³ under every preset, compared with
+3. `bitwise`: 3 SGD steps (2 in the dry run; dropout on) of the U-Net at 128³ under every preset, compared with
    `torch.equal` to plain PyTorch: losses, gradients, parameters; once as is and once with a random delay
    injected before every copy on the copy streams (`torch.cuda._sleep`), which widens the window in which
    a missing wait would read unfinished data. Deterministic kernels are asked for explicitly
@@ -32,7 +32,7 @@ measurements at the deadline and lists what it skipped):
 Every swapping engine borrows one host arena, pinned once from the largest plan and reused (so no
 step pins or unpins memory); every global setting the script changes is restored when it is done.
 
-`--dry-run` runs every stage at 16³ with 2 base filters on the CPU, copies going through the emulated
+`--dry-run` runs every stage at 16³ (batch 1) with 2 base filters on the CPU, copies going through the emulated
 link (`memory.swap.emulate_gbs`), so the script itself is tested without a GPU (tests/test_gpu_check.py);
 there the peak compared is the engine's peak resident saved bytes and nothing is pinned.
 `--fail-stage NAME` makes a stage raise (a test of the failure path).
@@ -83,6 +83,7 @@ class Sizes:
     bandwidth_bytes: int
     bandwidth_repeats: int
     bitwise_cube: int
+    bitwise_steps: int
     peak_cube: int
     peak_batches: tuple[int, ...]
     cap_gib: float | None
@@ -93,11 +94,12 @@ class Sizes:
     emulate_gbs: float | None
 
 
-GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128,
+GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128, bitwise_steps=3,
                   peak_cube=192, peak_batches=(1, 2), cap_gib=16.0, time_cube=192, time_steps=3, delay_s=2e-3,
                   min_bytes=None, emulate_gbs=None)
-DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=1 << 20, bandwidth_repeats=4, bitwise_cube=16, peak_cube=16,
-                  peak_batches=(1, 2), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
+DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4, bitwise_cube=16, bitwise_steps=2,
+                  peak_cube=16,
+                  peak_batches=(1,), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
                   emulate_gbs=1.0)
 
 
@@ -115,6 +117,9 @@ class Check:
         self.document: dict = {"dry_run": device.type != "cuda", "sizes": asdict(sizes), "stages": {}}
         self._cost = None
         self._arena: HostArena | None = None
+        self._record_planners: dict[tuple[int, ...], Planner] = {}
+        self._priced_planners: dict[tuple[int, ...], Planner] = {}
+        self._auto_plans: dict[tuple[int, float], MemoryConfig | None] = {}
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -131,11 +136,17 @@ class Check:
             self._arena = HostArena(nbytes, pin=self.device.type == "cuda")
         return self._arena
 
+    def records_planner(self, shape: tuple[int, ...]) -> Planner:
+        """A planner of the run's model at `shape` for what the engine will save and swap (arena sizes; its
+        time model is not used), one per shape."""
+        if shape not in self._record_planners:
+            self._record_planners[shape] = Planner(self.model(), shape, loss_fn=weighted_dice_loss)
+        return self._record_planners[shape]
+
     def largest_plan_bytes(self) -> int:
         sizes = self.sizes
         shape = (max(sizes.peak_batches), 4, sizes.peak_cube, sizes.peak_cube, sizes.peak_cube)
-        planner = Planner(self.model(), shape, loss_fn=weighted_dice_loss)
-        return planner.arena_bytes(named_policies(self.base_policy())["swap_all"])
+        return self.records_planner(shape).arena_bytes(named_policies(self.base_policy())["swap_all"])
 
     def close(self) -> None:
         if self._arena is not None:
@@ -313,11 +324,12 @@ def stage_bitwise(check: Check) -> dict:
     kernels; "inconclusive" when plain PyTorch itself does not repeat)."""
     cube = check.sizes.bitwise_cube
     x, y = check.batch(cube, 1)
-    planner = Planner(check.model(), tuple(x.shape), loss_fn=weighted_dice_loss)  # arena sizes only
+    planner = check.records_planner(tuple(x.shape))
     rows, skipped = [], []
     with deterministic_kernels():
-        reference, _ = _train(check.model(), None, x, y)
-        repeatable = _first_difference(_train(check.model(), None, x, y)[0], reference) is None
+        steps = check.sizes.bitwise_steps
+        reference, _ = _train(check.model(), None, x, y, steps)
+        repeatable = _first_difference(_train(check.model(), None, x, y, steps)[0], reference) is None
         for name in PRESET_NAMES:
             for delay in (0.0, check.sizes.delay_s):
                 if check.time_left() < 0:
@@ -325,7 +337,8 @@ def stage_bitwise(check: Check) -> dict:
                     continue
                 policy = copy.deepcopy(named_policies(check.base_policy())[name])
                 policy.swap.copy_delay_s = delay
-                history, stats = _train(check.model(), policy, x, y, host_arena=check.arena(planner.arena_bytes(policy)))
+                history, stats = _train(check.model(), policy, x, y, steps,
+                                        host_arena=check.arena(planner.arena_bytes(policy)))
                 difference = _first_difference(history, reference)
                 rows.append({"policy": name, "copy_delay_s": delay, "bitwise_equal": difference is None,
                              "difference": difference, "swapped_out_bytes": stats.get("swapped_out_bytes"),
@@ -338,21 +351,30 @@ def stage_bitwise(check: Check) -> dict:
 
 
 def _planner(check: Check, model, shape: tuple[int, ...]) -> Planner:
-    """A planner for `shape` with the time model of this device (profiled once: ops and pinned link)."""
+    """A planner for `shape` with the time model of this device (profiled once: ops and pinned link), one
+    per shape (the stages that share a shape share its traces and its auto plan)."""
+    if shape in check._priced_planners:
+        return check._priced_planners[shape]
     if check._cost is None:
         check._cost = resolve_cost_model(model, check.device, torch.float32, loss_fn=weighted_dice_loss)
         if check.sizes.emulate_gbs is not None:
             check._cost.sync_copies = False
             check._cost.h2d_bytes_per_s = check._cost.d2h_bytes_per_s = bytes_per_second(check.sizes.emulate_gbs)
         check.document["cost_model"] = check._cost.as_dict()
-    return Planner(model, shape, loss_fn=weighted_dice_loss, dtype=torch.float32, cost=copy.deepcopy(check._cost))
+    planner = Planner(model, shape, loss_fn=weighted_dice_loss, dtype=torch.float32, cost=copy.deepcopy(check._cost))
+    check._priced_planners[shape] = planner
+    return planner
 
 
 def _policies(check: Check, planner: Planner, budget_gib: float) -> dict[str, MemoryConfig]:
+    """none, the presets and (when one fits) the auto plan for `budget_gib`; the search runs once per planner."""
+    key = (id(planner), budget_gib)
+    if key not in check._auto_plans:
+        best, _ = planner.auto(budget_gib * GIB, check.base_policy())
+        check._auto_plans[key] = best.policy if best is not None else None
     policies = named_policies(check.base_policy())
-    best, _ = planner.auto(budget_gib * GIB, check.base_policy())
-    if best is not None:
-        policies["auto"] = best.policy
+    if check._auto_plans[key] is not None:
+        policies["auto"] = copy.deepcopy(check._auto_plans[key])
     return policies
 
 

@@ -50,7 +50,7 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
 
     peak = stages["peak"]
     assert {(row["policy"], row["batch"]) for row in peak["rows"]} == {
-        (name, batch) for name in ("none", *gpu_check.PRESET_NAMES, "auto") for batch in (1, 2)}
+        (name, 1) for name in ("none", *gpu_check.PRESET_NAMES, "auto")}
     assert all(row["status"] == "ok" for row in peak["rows"])
     # Release points do not depend on copy timing: the prediction is exact even through the emulated
     # link, however busy this CPU is.
@@ -62,7 +62,8 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
     assert all(row["status"] == "ok" and row["step_s"] > 0 and row["vs_none"] > 0 for row in times.values())
 
     pinned = stages["pinned"]
-    assert pinned["arena_bytes"] == pinned["planned_arena_bytes"]  # sized from the plan, never grown
+    # One arena for the run, pinned once at the largest plan; the step used exactly the plan's slices.
+    assert pinned["arena_used_bytes"] == pinned["planned_arena_bytes"] <= pinned["arena_bytes"]
     assert pinned["swapped_bytes"] > 0 and pinned["arena_per_swapped_byte"] <= 1.2 and pinned["within_target"]
 
 

@@ -93,6 +93,10 @@ class OpCostModel:
         """The copy out and the copy back of one storage."""
         return self.copy_seconds(transfer_bytes, nbytes, D2H) + self.copy_seconds(transfer_bytes, nbytes, H2D)
 
+    def interference_seconds(self, transfer_bytes: int) -> float:
+        """Compute time an emulated link's copy thread takes from the step while it moves these bytes."""
+        return transfer_bytes * self.copy_interference_s_per_byte
+
     def bytes_moved(self, seconds: float, direction: str = D2H) -> float:
         """Bytes the link moves in `direction` in `seconds` (uncompressed)."""
         return self.rate(direction) * seconds

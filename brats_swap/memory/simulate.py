@@ -165,8 +165,9 @@ class _Clock:
 
     def _interfere(self, entry: Entry) -> None:
         """The compute time a CPU copy thread takes from the step for this copy (`OpCostModel`)."""
-        if self.cost.copy_interference_s_per_byte:
-            self.stall_until(self.now + entry.transfer_bytes * self.cost.copy_interference_s_per_byte)
+        seconds = self.cost.interference_seconds(entry.transfer_bytes)
+        if seconds:
+            self.stall_until(self.now + seconds)
 
     def release(self, entry: Entry, wait: bool) -> None:
         if wait:
