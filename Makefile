@@ -6,6 +6,8 @@ SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 # pip on some machines warns once per package about configured-but-absent local indexes; hide that noise.
 QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+# nnU-Net's network library, installed without its dependencies (see the install rule).
+DNA    := dynamic-network-architectures==0.4.4
 # torch's own CPU threads; 2 matches the CI machine.
 export OMP_NUM_THREADS ?= 2
 
@@ -25,6 +27,12 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	@echo "installing brats-swap and its dependencies into $(VENV)"
 	@$(BIN)/pip install --quiet -e ".[dev]" $(QUIET_PIP)
+	@# nnU-Net's networks come from dynamic-network-architectures, whose metadata asks for timm, which pulls
+	@# torchvision, which pulls another (multi-GB CUDA) torch over the one installed above. The U-Nets we
+	@# build import neither: install it without its dependencies (plus einops, its one light import), and
+	@# record the torch it must leave in place (tests/test_install.py compares).
+	@$(BIN)/python -c "import torch; print(torch.__version__)" > $(VENV)/torch-version.txt
+	@$(BIN)/pip install --quiet --no-deps "$(DNA)" "einops>=0.7" $(QUIET_PIP)
 	@touch $@
 
 test: install

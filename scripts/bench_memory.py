@@ -37,7 +37,7 @@ import torch
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import MemoryConfig, ModelConfig
 from brats_swap.memory import MemoryEngine, discover_blocks
-from brats_swap.memory.planner import measure_bandwidth
+from brats_swap.memory.cost import measure_bandwidth
 from brats_swap.memory.presets import PRESET_NAMES, named_policies
 from brats_swap.memory.recompute import CheckpointedModules
 from brats_swap.model import build_model
@@ -126,7 +126,7 @@ def run_point(policy: str, cube: int, batch: int, dtype: str, device: torch.devi
             if device.type != "cuda":
                 row["peak_bytes"] = stats.peak_resident_saved_bytes
         row["status"] = "ok"
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError exists from torch 2.5 only
         row["status"] = "oom"
     finally:
         if case is not None:

@@ -1,37 +1,51 @@
-"""GPU acceptance check of the memory engine: at most 7 minutes on one H200, JSON written after every stage.
+"""GPU acceptance check of the memory engine, one shot: at most 7 minutes on one H200, JSON written after
+every stage, a single summary line last, exit code 1 when a stage failed.
 
     .venv/bin/python scripts/gpu_check.py                       # one CUDA GPU -> docs/benchmarks/gpu/
     .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gc   # the same stages, tiny, on the CPU
 
-Stages (each adds its section to `<out>/gpu_check.json`, or `gpu_check_dry_run.json`, as soon as it ends):
+Stages (each adds its section to `<out>/gpu_check.json`, or `gpu_check_dry_run.json`, as soon as it ends;
+a stage that would start past `--time-limit` is recorded as skipped, and each stage stops starting new
+measurements at the deadline and lists what it skipped):
 
-1. `environment`: date, GPU, driver, torch and CUDA versions.
+1. `environment`: date, GPU, driver, torch and CUDA versions, the deterministic settings used.
 2. `bandwidth`: pinned host<->device copies each way through the engine's own path (`memory.link` copy
-   streams into a `memory.arena.HostArena` slab), 256 MiB x 5.
-3. `bitwise`: 3 SGD steps (dropout on, deterministic cuDNN) of the U-Net at 128³ under every preset,
-   compared with `torch.equal` to plain PyTorch: losses, gradients, parameters; once as is and once
-   with a random delay injected before every copy on the copy streams (`torch.cuda._sleep`), which
-   widens the window in which a missing wait would read unfinished data.
-4. `peak`: under a 16 GiB cap (`torch.cuda.set_per_process_memory_fraction`), 192³ batch 1 and 2, every
-   policy (none, the presets, the planner's auto plan for 16 GiB): `torch.cuda.max_memory_allocated`
-   after a warm-up step against the planner's prediction; out of memory is recorded as such.
+   streams into the run's one `memory.arena.HostArena`), 256 MiB x 5.
+3. `bitwise`: 3 SGD steps (2 in the dry run; dropout on) of the U-Net at 128³ under every preset, compared with
+   `torch.equal` to plain PyTorch: losses, gradients, parameters; once as is and once with a random delay
+   injected before every copy on the copy streams (`torch.cuda._sleep`), which widens the window in which
+   a missing wait would read unfinished data. Deterministic kernels are asked for explicitly
+   (`torch.use_deterministic_algorithms`, cuDNN deterministic, `CUBLAS_WORKSPACE_CONFIG`) for this stage
+   only; if plain PyTorch does not repeat itself bit for bit the stage is "inconclusive", not failed.
+4. `peak`: under a 16 GiB cap (`torch.cuda.set_per_process_memory_fraction`, after `empty_cache`),
+   192³ batch 1 and 2, every policy (none, the presets, the planner's auto plan for 16 GiB):
+   `torch.cuda.max_memory_allocated` and `max_memory_reserved` after a warm-up step against the
+   planner's prediction, with the default allocator and with `expandable_segments:True`; out of memory
+   is recorded as such. Training's own settings (cuDNN benchmark as configured, no determinism). Each row also measures
+   the device overhead (`device_overhead_gib`: context, libraries, allocator reserve beyond the predicted
+   tensors), the quantity `memory.device_overhead_gib` defaults to 2 GiB for.
 5. `step_time`: 192³ batch 1, no policy (no hooks), `torch.autograd.graph.save_on_cpu(pin_memory=True)`,
    per-block checkpointing (every block of `discover_blocks`), swap_all, hybrid and the auto plan.
-6. `pinned`: swap_all at 192³ batch 2 with the arena sized from the plan: pinned host bytes against the
-   step's swapped bytes (target <= 1.2x), and what PyTorch's own caching host allocator holds.
+6. `pinned`: swap_all at 192³ batch 2 in the one arena sized from the plan: pinned host bytes against
+   the step's swapped bytes (target <= 1.2x), and what PyTorch's own caching host allocator holds.
 
-`--dry-run` runs every stage at 16³ with 2 base filters on the CPU, copies going through the emulated
+Every swapping engine borrows one host arena, pinned once from the largest plan and reused (so no
+step pins or unpins memory); every global setting the script changes is restored when it is done.
+
+`--dry-run` runs every stage at 16³ (batch 1) with 2 base filters on the CPU, copies going through the emulated
 link (`memory.swap.emulate_gbs`), so the script itself is tested without a GPU (tests/test_gpu_check.py);
-there the peak compared is the engine's peak resident saved bytes and nothing is pinned. Each stage stops
-starting new measurements when `--time-limit` seconds have passed since the start and lists what it
-skipped.
+there the peak compared is the engine's peak resident saved bytes and nothing is pinned.
+`--fail-stage NAME` makes a stage raise (a test of the failure path).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
+import json
+import os
 import platform
 import subprocess
 import sys
@@ -47,10 +61,11 @@ from validate_plan import SAVE_ON_CPU, measure, relative_error, torch_threads  #
 
 from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
-from brats_swap.memory.arena import HostArena, arena_bytes  # noqa: E402
+from brats_swap.memory.arena import HostArena  # noqa: E402
+from brats_swap.memory.cost import bytes_per_second, resolve_cost_model  # noqa: E402
 from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from  # noqa: E402
 from brats_swap.memory.link import open_link  # noqa: E402
-from brats_swap.memory.planner import Planner, resolve_cost_model  # noqa: E402
+from brats_swap.memory.planner import Planner  # noqa: E402
 from brats_swap.memory.presets import PRESET_NAMES, named_policies  # noqa: E402
 from brats_swap.memory.simulate import GIB  # noqa: E402
 from brats_swap.model import build_model  # noqa: E402
@@ -68,6 +83,7 @@ class Sizes:
     bandwidth_bytes: int
     bandwidth_repeats: int
     bitwise_cube: int
+    bitwise_steps: int
     peak_cube: int
     peak_batches: tuple[int, ...]
     cap_gib: float | None
@@ -78,27 +94,64 @@ class Sizes:
     emulate_gbs: float | None
 
 
-GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128,
+GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128, bitwise_steps=3,
                   peak_cube=192, peak_batches=(1, 2), cap_gib=16.0, time_cube=192, time_steps=3, delay_s=2e-3,
                   min_bytes=None, emulate_gbs=None)
-DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=8 << 20, bandwidth_repeats=2, bitwise_cube=16, peak_cube=16,
-                  peak_batches=(1, 2), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
+DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4, bitwise_cube=16, bitwise_steps=2,
+                  peak_cube=16,
+                  peak_batches=(1,), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
                   emulate_gbs=1.0)
 
 
 class Check:
-    """The run's state: device, sizes, deadline, and the JSON document written after every stage."""
+    """The run's state: device, sizes, deadline, the one host arena, and the JSON document written after
+    every stage."""
 
-    def __init__(self, device: torch.device, sizes: Sizes, path: Path, time_limit_s: float):
+    def __init__(self, device: torch.device, sizes: Sizes, path: Path, time_limit_s: float,
+                 fail_stage: str | None = None):
         self.device = device
         self.sizes = sizes
         self.path = path
         self.deadline = time.monotonic() + time_limit_s
+        self.fail_stage = fail_stage
         self.document: dict = {"dry_run": device.type != "cuda", "sizes": asdict(sizes), "stages": {}}
         self._cost = None
+        self._arena: HostArena | None = None
+        self._record_planners: dict[tuple[int, ...], Planner] = {}
+        self._priced_planners: dict[tuple[int, ...], Planner] = {}
+        self._auto_plans: dict[tuple[int, float], MemoryConfig | None] = {}
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def arena(self, nbytes: int) -> HostArena:
+        """The run's one host arena (pinned on CUDA), at least `nbytes`: pinned once, at the size of the
+        largest plan of the run (swap_all at the largest peak batch), and lent to every engine; only a
+        plan larger still would replace it."""
+        if self._arena is None:
+            nbytes = max(nbytes, self.largest_plan_bytes())
+        if self._arena is None or self._arena.capacity < nbytes:
+            if self._arena is not None:
+                self._arena.close()
+            self._arena = HostArena(nbytes, pin=self.device.type == "cuda")
+        return self._arena
+
+    def records_planner(self, shape: tuple[int, ...]) -> Planner:
+        """A planner of the run's model at `shape` for what the engine will save and swap (arena sizes; its
+        time model is not used), one per shape."""
+        if shape not in self._record_planners:
+            self._record_planners[shape] = Planner(self.model(), shape, loss_fn=weighted_dice_loss)
+        return self._record_planners[shape]
+
+    def largest_plan_bytes(self) -> int:
+        sizes = self.sizes
+        shape = (max(sizes.peak_batches), 4, sizes.peak_cube, sizes.peak_cube, sizes.peak_cube)
+        return self.records_planner(shape).arena_bytes(named_policies(self.base_policy())["swap_all"])
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     def base_policy(self) -> MemoryConfig:
         base = MemoryConfig()
@@ -119,11 +172,16 @@ class Check:
 
     def run_stage(self, name: str, stage) -> None:
         started = time.perf_counter()
-        try:
-            section = stage(self)
-            section["status"] = section.get("status", "ok")
-        except Exception as error:  # noqa: BLE001 - one failing stage must not hide the others
-            section = {"status": "error", "error": f"{type(error).__name__}: {error}"}
+        if self.time_left() <= 0:
+            section = {"status": "skipped", "reason": "past --time-limit before it started"}
+        else:
+            try:
+                if name == self.fail_stage:
+                    raise RuntimeError(f"stage {name} forced to fail (--fail-stage)")
+                section = stage(self)
+                section["status"] = section.get("status", "ok")
+            except Exception as error:  # noqa: BLE001 - one failing stage must not hide the others
+                section = {"status": "error", "error": f"{type(error).__name__}: {error}"}
         section["seconds"] = round(time.perf_counter() - started, 2)
         self.document["stages"][name] = section
         atomic_write_json(self.path, self.document)
@@ -135,9 +193,50 @@ class Check:
 # --------------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def deterministic_kernels():
+    """Deterministic kernels for a bitwise comparison, every setting restored afterwards (the other
+    stages measure what training runs): cuDNN deterministic without benchmark, torch's deterministic
+    algorithms, and the cuBLAS workspace that makes cuBLAS deterministic (read when a handle is made)."""
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.deterministic, cudnn.benchmark, torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    cudnn.deterministic, cudnn.benchmark = True, False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved[0], saved[1]
+        torch.use_deterministic_algorithms(saved[2], warn_only=saved[3])
+        if saved[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[4]
+
+
+@contextlib.contextmanager
+def allocator_settings(settings: str | None):
+    """The CUDA caching allocator configured with `settings` (e.g. "expandable_segments:True") for the
+    block, then back to the defaults; None changes nothing."""
+    if settings is None:
+        yield
+        return
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings(settings)
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings(settings.replace("True", "False"))
+
+
 def stage_environment(check: Check) -> dict:
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "python": platform.python_version(), "cpu_threads": torch.get_num_threads()}
+           "torch": torch.__version__, "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
+           "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_deterministic": torch.backends.cudnn.deterministic,
+           "bitwise_stage": "torch.use_deterministic_algorithms(True), cudnn deterministic, "
+                            "CUBLAS_WORKSPACE_CONFIG=:4096:8 (restored after the stage)"}
     if check.device.type == "cuda":
         props = torch.cuda.get_device_properties(check.device)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1), cuda=torch.version.cuda,
@@ -160,7 +259,8 @@ def stage_bandwidth(check: Check) -> dict:
     """GB/s of each direction through the engine's link into a pinned (on CUDA) arena slab."""
     sizes, device = check.sizes, check.device
     nbytes = sizes.bandwidth_bytes
-    arena = HostArena(nbytes, pin=device.type == "cuda")
+    arena = check.arena(nbytes)
+    arena.reset()
     link = open_link(device, check.base_policy().swap)
     try:
         host = arena.alloc(nbytes)
@@ -180,13 +280,12 @@ def stage_bandwidth(check: Check) -> dict:
         return rates
     finally:
         link.close()
-        arena.close()
 
 
-def _train(model: torch.nn.Module, policy: MemoryConfig | None, x, y, steps: int = 3) -> list:
+def _train(model: torch.nn.Module, policy: MemoryConfig | None, x, y, steps: int = 3, host_arena=None) -> list:
     """(loss, gradients, parameters) after each of `steps` SGD steps; dropout masks seeded per step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    engine = MemoryEngine(model, policy, x.device) if policy is not None else None
+    engine = MemoryEngine(model, policy, x.device, host_arena=host_arena) if policy is not None else None
     history = []
     try:
         for step in range(steps):
@@ -221,72 +320,103 @@ def _first_difference(history: list, reference: list) -> str | None:
 
 
 def stage_bitwise(check: Check) -> dict:
-    """Every preset, with and without random copy delays, bitwise against plain PyTorch."""
-    torch.backends.cudnn.deterministic = True  # cuDNN's default conv3d backward may use atomics
-    torch.backends.cudnn.benchmark = False
+    """Every preset, with and without random copy delays, bitwise against plain PyTorch (deterministic
+    kernels; "inconclusive" when plain PyTorch itself does not repeat)."""
     cube = check.sizes.bitwise_cube
     x, y = check.batch(cube, 1)
-    reference, _ = _train(check.model(), None, x, y)
-    repeat, _ = _train(check.model(), None, x, y)
+    planner = check.records_planner(tuple(x.shape))
     rows, skipped = [], []
-    for name in PRESET_NAMES:
-        for delay in (0.0, check.sizes.delay_s):
-            if check.time_left() < 0:
-                skipped.append(f"{name} delay {delay}")
-                continue
-            policy = copy.deepcopy(named_policies(check.base_policy())[name])
-            policy.swap.copy_delay_s = delay
-            history, stats = _train(check.model(), policy, x, y)
-            difference = _first_difference(history, reference)
-            rows.append({"policy": name, "copy_delay_s": delay, "bitwise_equal": difference is None,
-                         "difference": difference, "swapped_out_bytes": stats.get("swapped_out_bytes"),
-                         "prefetch_misses": stats.get("prefetch_misses"), "late_reloads": stats.get("late_reloads")})
+    with deterministic_kernels():
+        steps = check.sizes.bitwise_steps
+        reference, _ = _train(check.model(), None, x, y, steps)
+        repeatable = _first_difference(_train(check.model(), None, x, y, steps)[0], reference) is None
+        for name in PRESET_NAMES:
+            for delay in (0.0, check.sizes.delay_s):
+                if check.time_left() < 0:
+                    skipped.append(f"{name} delay {delay}")
+                    continue
+                policy = copy.deepcopy(named_policies(check.base_policy())[name])
+                policy.swap.copy_delay_s = delay
+                history, stats = _train(check.model(), policy, x, y, steps,
+                                        host_arena=check.arena(planner.arena_bytes(policy)))
+                difference = _first_difference(history, reference)
+                rows.append({"policy": name, "copy_delay_s": delay, "bitwise_equal": difference is None,
+                             "difference": difference, "swapped_out_bytes": stats.get("swapped_out_bytes"),
+                             "prefetch_misses": stats.get("prefetch_misses"),
+                             "late_reloads": stats.get("late_reloads")})
     equal = all(row["bitwise_equal"] for row in rows)
-    return {"cube": cube, "reference_repeatable": _first_difference(repeat, reference) is None,
-            "all_equal": equal, "rows": rows, "skipped": skipped, "status": "ok" if equal else "failed"}
+    status = "ok" if equal else "failed" if repeatable else "inconclusive"
+    return {"cube": cube, "reference_repeatable": repeatable, "all_equal": equal, "rows": rows, "skipped": skipped,
+            "status": status}
 
 
 def _planner(check: Check, model, shape: tuple[int, ...]) -> Planner:
-    """A planner for `shape` with the time model of this device (profiled once: ops and pinned link)."""
+    """A planner for `shape` with the time model of this device (profiled once: ops and pinned link), one
+    per shape (the stages that share a shape share its traces and its auto plan)."""
+    if shape in check._priced_planners:
+        return check._priced_planners[shape]
     if check._cost is None:
         check._cost = resolve_cost_model(model, check.device, torch.float32, loss_fn=weighted_dice_loss)
         if check.sizes.emulate_gbs is not None:
             check._cost.sync_copies = False
-            check._cost.h2d_bytes_per_s = check._cost.d2h_bytes_per_s = check.sizes.emulate_gbs * 1e9
+            check._cost.h2d_bytes_per_s = check._cost.d2h_bytes_per_s = bytes_per_second(check.sizes.emulate_gbs)
         check.document["cost_model"] = check._cost.as_dict()
-    return Planner(model, shape, loss_fn=weighted_dice_loss, dtype=torch.float32, cost=copy.deepcopy(check._cost))
+    planner = Planner(model, shape, loss_fn=weighted_dice_loss, dtype=torch.float32, cost=copy.deepcopy(check._cost))
+    check._priced_planners[shape] = planner
+    return planner
 
 
 def _policies(check: Check, planner: Planner, budget_gib: float) -> dict[str, MemoryConfig]:
+    """none, the presets and (when one fits) the auto plan for `budget_gib`; the search runs once per planner."""
+    key = (id(planner), budget_gib)
+    if key not in check._auto_plans:
+        best, _ = planner.auto(budget_gib * GIB, check.base_policy())
+        check._auto_plans[key] = best.policy if best is not None else None
     policies = named_policies(check.base_policy())
-    best, _ = planner.auto(budget_gib * GIB, check.base_policy())
-    if best is not None:
-        policies["auto"] = best.policy
+    if check._auto_plans[key] is not None:
+        policies["auto"] = copy.deepcopy(check._auto_plans[key])
     return policies
 
 
-def stage_peak(check: Check) -> dict:
-    """Measured against predicted peak for every policy under the cap, at each batch size."""
-    sizes, device = check.sizes, check.device
-    cuda = device.type == "cuda"
-    if cuda:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, sizes.cap_gib * GIB / total), device)
-    rows, skipped = [], []
+@contextlib.contextmanager
+def memory_cap(check: Check):
+    """The cap on CUDA (`set_per_process_memory_fraction`, after `empty_cache` so the cap bounds what this
+    stage reserves), lifted afterwards; nothing on the CPU."""
+    device = check.device
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, check.sizes.cap_gib * GIB / total), device)
     try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+
+
+def stage_peak(check: Check) -> dict:
+    """Measured against predicted peak for every policy under the cap, at each batch size, with the default
+    allocator and (CUDA) with expandable segments."""
+    sizes, cuda = check.sizes, check.device.type == "cuda"
+    rows, skipped = [], []
+    for allocator in (None, "expandable_segments:True") if cuda else (None,):
         for batch in sizes.peak_batches:
+            if check.time_left() < 0:  # before the planner too: tracing and pricing take seconds
+                skipped.append(f"batch {batch} {allocator or 'default allocator'}")
+                continue
             model = check.model()
             shape = (batch, 4, sizes.peak_cube, sizes.peak_cube, sizes.peak_cube)
             planner = _planner(check, model, shape)
             x, y = check.batch(sizes.peak_cube, batch)
             for name, cfg in _policies(check, planner, sizes.cap_gib).items():
                 if check.time_left() < 0:
-                    skipped.append(f"{name} batch {batch}")
+                    skipped.append(f"{name} batch {batch} {allocator or 'default allocator'}")
                     continue
-                rows.append(_peak_row(check, planner, model, name, cfg, x, y, batch))
-    finally:
-        if cuda:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+                with allocator_settings(allocator), memory_cap(check):
+                    rows.append({**_peak_row(check, planner, model, name, cfg, x, y, batch),
+                                 "allocator": allocator or "default"})
     return {"cube": sizes.peak_cube, "cap_gib": sizes.cap_gib if cuda else None,
             "peak": "torch.cuda.max_memory_allocated" if cuda else "engine peak resident saved bytes",
             "rows": rows, "skipped": skipped}
@@ -299,12 +429,22 @@ def _peak_row(check: Check, planner: Planner, model, name: str, cfg: MemoryConfi
     row = {"policy": name, "batch": batch, "predicted_peak_bytes": predicted, "predicted_fits": prediction.fits,
            "predicted_step_s": prediction.step_s}
     try:
-        measured = measure(model, cfg, x, y, check.device, 1, torch.float32, hooks_for_none=not cuda)
-    except torch.OutOfMemoryError:
+        measured = measure(model, cfg, x, y, check.device, 1, torch.float32, hooks_for_none=not cuda,
+                           host_arena=check.arena(planner.arena_bytes(cfg)))
+    except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError exists from torch 2.5 only
         row.update(status="oom", measured_peak_bytes=None, peak_error=None)
         return row
     row.update(status="ok", measured_peak_bytes=measured["peak_bytes"], measured_step_s=measured["step_s"],
-               peak_error=relative_error(predicted, measured["peak_bytes"]))
+               measured_peak_reserved_bytes=measured.get("peak_reserved_bytes"),
+               peak_error=relative_error(predicted, measured["peak_bytes"]),
+               peak_within_bound=measured["peak_bytes"] <= predicted)
+    if cuda:
+        # `memory.device_overhead_gib` measured: what the card held beyond the planner's tensors, i.e. the CUDA
+        # context and libraries (used, not the allocator's) plus the allocator's peak reserve (all processes
+        # on the card count: run it alone).
+        free, total = torch.cuda.mem_get_info(check.device)
+        held = total - free - torch.cuda.memory_reserved(check.device) + torch.cuda.max_memory_reserved(check.device)
+        row["device_overhead_gib"] = round((held - predicted) / GIB, 3)
     return row
 
 
@@ -328,12 +468,15 @@ def stage_step_time(check: Check) -> dict:
         if check.time_left() < 0:
             skipped.append(name)
             continue
+        arena = None
         if isinstance(policy, MemoryConfig):
             policy = copy.deepcopy(policy)
             policy.swap.emulate_gbs = base.swap.emulate_gbs
+            arena = check.arena(planner.arena_bytes(policy))
         try:
-            measured = measure(model, policy, x, y, device, sizes.time_steps, torch.float32, hooks_for_none=False)
-        except torch.OutOfMemoryError:
+            measured = measure(model, policy, x, y, device, sizes.time_steps, torch.float32, hooks_for_none=False,
+                               host_arena=arena)
+        except torch.cuda.OutOfMemoryError:
             rows.append({"policy": name, "status": "oom"})
             continue
         rows.append({"policy": name, "status": "ok", "step_s": round(measured["step_s"], 4),
@@ -353,13 +496,13 @@ def stage_pinned(check: Check) -> dict:
     shape = (batch, 4, sizes.peak_cube, sizes.peak_cube, sizes.peak_cube)
     planner = _planner(check, model, shape)
     cfg = named_policies(check.base_policy())["swap_all"]
-    records = {record.index: record for record in planner.records(cfg)}
-    planned = arena_bytes(records[i].nbytes for i in planner.swapped(cfg))
+    planned = planner.arena_bytes(cfg)
     x, y = check.batch(sizes.peak_cube, batch)
-    measured = measure(model, cfg, x, y, device, 1, torch.float32, arena_bytes=planned)
+    arena = check.arena(planned)
+    measured = measure(model, cfg, x, y, device, 1, torch.float32, host_arena=arena)
     swapped = measured["swapped_bytes"]
     row = {"cube": sizes.peak_cube, "batch": batch, "policy": "swap_all", "swapped_bytes": swapped,
-           "planned_arena_bytes": planned, "arena_bytes": measured["arena_bytes"],
+           "planned_arena_bytes": planned, "arena_bytes": measured["arena_bytes"], "arena_used_bytes": arena.used,
            "arena_per_swapped_byte": round(measured["arena_bytes"] / swapped, 4) if swapped else None,
            "pinned": device.type == "cuda"}
     if device.type == "cuda":
@@ -373,12 +516,24 @@ STAGES = {"environment": stage_environment, "bandwidth": stage_bandwidth, "bitwi
           "peak": stage_peak, "step_time": stage_step_time, "pinned": stage_pinned}
 
 
+def summary(document: dict) -> tuple[str, int]:
+    """The run in one line, and the exit code: 1 when a stage failed or errored, else 0."""
+    statuses = {name: stage["status"] for name, stage in document["stages"].items()}
+    failed = [name for name, status in statuses.items() if status in ("error", "failed")]
+    overall = "failed" if failed else "inconclusive" if "inconclusive" in statuses.values() else "ok"
+    if overall == "ok" and any(status == "skipped" for status in statuses.values()):
+        overall = "incomplete"
+    line = {"gpu_check": overall, "failed_stages": failed, "stages": statuses, "json": document.get("path")}
+    return json.dumps(line), 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="every stage, tiny, on the CPU")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "gpu")
     parser.add_argument("--time-limit", type=float, default=400.0, help="seconds; later measurements are skipped")
     parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    parser.add_argument("--fail-stage", choices=list(STAGES), default=None, help="test: make this stage raise")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or use --dry-run")
@@ -386,14 +541,20 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")
-    check = Check(device, sizes, path, args.time_limit)
+    check = Check(device, sizes, path, args.time_limit, fail_stage=args.fail_stage)
+    check.document["path"] = str(path)
     # Dry run: one compute thread, as a second one stalls whenever a copy thread takes its core.
-    with torch_threads(1 if args.dry_run else None):
-        for name in args.stages:
-            check.run_stage(name, STAGES[name])
-    print(f"wrote {path}")
+    try:
+        with torch_threads(1 if args.dry_run else None):
+            for name in args.stages:
+                check.run_stage(name, STAGES[name])
+    finally:
+        check.close()
+    line, check.document["exit_code"] = summary(check.document)
+    atomic_write_json(path, check.document)
+    print(line, flush=True)  # the last line: the whole run
     return check.document
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main()["exit_code"])

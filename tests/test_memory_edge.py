@@ -23,6 +23,7 @@ from brats_swap.memory import (
     module_matches,
     select_swapped,
 )
+from brats_swap.memory.rulebook import EntryState
 
 SWAP_EVERYTHING = {"mode": "swap", "swap": {"min_bytes": 0}}
 
@@ -192,9 +193,9 @@ def test_unused_head_leaks_nothing():
     aux_ref = _tiny_step(engine, net, x, use_aux=False)
     gc.collect()
     assert aux_ref() is None
-    rulebook = engine.core.rulebook
+    rulebook = engine.front.rulebook
     assert rulebook.resident == 0 and not rulebook.unreleased
-    assert all(entry.alive == 0 and not entry.reload_held and entry.payload.reloaded is None
+    assert all(entry.alive == 0 and entry.state is EntryState.DEAD and entry.payload.reloaded is None
                and entry.payload.gpu_ref is None for entry in rulebook.entries)
     assert any(r.module == "aux" for r in engine.last_records())  # the head did save tensors
 
@@ -218,7 +219,7 @@ def test_fifty_steps_do_not_grow_live_tensors_or_arena():
         _tiny_step(engine, net, x, use_aux=step % 2 == 0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        assert engine.core.rulebook.resident == 0
+        assert engine.front.rulebook.resident == 0
         if step in (4, 49):
             counts.append(live_tensors())
         arenas.append(engine.last_stats().arena_bytes)
@@ -276,7 +277,7 @@ def test_bf16_compression_is_close_and_halves_host_bytes():
     assert ((got_flat - ref_flat).norm() / ref_flat.norm()).item() < 0.02  # bf16 keeps ~3 significant digits
     assert any(not torch.equal(g, r) for g, r in zip(got, ref, strict=True))  # and it is lossy
     stats = engine.last_stats()
-    assert 0 < engine.core._arenas[False].used <= stats.swapped_out_bytes // 2 + 512 * stats.swapped_tensors
+    assert 0 < engine.executor._arenas[False].used <= stats.swapped_out_bytes // 2 + 512 * stats.swapped_tensors
 
 
 def test_memory_policy_context_manager_reverts_the_model():

@@ -16,17 +16,17 @@ from typer.testing import CliRunner
 
 from brats_swap.config.schema import MemoryConfig, ModelConfig
 from brats_swap.errors import ConfigError
+from brats_swap.memory.cost import OpCostModel, default_cost_model
 from brats_swap.memory.engine import MemoryEngine
 from brats_swap.memory.planner import (
     BUDGET_HEADROOM,
     Planner,
     choose_policy,
-    default_cost_model,
     plan_report,
 )
 from brats_swap.memory.presets import named_policies
-from brats_swap.memory.simulate import GIB, OpCostModel, simulate_memory
-from brats_swap.memory.trace import meta_copy, trace_step
+from brats_swap.memory.recorder import meta_copy, trace_step
+from brats_swap.memory.simulate import GIB, simulate_memory
 from brats_swap.model import build_model
 from brats_swap.train.losses import weighted_dice_loss
 
@@ -260,20 +260,24 @@ def test_plan_cli_writes_json_and_timeline(tmp_path):
     from brats_swap.cli.main import app
 
     out, png = tmp_path / "plan.json", tmp_path / "timeline.png"
-    result = CliRunner().invoke(app, ["plan", "--size", "32", "--batch", "1", "--budget", "0.2",
+    result = CliRunner().invoke(app, ["plan", "--size", "32", "--batch", "1", "--budget", "0.25",
+                                      "--set", "memory.device_overhead_gib=0.05",
                                       "--device", "gpu", "--bandwidth", "25", "--json", str(out),
                                       "--timeline", str(png)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert report["size"] == 32 and report["batch"] == 1 and report["budget_gib"] == 0.2
+    assert report["size"] == 32 and report["batch"] == 1 and report["budget_gib"] == 0.25
     names = [p["name"] for p in report["policies"]]
     assert names[:8] == ["none", "swap_all", "swap_first_n", "swap_no_decoder", "swap_no_decoder_lookahead",
                          "recompute", "norm_act", "hybrid"]
     for row in report["policies"]:
         assert set(row) == {"name", "predicted_peak_gib", "swapped_gib", "recompute_gflop", "predicted_step_s",
-                            "fits"}
+                            "prefetch_misses", "fits"}
     assert report["chosen"]["fits"] is True
-    assert report["chosen"]["predicted_peak_gib"] <= 0.2
+    assert report["chosen"]["predicted_peak_gib"] <= 0.25
+    # Every peak is on the card: the step's tensors and the device overhead, reported on its own too.
+    assert report["device_overhead_gib"] == 0.05 and report["floor_gib"] > 0.05
+    assert min(row["predicted_peak_gib"] for row in report["policies"]) > 0.05
     assert report["chosen"]["policy"]["mode"] in ("none", "swap", "recompute", "hybrid")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "memory plan" in result.output
@@ -318,6 +322,24 @@ def test_yaml_presets_equal_the_preset_data():
             "hybrid"} == set(PRESETS)
 
 
+def test_presets_resolved_on_the_unet_match_the_same_modules_as_its_globs(small_model):
+    """`resolve_presets` writes each rule in the model's own names; on the default U-Net they are the modules
+    `PRESETS` (and configs/*.yaml) name with globs."""
+    from brats_swap.memory.presets import PRESETS, resolve_presets
+    from brats_swap.memory.records import module_matches
+    from brats_swap.memory.stages import policy_globs
+
+    names = [name for name, _ in small_model.named_modules() if name]
+    resolved = named_policies(sections=resolve_presets(small_model, (1, 4, 32, 32, 32)))
+    spelled = named_policies(sections=PRESETS)
+    for preset in PRESETS:
+        for key, patterns in policy_globs(spelled[preset]).items():
+            theirs = policy_globs(resolved[preset])[key]
+            assert {n for n in names if module_matches(n, patterns)} == \
+                {n for n in names if module_matches(n, theirs)}, (preset, key, theirs)
+    assert resolved["hybrid"].swap.include == ["encoder.level0", "encoder.level1"]
+
+
 def _tiny_config(*overrides: str):
     from brats_swap.config import load_config
 
@@ -349,7 +371,7 @@ def test_fp16_training_is_priced_in_fp16(monkeypatch, tmp_path):
     # memory.mode=auto plans in it too.
     seen = []
 
-    def fake_choose_policy(model, memory_cfg, input_shape, dtype, device, *, loss_fn):
+    def fake_choose_policy(model, memory_cfg, input_shape, dtype, device, *, loss_fn, optimizer_state_factor):
         seen.append(dtype)
         raise ConfigError("stop here")
 

@@ -16,6 +16,7 @@ from rich.markup import escape
 from brats_swap.atomic import DISK_PROBLEMS
 from brats_swap.config import Config, load_config
 from brats_swap.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, BratsSwapError
+from brats_swap.run.console import warn
 from brats_swap.run.folder import RunFolder
 
 console = Console(stderr=False)
@@ -51,7 +52,7 @@ def flag(names: str, help: str) -> Any:
 
 
 def resolve_config(config: Path | None, overrides: list[str] | None) -> Config:
-    return load_config(config, overrides or [])
+    return load_config(config, overrides or [], warn=warn)
 
 
 def default_run_dir(config: Config, run: Path | None) -> Path:

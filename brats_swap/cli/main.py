@@ -46,7 +46,7 @@ def root(
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(config_cmd.app, name="config")
 train_cmd.register(app)  # train, evaluate, predict
-app.command("plan")(plan_cmd.plan)
+app.command("plan", context_settings=plan_cmd.CONTEXT)(plan_cmd.plan)
 app.command("cv")(cv_cmd.cv)
 app.command("compare")(cv_cmd.compare)
 

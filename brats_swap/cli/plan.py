@@ -16,12 +16,17 @@ from brats_swap.errors import ConfigError
 from brats_swap.memory.planner import GIB, PlanReport
 from brats_swap.train.planning import plan_for_config, write_timeline_png
 
+# `--size 160 192 160`: click gives an option one value; the two edges after it arrive as extra arguments.
+CONTEXT = {"allow_extra_args": True}
+
 
 @handle_errors
 def plan(
+    ctx: typer.Context,
     config: ConfigOption = None,
     set_: SetOption = None,
-    size: Annotated[int | None, typer.Option("--size", help="Cube edge (default: data.cube).")] = None,
+    size: Annotated[str | None, typer.Option("--size", help="One edge (a cube) or three (D H W); default: "
+                                             "the patch in train.mode=patch, else data.cube.")] = None,
     batch: Annotated[int | None, typer.Option("--batch", help="Batch size (default: train.batch_size).")] = None,
     budget: Annotated[float | None, typer.Option("--budget", help="Device-memory budget in GiB "
                                                 "(default: memory.budget_gib).")] = None,
@@ -41,7 +46,10 @@ def plan(
                                                   "timeline as PNG.")] = None,
 ) -> None:
     """Price none, the swap presets, recompute, norm_act, hybrid and the auto-tuned plan for a budget."""
-    resolved = resolve_config(config, set_)
+    edges = size_option(size, ctx.args)
+    # The planned step's input is the cube: the network's stages adapt to it as they do in training.
+    sized = [f"data.cube=[{','.join(map(str, edges))}]", "train.mode=full"] if edges else []
+    resolved = resolve_config(config, [*(set_ or []), *sized])
     saved_profile = None
     if profile is not None:
         try:
@@ -50,7 +58,7 @@ def plan(
             raise ConfigError(f"{profile}: cannot read the cost profile ({exc})") from exc
     # Tracing and pricing take seconds to a minute at full size, with no countable steps: a spinner says so.
     with console.status("planning: tracing one step on the meta device and pricing every policy ..."):
-        report, planner = plan_for_config(resolved, size=size, batch=batch, budget_gib=budget, dtype=dtype,
+        report, planner = plan_for_config(resolved, batch=batch, budget_gib=budget, dtype=dtype,
                                           bandwidth_gbs=bandwidth, device=device, profile=saved_profile)
     print_report(report)
     if json_out is not None:
@@ -67,6 +75,16 @@ def plan(
         console.print(f"wrote {timeline}")
 
 
+def size_option(size: str | None, extra: list[str]) -> list[int] | None:
+    """`--size E` or `--size D H W` as three edges (None: not given); anything else is a one-line error."""
+    if size is None and not extra:
+        return None
+    edges = ([size] if size is not None else []) + list(extra)
+    if size is None or len(edges) not in (1, 3) or not all(edge.isdigit() and int(edge) > 0 for edge in edges):
+        raise ConfigError(f"plan --size: expected one edge or three (D H W) positive integers, got {edges}")
+    return [int(edge) for edge in edges] * (3 if len(edges) == 1 else 1)
+
+
 def _short(names: list[str], shown: int = 3) -> str:
     """A list of module globs for one line: the first few, then how many more (--json has them all)."""
     if len(names) <= shown:
@@ -77,6 +95,7 @@ def _short(names: list[str], shown: int = 3) -> str:
 def print_report(report: PlanReport) -> None:
     shape = "x".join(str(v) for v in report.input_shape[2:])
     budget = f"{report.budget_gib:g} GiB" if report.budget_gib is not None else "none"
+    budget += f" (device overhead {report.device_overhead_gib:g} GiB)"
     table = Table(title=f"memory plan: {shape}, batch {report.batch}, {report.dtype}, budget {budget}, "
                         f"floor {report.floor_gib:.2f} GiB, link {report.bandwidth_gbs:g} GB/s",
                   box=box.SIMPLE_HEAD, pad_edge=False)

@@ -17,12 +17,22 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
-from brats_swap.config.schema import Config, MemoryConfig
+from brats_swap.config.networks import (
+    check_network_keys,
+    derived_model_keys,
+    foreign_model_keys,
+    input_size_problem,
+)
+from brats_swap.config.schema import Config, MemoryConfig, ModelConfig
 from brats_swap.errors import ConfigError
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Resolve a config: schema defaults <- YAML file <- `section.key=value` overrides, then validate."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                warn: typing.Callable[[str], None] | None = None) -> Config:
+    """Resolve a config: schema defaults <- YAML file <- `section.key=value` overrides, then validate.
+
+    `warn` receives one line naming the `model.*` keys set for another network than `model.name` (ignored).
+    """
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_yaml_mapping(path)
@@ -33,14 +43,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     config = from_dict(Config, raw)
     _derive_unset(config, raw)
     validate_config(config)
+    model_raw = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    # Keys left at their schema defaults change nothing: only the ones that would have mattered are named.
+    defaults = ModelConfig()
+    changed = {key for key in model_raw if getattr(config.model, key, None) != getattr(defaults, key, None)}
+    ignored = foreign_model_keys(config.model.name, changed)
+    if ignored and warn is not None:
+        warn(f"{', '.join('model.' + k for k in ignored)}: not read by model.name={config.model.name}; ignored")
     return config
 
 
 def _derive_unset(config: Config, raw: dict[str, Any]) -> None:
-    """Values that follow others unless set explicitly: the model's input channels are the modalities."""
-    model_raw = raw.get("model")
-    if not (isinstance(model_raw, dict) and "in_channels" in model_raw):
+    """Values that follow others unless set explicitly: the model's input channels are the modalities, the
+    network's stages follow its plan at the training input's size (brats_swap/config/networks.py)."""
+    model_raw = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    if "in_channels" not in model_raw:
         config.model.in_channels = len(config.data.modalities)
+    size = config.train.patch if config.train.mode == "patch" else config.data.cube
+    unset = {key for key in ("features", "kernels", "strides", "blocks", "decoder_convs") if key not in model_raw}
+    stages = len(config.model.features) if "features" in model_raw else None
+    derived = derived_model_keys(config.model.name, unset, list(size), stages)
+    for key, value in derived.items():
+        setattr(config.model, key, value)
+    allowed = len(derived.get("blocks", derived.get("strides", [])))
+    if stages is not None and unset and derived and stages > allowed:
+        raise ConfigError(f"model.features: {stages} stages, but {config.model.name} at {list(size)} has at most "
+                          f"{allowed} (no stage below 4 voxels); give fewer features or a larger input")
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
@@ -180,6 +208,11 @@ def validate_memory_config(memory: MemoryConfig) -> None:
     require(memory.mode != "auto" or memory.budget_gib is not None, "memory.budget_gib",
             "memory.mode=auto needs a budget (e.g. --set memory.budget_gib=16)")
     require(memory.bandwidth_gbs is None or memory.bandwidth_gbs > 0, "memory.bandwidth_gbs", "must be positive")
+    overhead = memory.device_overhead_gib
+    require(overhead is None or (overhead >= 0 and math.isfinite(overhead)), "memory.device_overhead_gib",
+            f"must be 0 or more GiB, or null for the device's default; got {overhead}")
+    require(overhead is None or memory.budget_gib is None or overhead < memory.budget_gib,
+            "memory.device_overhead_gib", f"{overhead} GiB leaves nothing of memory.budget_gib={memory.budget_gib}")
     require(memory.swap.tensors == -1 or memory.swap.tensors >= 0, "memory.swap.tensors", "must be -1 (all) or >= 0")
     require(memory.swap.lookahead >= 0, "memory.swap.lookahead", "must be 0 or more")
     require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")
@@ -196,9 +229,12 @@ def validate_config(config: Config) -> None:
     require = _require
     data, train, model = config.data, config.train, config.model
     require(len(data.cube) == 3 and all(s > 0 for s in data.cube), "data.cube", f"expected 3 positive sizes, got {data.cube}")
-    factor = 2 ** (model.depth - 1)
-    require(all(s % factor == 0 for s in data.cube), "data.cube",
-            f"each size must be divisible by {factor} (2^(model.depth-1)), got {data.cube}")
+    check_network_keys(model, require)
+    # A patch-trained network sees the cube through a sliding window of patches: only isensee2017 (whose
+    # check predates the other networks) needs a divisible cube in patch mode too.
+    if train.mode == "full" or model.name == "isensee2017":
+        cube_problem = input_size_problem(model, data.cube)
+        require(cube_problem is None, "data.cube", cube_problem or "")
     require(len(data.modalities) == model.in_channels, "data.modalities",
             f"{len(data.modalities)} modalities but model.in_channels is {model.in_channels}")
     require(len(data.clip_percentiles) == 2 and 0 <= data.clip_percentiles[0] < data.clip_percentiles[1] <= 100,
@@ -212,8 +248,8 @@ def validate_config(config: Config) -> None:
     if train.mode == "patch":
         require(all(p <= c for p, c in zip(train.patch, data.cube, strict=True)), "train.patch",
                 f"patch {train.patch} is larger than the cube {data.cube}")
-        require(all(p % factor == 0 for p in train.patch), "train.patch",
-                f"each size must be divisible by {factor} (2^(model.depth-1)), got {train.patch}")
+        patch_problem = input_size_problem(model, train.patch)
+        require(patch_problem is None, "train.patch", patch_problem or "")
     require(train.lr > 0, "train.lr", f"must be positive, got {train.lr}")
     require(train.max_epochs >= 1, "train.max_epochs", "must be at least 1")
     require(train.batch_size >= 1, "train.batch_size", "must be at least 1")
@@ -224,6 +260,12 @@ def validate_config(config: Config) -> None:
     require(0 < train.plateau_factor < 1, "train.plateau_factor", "must be between 0 and 1")
     require(train.weight_decay >= 0, "train.weight_decay", "must be 0 or more")
     require(train.val_every >= 1, "train.val_every", "must be at least 1")
+    require(0 <= train.momentum < 1, "train.momentum", f"must be in [0, 1), got {train.momentum}")
+    require(train.poly_exponent > 0, "train.poly_exponent", "must be positive")
+    require(train.grad_clip is None or train.grad_clip > 0, "train.grad_clip", "must be positive or null")
+    require(train.loss != "dice_ce" or (model.outputs == "labels" and model.name != "isensee2017"), "train.loss",
+            "dice_ce (cross-entropy across the channels) needs mutually exclusive label outputs "
+            "(model.outputs=labels) and a network with logits (not isensee2017); use dice_bce for regions")
     require(model.depth >= 2, "model.depth", "must be at least 2")
     require(model.base_filters >= 1, "model.base_filters", "must be at least 1")
     require(0 <= model.dropout < 1, "model.dropout", "must be in [0, 1)")

@@ -43,7 +43,10 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["isensee2017"] = "isensee2017"
+    # isensee2017 (the paper's); nnU-Net's plain (nnunet) and residual-encoder U-Nets (resenc_m|l|xl, one
+    # network: the presets differ in patch and batch); MONAI's segresnet and swinunetr. Each reads its own
+    # keys below (brats_swap/config/networks.py); keys set for another network are ignored with a warning.
+    name: Literal["isensee2017", "nnunet", "resenc_m", "resenc_l", "resenc_xl", "segresnet", "swinunetr"] = "isensee2017"
     in_channels: int = 4  # when not set: the number of data.modalities (the loader derives it)
     base_filters: int = 16
     depth: int = 5
@@ -54,6 +57,14 @@ class ModelConfig:
     outputs: Literal["labels", "regions"] = "labels"  # sigmoid channels: BraTS labels (paper) or regions
     regions: list[str] = field(default_factory=list)  # region outputs (groups of the table); [] = its default
     norm_eps: float = 1e-3  # keras_contrib InstanceNormalization adds eps to the std
+    # nnU-Net, SegResNet, SwinUNETR: unset = nnU-Net's BraTS plan (or the MONAI network's BraTS setting)
+    # adapted to the cube or patch; lists are per stage.
+    features: list[int] = field(default_factory=list)  # channels per stage (swinunetr: [feature_size])
+    kernels: list[int] = field(default_factory=list)  # nnU-Net: convolution kernel edge per stage
+    strides: list[list[int]] = field(default_factory=list)  # nnU-Net: pooling stride per stage and axis
+    blocks: list[int] = field(default_factory=list)  # convs (nnunet) or residual blocks (resenc, segresnet) per stage
+    decoder_convs: list[int] = field(default_factory=list)  # nnU-Net: convs per decoder stage
+    deep_supervision: bool = True  # nnU-Net, SegResNet: losses at every decoder scale (nnU-Net's weights)
 
 
 @dataclass
@@ -86,6 +97,9 @@ class MemoryConfig:
     mode: Literal["none", "swap", "recompute", "hybrid", "auto"] = "none"
     budget_gib: float | None = None  # device-memory budget for `auto` (and the planner's `fits`)
     bandwidth_gbs: float | None = None  # host<->device GB/s for the planner; None = measure
+    # GiB a card holds before a step's first tensor (CUDA context, cuDNN workspace, allocator reserve), part of
+    # budget_gib; None = the device's default: 2 on a GPU, 0 on a CPU (see brats_swap.memory.budget)
+    device_overhead_gib: float | None = None
     swap: SwapConfig = field(default_factory=SwapConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
@@ -103,6 +117,14 @@ class TrainConfig:
     lr: float = 5e-4
     adam_eps: float = 1e-7  # Keras' Adam epsilon
     weight_decay: float = 0.0
+    optimizer: Literal["adam", "sgd"] = "adam"  # sgd: Nesterov, momentum train.momentum (nnU-Net's)
+    momentum: float = 0.99  # sgd only
+    schedule: Literal["plateau", "poly"] = "plateau"  # poly: lr * (1 - epoch / max_epochs) ** poly_exponent
+    poly_exponent: float = 0.9
+    # dice: Ellis's weighted Dice; dice_ce: MONAI's DiceCELoss (sigmoid Dice + cross-entropy across the
+    # channels, for label outputs); dice_bce: nnU-Net's region loss (sigmoid batch Dice + BCE)
+    loss: Literal["dice", "dice_ce", "dice_bce"] = "dice"
+    grad_clip: float | None = None  # max global gradient norm (nnU-Net: 12); None = no clipping
     plateau_factor: float = 0.5
     plateau_patience: int = 10
     early_stop_patience: int = 50

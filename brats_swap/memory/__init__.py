@@ -17,12 +17,13 @@ norm_act, hybrid) as `MemoryConfig`s; `planner` prices them for any model, given
 The package depends on torch, the standard library and `brats_swap.config` only.
 """
 
-from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from, memory_policy
-from brats_swap.memory.policy import SavedRecord, effective_memory_config, module_matches
+from brats_swap.memory.engine import MemoryEngine, memory_config_from, memory_policy
+from brats_swap.memory.executor import StaleSavedTensorError
+from brats_swap.memory.frontend import SavedTensorModifiedError, discover_blocks
 from brats_swap.memory.recompute import register_norm
+from brats_swap.memory.records import SavedRecord, effective_memory_config, module_matches
 from brats_swap.memory.rulebook import Decider, Decision, Rulebook, select_swapped
 from brats_swap.memory.stats import StepStats
-from brats_swap.memory.swap import SavedTensorModifiedError, StaleSavedTensorError
 
 __all__ = [
     "Decider", "Decision", "MemoryEngine", "Rulebook", "SavedRecord", "SavedTensorModifiedError",

@@ -19,13 +19,24 @@ Either way the pinned bytes stay within 1.2x of a step's swapped bytes (the slic
 
 Host memory is checked before each slab or chunk is allocated (`check_host_memory`): an arena larger
 than the host's available memory is a one-line `ConfigError` instead of a swapping, then killed, host.
-`close()` unregisters and frees everything (after the link's copies have finished).
+Several processes on one host (DDP ranks) each hold an arena: whoever sizes them checks the host for
+all of them at once, before any allocates (`check_host_memory(..., ranks=N)`).
+`close()` unregisters and frees everything (after the link's copies have finished); an arena dropped
+without `close()` unregisters its slabs when they are collected (a finalizer per slab).
+
+Page-locking goes through a `Registrar` (`CudaRegistrar` by default; tests inject their own). It
+registers with `cudaHostRegisterPortable`, as torch's own pinning does, so the pages count as pinned for
+every CUDA context; a failed registration clears CUDA's per-thread last error before raising, or an
+unrelated kernel launch later would report it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import weakref
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -33,6 +44,7 @@ from brats_swap.config import ConfigError
 
 ALIGN = 512  # bytes; keeps every slice aligned for fast DMA and for any dtype view
 PAGE = 4096  # page-locking works on whole pages; a pinned slab owns every page it touches
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context (torch pins this way)
 GIB = float(1 << 30)
 
 
@@ -61,47 +73,100 @@ def available_host_bytes() -> int | None:
         return None
 
 
-def check_host_memory(nbytes: int, available: int | None = None) -> None:
-    """Raise a one-line `ConfigError` when the host cannot hold `nbytes` more of swapped activations."""
+def check_host_memory(nbytes: int, available: int | None = None, ranks: int = 1) -> None:
+    """Raise a one-line `ConfigError` when the host cannot hold `nbytes` more of swapped activations for
+    each of `ranks` processes (DDP ranks on this host, each with an arena of `nbytes`)."""
     available = available_host_bytes() if available is None else available
-    if available is not None and nbytes > available:
+    needed = nbytes * max(int(ranks), 1)
+    if available is not None and needed > available:
+        each = f" ({ranks} ranks on this host, {nbytes / GIB:.2f} GiB each)" if ranks > 1 else ""
         raise ConfigError(
-            f"memory.swap: the host arena needs {nbytes / GIB:.2f} GiB for one step's swapped activations but "
-            f"the host has {available / GIB:.2f} GiB available; swap less (memory.swap.tensors, "
+            f"memory.swap: the host arena needs {needed / GIB:.2f} GiB for one step's swapped activations{each} "
+            f"but the host has {available / GIB:.2f} GiB available; swap less (memory.swap.tensors, "
             "memory.swap.exclude), recompute instead (memory.mode=recompute), or free host memory")
 
 
-class _Slab:
-    """`nbytes` of host memory, page-locked with `cudaHostRegister` when `pin` is true."""
+class Registrar(Protocol):
+    """Page-locks host memory for the device (module docstring)."""
 
-    def __init__(self, nbytes: int, pin: bool):
+    def register(self, address: int, nbytes: int) -> int:
+        """Page-lock `nbytes` at `address`; 0 on success, else the CUDA error code."""
+
+    def unregister(self, address: int) -> None:
+        """Undo `register`."""
+
+    def clear_error(self) -> None:
+        """Reset CUDA's last error after a failed call."""
+
+
+def _cudart_library():
+    """The CUDA runtime this process loaded (torch loads it), for the one call torch does not expose."""
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+        for line in maps:
+            path = line.rsplit(" ", 1)[-1].strip()
+            if "libcudart.so" in os.path.basename(path):
+                return ctypes.CDLL(path)
+    return ctypes.CDLL("libcudart.so")
+
+
+class CudaRegistrar:
+    """`cudaHostRegister` through torch's CUDA runtime bindings."""
+
+    def register(self, address: int, nbytes: int) -> int:
+        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_PORTABLE))
+
+    def unregister(self, address: int) -> None:
+        torch.cuda.cudart().cudaHostUnregister(address)
+
+    def clear_error(self) -> None:
+        cudart = torch.cuda.cudart()
+        get_last_error = getattr(cudart, "cudaGetLastError", None) or _cudart_library().cudaGetLastError
+        get_last_error()
+
+
+def _unregister(registrar: Registrar, address: int, block: torch.Tensor) -> None:
+    """A slab's finalizer: unpin before the block (held here until then) returns to the host allocator."""
+    registrar.unregister(address)
+    del block
+
+
+class _Slab:
+    """`nbytes` of host memory, page-locked by `registrar` when given (module docstring)."""
+
+    def __init__(self, nbytes: int, registrar: Registrar | None):
         self.nbytes = nbytes
-        self.pinned = False
         # Pinned: register whole pages that belong to this block alone (a page shared with a neighbouring
         # allocation could be registered twice, which CUDA refuses). Otherwise slices need ALIGN only.
-        boundary = PAGE if pin else ALIGN
+        boundary = PAGE if registrar is not None else ALIGN
         self._block = torch.empty(nbytes + 2 * boundary, dtype=torch.uint8)
         start = _align(self._block.data_ptr(), boundary) - self._block.data_ptr()
         self.data = self._block[start:start + nbytes]
-        if not pin:
+        self._unpin = None
+        if registrar is None:
             return
-        error = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), _align(nbytes, PAGE), 0))
+        address = self.data.data_ptr()
+        error = registrar.register(address, _align(nbytes, PAGE))
         if error != 0:
+            registrar.clear_error()
             raise RuntimeError(f"host arena: cudaHostRegister of {nbytes} bytes failed with CUDA error {error}")
-        self.pinned = True
+        self._unpin = weakref.finalize(self, _unregister, registrar, address, self._block)
+
+    @property
+    def pinned(self) -> bool:
+        return self._unpin is not None and self._unpin.alive
 
     def free(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self.pinned = False
+        if self._unpin is not None:
+            self._unpin()
         self.data = self._block = None
 
 
 class HostArena:
     """Bump allocator of uint8 slices over host memory (page-locked when `pin` is true: CUDA training)."""
 
-    def __init__(self, capacity_bytes: int = 0, pin: bool = False):
+    def __init__(self, capacity_bytes: int = 0, pin: bool = False, registrar: Registrar | None = None):
         self.pin = pin
+        self.registrar = (registrar or CudaRegistrar()) if pin else None
         self._slabs: list[_Slab] = []
         self._slab_index = 0
         self._offset = 0
@@ -127,7 +192,7 @@ class HostArena:
 
     def _add_slab(self, nbytes: int) -> _Slab:
         check_host_memory(nbytes)
-        slab = _Slab(nbytes, self.pin)
+        slab = _Slab(nbytes, self.registrar)
         self._slabs.append(slab)
         self.peak_capacity = max(self.peak_capacity, self.capacity)
         return slab
@@ -151,6 +216,11 @@ class HostArena:
         self._offset = size
         self._step_bytes += size
         return slab.data[:nbytes]
+
+    @property
+    def spilled(self) -> bool:
+        """The last step spilled past the capacity: the next `reset` frees slabs (copies must be done)."""
+        return len(self._slabs) > 1
 
     def reset(self) -> None:
         """Forget every slice; the caller guarantees no copy still reads or writes them."""

@@ -1,6 +1,6 @@
 """`MemoryEngine`: applies a memory policy (swap / recompute / hybrid) to any `nn.Module`.
 
-The engine installs, reversibly:
+The engine installs, reversibly, through the saved-tensor front end (`frontend.SavedTensorFrontEnd`):
 - a forward pre/post hook on every module, reported to the step's `rulebook.Rulebook` (which module
   runs, which block runs; a module start is where finished copies are released); the root module's
   pre-hook also reports the model's forward arguments, which are never swapped (the caller holds them);
@@ -10,15 +10,14 @@ The engine installs, reversibly:
   extra autograd node, no changed outputs);
 - for `recompute` / `hybrid`: checkpoint wrappers and norm_act recipes (`recompute.py`).
 
-Saved tensors themselves are handled by `swap.SavedTensorEngine` through `saved_tensors_hooks`, active
-only inside `engine.step()` (the forward and the loss); backward runs outside it. When swapped memory
-leaves and comes back is the rulebook's business: see `brats_swap.memory.rulebook`.
+Saved tensors go through the front end's `saved_tensors_hooks`, active only inside `engine.step()` (the
+forward and the loss); backward runs outside it. What happens to them is the rulebook's business (see
+`brats_swap.memory.rulebook`); the executor (`executor.SwapExecutor`) carries it out.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -28,51 +27,17 @@ from torch import nn
 
 from brats_swap.config import ConfigError, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
-from brats_swap.memory.policy import RECOMPUTE_MODES, SavedRecord, effective_memory_config
+from brats_swap.memory.executor import SwapExecutor
+from brats_swap.memory.frontend import SavedTensorFrontEnd, discover_blocks
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
+from brats_swap.memory.records import RECOMPUTE_MODES, SavedRecord, effective_memory_config
 from brats_swap.memory.rulebook import SWAP
 from brats_swap.memory.stats import StepStats
-from brats_swap.memory.swap import SavedTensorEngine, tensors_in
 
 # Models with a live engine (model -> weak reference to it): the engine's hooks, wrappers and per-step
-# state must not be copied with the model (`trace.meta_copy` refuses such a model rather than duplicate
+# state must not be copied with the model (`recorder.meta_copy` refuses such a model rather than duplicate
 # the engine's weak storage references, which would be freed twice).
 ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-COMPUTE_TYPES: tuple[type[nn.Module], ...] = (
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
-)
-
-
-def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Blocks for prefetch markers, found structurally: the innermost modules that own a conv/linear layer.
-
-    A module is a candidate when one of its direct children is a convolution or linear layer. Candidates
-    that contain other candidates are not blocks themselves; their direct conv/linear children are. For
-    the U-Net each ConvNormAct is a block (and a bare 1x1 segmentation conv). Returns (name, module)
-    pairs in registration order; block *ordinals* are assigned per call at run time.
-    """
-    parents: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
-        if any(isinstance(child, COMPUTE_TYPES) for child in module.children()):
-            parents[name] = module
-    if not parents:
-        return [("", model)] if isinstance(model, COMPUTE_TYPES) else []
-
-    def contains_candidate(name: str) -> bool:
-        prefix = f"{name}." if name else ""
-        return any(other != name and other.startswith(prefix) for other in parents)
-
-    blocks: list[tuple[str, nn.Module]] = []
-    for name, module in parents.items():
-        if not contains_candidate(name):
-            blocks.append((name, module))
-            continue
-        for child_name, child in module.named_children():
-            if isinstance(child, COMPUTE_TYPES):
-                blocks.append((f"{name}.{child_name}" if name else child_name, child))
-    return blocks
-
 
 def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
     if blocks is None:
@@ -129,7 +94,7 @@ class MemoryEngine:
 
     `memory_cfg` is a concrete policy: mode `auto` must have been resolved by the planner
     (`planner.choose_policy`) before the engine is built. `self.cfg` is the policy the engine runs:
-    `policy.effective_memory_config` of the argument, which is the argument itself when the caller
+    `records.effective_memory_config` of the argument, which is the argument itself when the caller
     resolved it already (as training does, so that the engine, the checkpoint and the run record hold one
     and the same policy).
 
@@ -138,13 +103,15 @@ class MemoryEngine:
     saved bytes), `prefetch=False` (every reload is a synchronous miss; for tests), `arena_bytes`
     (the host arena's size, `arena.arena_bytes` of the planner's swapped storages; with `device` it is
     allocated here, so a host that cannot hold it is a one-line `ConfigError` before the first step),
-    `log` (a list that receives the rulebook's per-tensor event sequence of every step; tests compare it
+    `host_arena` (an `arena.HostArena` the caller owns and reuses across engines: pinned once, never
+    closed by the engine), `log` (a list that receives the rulebook's per-tensor event sequence of every step; tests compare it
     with the simulator's).
     """
 
     def __init__(self, model: nn.Module, memory_cfg: MemoryConfig | dict | str | None = None,
                  device: torch.device | str | None = None, *, blocks: Sequence | None = None,
-                 measure: bool = False, prefetch: bool = True, arena_bytes: int = 0, log: list | None = None):
+                 measure: bool = False, prefetch: bool = True, arena_bytes: int = 0, host_arena=None,
+                 log: list | None = None):
         cfg = memory_config_from(memory_cfg)
         if cfg.mode == "auto":
             raise ConfigError("memory.mode=auto: the planner (brats_swap.memory.planner.choose_policy) must "
@@ -154,38 +121,32 @@ class MemoryEngine:
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else None
         self.enabled = cfg.mode != "none" or measure
-        self._hooks: list = []
         self._checkpointed: CheckpointedModules | None = None
         self.recipes: NormActRecipes | None = None
         self.blocks: list[tuple[str, nn.Module]] = []
-        self._in_forward = False
-        self.core: SavedTensorEngine | None = None
+        self.front: SavedTensorFrontEnd | None = None
+        self.executor: SwapExecutor | None = None
         if not self.enabled:
             return
 
-        self.core = SavedTensorEngine(cfg, param_storages=self._param_storages, prefetch=prefetch,
-                                      arena_bytes=arena_bytes, log=log)
+        self.executor = SwapExecutor(cfg, arena_bytes=arena_bytes, host_arena=host_arena)
+        self.front = SavedTensorFrontEnd(cfg, self.executor, param_storages=self._param_storages, prefetch=prefetch,
+                                         log=log)
         if arena_bytes and self.device is not None and self.device.type != "meta":
-            self.core.reserve_arena(self.device)
+            self.executor.reserve_arena(self.device)
         ATTACHED[model] = weakref.ref(self)
         self.blocks = _resolve_blocks(model, blocks)
-        block_ids = {id(module) for _name, module in self.blocks}
-        for name, module in model.named_modules():
-            is_block = id(module) in block_ids
-            self._hooks.append(module.register_forward_pre_hook(
-                functools.partial(self._module_start, name, is_block), with_kwargs=True))
-            self._hooks.append(module.register_forward_hook(
-                functools.partial(self._module_end, is_block), always_call=True))
+        self.front.install(model, self.blocks)
         if cfg.mode in RECOMPUTE_MODES:
             if cfg.recompute.modules:
-                self._checkpointed = CheckpointedModules(model, cfg.recompute.modules, self._count_checkpoint,
-                                                        self._checkpoint_done)
+                self._checkpointed = CheckpointedModules(model, cfg.recompute.modules, self.front.checkpoint_called,
+                                                        self.front.region_done)
                 if not self._checkpointed.names:
                     self.close()
                     raise ConfigError(f"memory.recompute.modules: {cfg.recompute.modules} match no module of the model")
             if cfg.recompute.norm_act:
-                self.recipes = NormActRecipes(model, self.core)
-                self.core.recipes = self.recipes
+                self.recipes = NormActRecipes(model, self.front)
+                self.front.recipes = self.recipes
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -194,44 +155,30 @@ class MemoryEngine:
         if not self.enabled:
             yield self
             return
-        if self._in_forward:
-            raise RuntimeError("MemoryEngine.step() is not re-entrant")
-        self.core.begin_step()
-        self._in_forward = True
-        if self.recipes is not None:
-            self.recipes.active = True
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self.core.pack, self.core.unpack):
-                yield self
-        finally:
-            self._in_forward = False
-            if self.recipes is not None:
-                self.recipes.active = False
-                self.core.rulebook.stats.norm_act_skipped = dict(self.recipes.skipped)
-                self.recipes.reset()
-            self.core.finish_forward()
+        with self.front.forward():
+            yield self
 
     def last_stats(self) -> StepStats:
         """Statistics of the latest step (complete once its backward has run)."""
-        if self.core is None:
+        if self.executor is None:
             return StepStats()
-        return self.core.step_stats()
+        return self.executor.step_stats()
 
     def last_records(self) -> list[SavedRecord]:
-        """Every storage saved in the latest forward, as `policy.SavedRecord`s (what a planner predicts)."""
-        return self.core.rulebook.records if self.core is not None else []
+        """Every storage saved in the latest forward, as `records.SavedRecord`s (what a planner predicts)."""
+        return self.front.rulebook.records if self.front is not None else []
 
     def last_swapped(self) -> set[int]:
         """Indices (into `last_records()`) of the storages the latest step swapped."""
-        if self.core is None:
+        if self.front is None:
             return set()
-        return {entry.index for entry in self.core.rulebook.entries if entry.decision == SWAP}
+        return {entry.index for entry in self.front.rulebook.entries if entry.decision == SWAP}
 
     def last_decisions(self) -> list[tuple[str, str]]:
         """(decision, reason) of every storage of `last_records()`, e.g. ("keep", "smaller than ...")."""
-        if self.core is None:
+        if self.front is None:
             return []
-        return [(entry.decision, entry.reason) for entry in self.core.rulebook.entries]
+        return [(entry.decision, entry.reason) for entry in self.front.rulebook.entries]
 
     @property
     def checkpointed_modules(self) -> list[str]:
@@ -239,18 +186,17 @@ class MemoryEngine:
 
     def close(self) -> None:
         """Remove every hook and wrapper (the model is exactly as before) and return the host memory."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        if self.front is not None:
+            self.front.remove()
         if self._checkpointed is not None:
             self._checkpointed.remove()
             self._checkpointed = None
         if self.recipes is not None:
             self.recipes.remove()
             self.recipes = None
-            self.core.recipes = None
-        if self.core is not None:
-            self.core.close()
+            self.front.recipes = None
+        if self.executor is not None:
+            self.executor.close()
         attached = ATTACHED.get(self.model)
         if attached is not None and attached() is self:
             del ATTACHED[self.model]
@@ -261,40 +207,8 @@ class MemoryEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ forward events
     def _param_storages(self) -> set[int]:
         return {t.untyped_storage()._cdata for t in list(self.model.parameters()) + list(self.model.buffers())}
-
-    def _module_start(self, name: str, is_block: bool, module: nn.Module, args, kwargs) -> None:
-        if not self._in_forward:
-            return
-        if module is self.model:
-            self.core.set_inputs(tensors_in((args, kwargs)))
-        self.core.rulebook.module_start(name, is_block)
-
-    def _module_end(self, is_block: bool, module: nn.Module, args, output) -> None:
-        if not self._in_forward:
-            return
-        ordinal = self.core.rulebook.module_end(is_block)
-        if ordinal is None:
-            return
-        marker = functools.partial(self._block_backward, self.core.step_id, ordinal)
-        for tensor in tensors_in(output):
-            if tensor.grad_fn is not None:
-                tensor.grad_fn.register_prehook(marker)
-
-    def _count_checkpoint(self) -> None:
-        if self._in_forward:
-            self.core.rulebook.stats.recomputed_modules += 1
-
-    def _checkpoint_done(self, args: tuple) -> None:
-        """The region's saved inputs are first used when backward recomputes it."""
-        if self._in_forward:
-            self.core.rulebook.region_done(self.core.lookup(t) for t in tensors_in(list(args)))
-
-    def _block_backward(self, step_id: int, ordinal: int, grad_outputs) -> None:
-        if self.core is not None and step_id == self.core.step_id:
-            self.core.on_block_backward(ordinal)
 
 
 @contextlib.contextmanager

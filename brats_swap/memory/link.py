@@ -10,8 +10,11 @@ A swap engine needs four things from the link, whatever the hardware:
 - a `CopyEvent` per copy: `done()` asks without blocking, `wait()` orders the *compute* after the copy
   (on CUDA a device-side wait of the compute stream, the host never blocks; on the CPU the host blocks),
   `synchronize()` blocks the host;
-- `synchronize()` for every copy issued so far (before the host arena is rewritten), `seconds()` for
-  the copy time of the copies that have finished (read lazily: never a host synchronisation), `close()`.
+- `fence()` between steps: the next step's copies out (which rewrite the host arena) run only after
+  every copy already issued, ordered on the copy engines themselves (CUDA: the copy streams wait on
+  each other's last events), so the host never waits; `synchronize()` blocks the host for every copy
+  issued so far (before host memory is freed); `seconds()` for the copy time of the copies that have
+  finished (read lazily: never a host synchronisation), `close()`.
 
 When `host` is bf16 and the device tensor fp32 (`swap.compress: bf16`), the conversion runs on the
 copy's own stream or thread, after the bytes have landed and before its event fires, so waiting on the
@@ -57,6 +60,7 @@ import weakref
 import torch
 
 from brats_swap.config.schema import SwapConfig
+from brats_swap.memory.cost import bytes_per_second, link_seconds
 
 # `torch.cuda._sleep` counts GPU clock cycles; when the device does not report its clock, assume this.
 _FALLBACK_CLOCK_HZ = 1.5e9
@@ -94,10 +98,12 @@ class CopyLink:
     def _delay(self) -> float:
         return self._rng.uniform(0.0, self.delay_s) if self.delay_s > 0 else 0.0
 
-    def copy_out(self, host: torch.Tensor, source: torch.Tensor) -> CopyEvent:
+    def copy_out(self, host: torch.Tensor, source: torch.Tensor, staging: torch.Tensor | None = None) -> CopyEvent:
+        """`staging` (CUDA, bf16 transport): the device buffer the conversion goes through."""
         return self._copy(host, source)
 
-    def copy_in(self, buffer: torch.Tensor, host: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+    def copy_in(self, buffer: torch.Tensor, host: torch.Tensor, after: CopyEvent | None = None,
+                staging: torch.Tensor | None = None) -> CopyEvent:
         return self._copy(buffer, host)
 
     def _copy(self, destination: torch.Tensor, source: torch.Tensor) -> CopyEvent:
@@ -116,6 +122,10 @@ class CopyLink:
 
     def synchronize(self) -> None:
         """Block the host until every copy issued so far has finished."""
+
+    def fence(self) -> None:
+        """Order every later copy after every copy issued so far, without blocking the host (module
+        docstring). Synchronous copies have all finished already."""
 
     def close(self) -> None:
         """Stop the link's threads or streams; copies issued earlier have finished."""
@@ -177,7 +187,7 @@ def _copy_worker(jobs: queue.SimpleQueue, bytes_per_s: float) -> None:
             if delay:
                 time.sleep(delay)
             _move(destination, source)
-            remaining = started + delay + source.numel() * source.element_size() / bytes_per_s
+            remaining = started + delay + link_seconds(source.numel() * source.element_size(), bytes_per_s)
             remaining -= time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
@@ -195,10 +205,12 @@ class EmulatedLink(CopyLink):
 
     def __init__(self, gbs: float, delay_s: float = 0.0, sync: bool = False, seed: int | None = None):
         super().__init__(delay_s, sync, seed)
-        self.bytes_per_s = gbs * 1e9
+        self.bytes_per_s = bytes_per_second(gbs)
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._issued: list[ThreadCopyEvent] = []
+        self._last: dict[str, ThreadCopyEvent] = {}
+        self._fence: ThreadCopyEvent | None = None  # the next copy out waits for this reload (`fence`)
         self._finalizer = weakref.finalize(self, _stop_workers, self._queues, self._threads)
 
     def _queue(self, direction: str) -> queue.SimpleQueue:
@@ -215,16 +227,20 @@ class EmulatedLink(CopyLink):
                 after: CopyEvent | None) -> ThreadCopyEvent:
         event = ThreadCopyEvent()
         pending = after if isinstance(after, ThreadCopyEvent) else None
+        if direction == "d2h" and self._fence is not None:
+            pending, self._fence = self._fence, None  # copies out wait for nothing else
         self._queue(direction).put((event, destination, source, pending, self._delay()))
         self._issued.append(event)
+        self._last[direction] = event
         if self.sync:
             event.wait()
         return event
 
-    def copy_out(self, host: torch.Tensor, source: torch.Tensor) -> CopyEvent:
-        return self._submit("d2h", host, source, None)
+    def copy_out(self, host: torch.Tensor, source: torch.Tensor, staging: torch.Tensor | None = None) -> CopyEvent:
+        return self._submit("d2h", host, source, None)  # the copy thread converts on the host: no staging
 
-    def copy_in(self, buffer: torch.Tensor, host: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+    def copy_in(self, buffer: torch.Tensor, host: torch.Tensor, after: CopyEvent | None = None,
+                staging: torch.Tensor | None = None) -> CopyEvent:
         return self._submit("h2d", buffer, host, after)
 
     def seconds(self) -> float:
@@ -240,6 +256,14 @@ class EmulatedLink(CopyLink):
     def synchronize(self) -> None:
         for event in self._issued:
             event._flag.wait()  # errors surface where the copy is used, not here
+
+    def fence(self) -> None:
+        """The next copy out waits (on its copy thread) for the last reload, which may still read the
+        arena; earlier copies out are ahead of it in its FIFO queue, and reloads read only slots that
+        copies out of their own step (ahead in that queue) wrote."""
+        last = self._last.get("h2d")
+        if last is not None and not last.done():
+            self._fence = last
 
     def close(self) -> None:
         self.synchronize()
@@ -311,30 +335,35 @@ class CudaLink(CopyLink):
             done.synchronize()
         return CudaCopyEvent(done, self.device)
 
-    def copy_out(self, host: torch.Tensor, source: torch.Tensor) -> CopyEvent:
+    def copy_out(self, host: torch.Tensor, source: torch.Tensor, staging: torch.Tensor | None = None) -> CopyEvent:
         compute = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event(enable_timing=False)  # ordering only
+        ready = torch.cuda.Event(enable_timing=False)  # ordering only (also orders `staging`'s allocation)
         ready.record(compute)
         self.d2h.wait_event(ready)
 
         def body():
-            # A bf16 host slot: convert on this stream (the temporary belongs to it), then move the bytes.
-            staged = source if source.dtype == host.dtype else source.to(host.dtype)
+            # A bf16 host slot: convert on this stream into `staging` (the compute stream's block, held by
+            # the caller until the compute waited for this copy), then move the bytes.
+            staged = source
+            if source.dtype != host.dtype:
+                staged = staging.copy_(source) if staging is not None else source.to(host.dtype)
             host.copy_(staged, non_blocking=True)
 
         return self._run(self.d2h, "d2h", body)
 
-    def copy_in(self, buffer: torch.Tensor, host: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent:
+    def copy_in(self, buffer: torch.Tensor, host: torch.Tensor, after: CopyEvent | None = None,
+                staging: torch.Tensor | None = None) -> CopyEvent:
         compute = torch.cuda.current_stream(self.device)
-        self.h2d.wait_stream(compute)  # the buffer was allocated (and maybe last used) on the compute stream
+        self.h2d.wait_stream(compute)  # the buffers were allocated (and maybe last used) on the compute stream
         if isinstance(after, CudaCopyEvent):
             self.h2d.wait_event(after.event)
 
         def body():
             if buffer.dtype == host.dtype:
                 buffer.copy_(host, non_blocking=True)
-            else:  # move the bf16 bytes, then widen them on this stream, before the done event
-                staged = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            else:  # move the bf16 bytes into `staging`, then widen them on this stream, before the done event
+                staged = staging if staging is not None else torch.empty(host.shape, dtype=host.dtype,
+                                                                          device=self.device)
                 staged.copy_(host, non_blocking=True)
                 buffer.copy_(staged)
 
@@ -353,6 +382,12 @@ class CudaLink(CopyLink):
     def synchronize(self) -> None:
         for event in self._last.values():  # FIFO streams: the last event covers every earlier copy
             event.synchronize()
+
+    def fence(self) -> None:
+        """The copy-out stream waits (on the device) for the last reload, which may still read the arena;
+        FIFO streams order the rest (see `EmulatedLink.fence`)."""
+        if "h2d" in self._last:
+            self.d2h.wait_event(self._last["h2d"])
 
 
 def open_link(device: torch.device, swap_cfg: SwapConfig, seed: int | None = None) -> CopyLink:

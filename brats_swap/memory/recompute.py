@@ -3,7 +3,7 @@
 Two mechanisms, both reversible (`remove()`) and both keeping every module's qualified name:
 
 `CheckpointedModules` (`recompute.modules`): the outermost modules whose name matches a glob (same glob
-rule as `policy.module_matches`) get an instance-level `forward` that runs the original one under
+rule as `records.module_matches`) get an instance-level `forward` that runs the original one under
 non-reentrant `torch.utils.checkpoint` with `preserve_rng_state=True`, so dropout masks are replayed
 exactly. Only the region's inputs are saved (through the engine, so they can also be swapped); every
 tensor saved inside is recomputed in backward, convolutions included.
@@ -72,7 +72,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from brats_swap.memory.policy import module_matches
+from brats_swap.memory.records import module_matches
 
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.LeakyReLU, nn.ReLU, nn.ReLU6, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish,
@@ -147,6 +147,28 @@ def _updates_running_stats(module: nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------------- checkpoint
 
 
+def _first_call_updates_stats(region: nn.Module, original: Callable) -> Callable:
+    """`original`, whose second and later calls (checkpoint's recomputation in backward) run every
+    train-mode norm with running statistics inside `region` on scratch copies of its buffers: the
+    recomputed outputs are the same (a train-mode norm uses the batch statistics), and the running
+    statistics and `num_batches_tracked` are updated once per step, by the forward, as without
+    checkpointing."""
+    norms = [m for m in region.modules() if _updates_running_stats(m)]
+    calls = 0
+
+    def run(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1 or not norms:
+            return original(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for norm in norms:
+                stack.enter_context(_scratch_buffers(norm))
+            return original(*args, **kwargs)
+
+    return run
+
+
 class CheckpointedModules:
     """Wrap the outermost modules matching `patterns` in non-reentrant checkpointing (names unchanged)."""
 
@@ -162,18 +184,19 @@ class CheckpointedModules:
                 continue  # an ancestor is checkpointed already
             previous = module.__dict__.get("forward")
             original = module.forward
-            module.forward = functools.partial(self._checkpointed, original, on_call, on_done)
+            module.forward = functools.partial(self._checkpointed, module, original, on_call, on_done)
             self._patched.append((module, previous))
             self.names.append(name)
             wrapped_prefixes.append(name)
 
     @staticmethod
-    def _checkpointed(original, on_call, on_done, *args, **kwargs):
+    def _checkpointed(module, original, on_call, on_done, *args, **kwargs):
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if on_call is not None:
             on_call()
-        out = checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        out = checkpoint(_first_call_updates_stats(module, original), *args, use_reentrant=False,
+                         preserve_rng_state=True, **kwargs)
         if on_done is not None:
             on_done(args)
         return out
@@ -315,8 +338,8 @@ class NormActRecipes:
     """Module hooks that teach the engine recipes for norm / activation / dropout / resize outputs.
 
     `engine` answers `lookup(t)` (its record of `t`'s storage, with a `decision`), `pack(t)` (a handle)
-    and, for `Recipe.materialize`, `unpack(handle)` and `rebuild(recipe)`: `swap.SavedTensorEngine`, or the
-    tracer on `meta`.
+    and, for `Recipe.materialize`, `unpack(handle)` and `rebuild(recipe)`: the saved-tensor front end
+    (`frontend.SavedTensorFrontEnd`), with the executor or the recorder behind it.
     `recognised` maps module names to their kind; `skipped` maps the module names whose output was not
     made recomputable in the current forward to the reason (module docstring), until `reset()`.
     """

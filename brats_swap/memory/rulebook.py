@@ -1,78 +1,89 @@
 """The memory policy as one rulebook: what happens to each tensor autograd saves for backward, and when.
 
-Three parts of this package follow one policy: the engine (`swap.SavedTensorEngine`) carries it out on
-real tensors, the tracer (`trace.py`) records a step on `meta` tensors, and the simulator
-(`simulate.py`) replays that record to price a policy at any size. Each of them feeds the events it sees
-to a `Rulebook` and does what the rulebook asks through an `Executor`; none of them decides anything on
-its own, so what the simulator predicts is what the engine does, event for event.
+One front end (`frontend.SavedTensorFrontEnd`: the saved-tensor hooks, module and block markers, the
+step) reports every event of a step (`events.EventKind`) to a `Rulebook`, which decides and asks its
+`Executor` to act: the executor (`executor.SwapExecutor`) moves real tensors through a host<->device
+link, the recorder (`recorder.TraceRecorder`) records a step on `meta` tensors, and the simulator
+(`simulate.py`) replays that record on a clock. None of them decides anything on its own, so what the
+simulator predicts is what the engine does, event for event.
 
-Events, in the order a step produces them (the executor calls the method in brackets):
+The rules, numbered; each method below names the rules it implements.
 
-- a module starts / ends in forward [`module_start`, `module_end`]: the rulebook tracks the running
-  module (a saved storage's `module`) and the running block (its `block` and the backward marker before
-  which it is needed, `use_marker`); a module start is also where finished copies are released;
-- a storage is saved for the first time [`save`] or again [`save_again`] (a second view, or the same
-  storage saved by a later op): the first save decides (`Decider`) and, for a swap, issues the copy out;
-- a checkpointed region returns [`region_done`]: its saved inputs are needed when backward reruns it;
-- the forward (and loss) ends [`forward_end`];
-- backward reaches a block [`marker`]: reloads are issued ahead of use;
-- autograd unpacks a saved view [`unpack_begin`, `unpack_end`]; a handle dies [`handle_died`];
-- the backward pass ends [`backward_end`].
+Decision per storage (`Decider.decide`; the reason is part of the result), at its first save:
 
-Decision per storage (`Decider.decide`; reasons are part of the result):
+- Rule 1 (recompute): a norm_act recipe rebuilds it (`recompute.NormActRecipes`), unless its module
+  matches `recompute.norm_act_exclude` (then it is stored, and rules 2-3 apply). A recomputed storage
+  is never also stored or swapped.
+- Rule 2 (keep): a parameter or buffer (or an autocast copy of one), an argument of the model's forward
+  (the caller holds them: a copy would free nothing), any storage when the mode does not swap, a tensor
+  that is not plain dense (its bytes cannot be copied and viewed again), fewer than `swap.min_bytes`,
+  outside `swap.include`, inside `swap.exclude`, or past the first `swap.tensors` swapped storages.
+- Rule 3 (swap): everything else. One storage is one decision: a second save of the same storage at
+  the same version is the same entry (`save_again`), needed no earlier than its latest save's block.
 
-1. recompute: a norm_act recipe rebuilds it (`recompute.NormActRecipes`), unless its module matches
-   `recompute.norm_act_exclude` (then it is stored like any other storage, so rules 2-3 apply); one
-   decision per storage, a recomputed storage is never also stored or swapped;
-2. keep: a parameter or buffer (or an autocast copy of one), the batch input or another argument of
-   the model's forward (the caller holds them: a copy would free nothing), any storage when the mode
-   does not swap, a tensor that is not plain dense (sparse, quantized, conjugate/negative views, tensor
-   subclasses: its bytes cannot be copied and viewed again), fewer than `swap.min_bytes`, outside
-   `swap.include`, inside `swap.exclude`, or past the first `swap.tensors` swapped storages;
-3. swap: everything else.
+Where a saved storage is needed (`use_marker`, the backward marker before which backward unpacks it):
+
+- Rule 4: a save inside a block is needed from that block's backward marker on; a save between blocks
+  from the next block's; a save again, a recipe's inputs and a checkpointed region's inputs (needed
+  when backward reruns the region, in the last block that started) raise it, never lower it.
 
 Swapped storages, forward (release):
 
-- the copy out is issued at the save; the device storage stays referenced ("unreleased") until the copy
-  has finished: at every module start the oldest unreleased storages whose copy is found finished are
-  released (FIFO, the copies run in order; finding out never waits);
-- `swap.max_inflight_bytes` bounds how long a copy may run: once that many bytes of further storages
-  were saved after a swapped storage (the forward work its copy could hide behind), it is released and
-  the compute waits for that one copy (never for all of them). So at most `max_inflight_bytes` plus
-  one storage of swapped bytes wait on the device for their copies;
-- at the end of the forward (the step's peak comes as backward starts) every unreleased storage that
-  backward does not need within `swap.lookahead` blocks is released, waiting for its copy.
+- Rule 5: the copy out is issued at the save; the device storage stays referenced (`COPYING`) until
+  it is released.
+- Rule 6: a storage is never released because its copy happens to be found finished: release points
+  depend on the saves alone (rules 7 and 8), so the device memory of a step is the same for every copy
+  timing, and the planner's peak is a bound a late copy cannot break (a late copy costs a wait
+  instead). Only a synchronous link, whose copy has finished when the save returns, releases at every
+  module start and at the end of the forward whatever it copied (`Executor.copies_synchronously`).
+- Rule 7: `swap.max_inflight_bytes` bounds how long a copy may run: once that many bytes of further
+  storages were saved after a swapped storage, it is released and the compute waits for that one copy.
+- Rule 8: at the end of the forward (the step's peak comes as backward starts) every storage still
+  copying that backward does not need within `swap.lookahead` blocks is released, waiting for its copy
+  (every compressed one: rule 16).
 
 Swapped storages, backward (reload):
 
-- `swap.lookahead = L >= 1`: when backward reaches block b, every released storage first needed in
-  blocks >= b - L is reloaded; storages saved after the last block (the loss) are reloaded at the end of
-  the forward; an unreleased storage is read from the device;
-- `swap.lookahead = 0`: exactly one reload is kept ahead of backward, in the first-use order learned in
-  the previous step (while the step saves as many storages; otherwise reverse forward order);
-- a use with no reload issued reloads at once (a prefetch miss); every use waits for its reload; the
-  reload is dropped when every view was unpacked once (autograd owns it then) or died, or at the end of
-  backward;
-- a storage saved by several ops in different blocks (a skip connection: the next encoder level's input
-  and the decoder's concatenation) is parked between uses: once a view was unpacked and the remaining
-  views are needed only in blocks beyond the prefetch window, the reload is dropped (the host copy stays)
-  and the storage is reloaded again when backward comes within `swap.lookahead` blocks of them.
+- Rule 9 (`swap.lookahead = L >= 1`): when backward reaches block b, every storage on the host first
+  needed in blocks >= b - L is reloaded; storages saved after the last block (the loss) are reloaded
+  at the end of the forward; a storage still copying is read from the device.
+- Rule 10 (`swap.lookahead = 0`): exactly one reload is kept ahead of backward, in the first-use order
+  learned in the previous step (while the step saves as many storages; otherwise reverse forward order).
+- Rule 11: a use with no reload issued reloads at once (a prefetch miss); every use waits for its reload.
+- Rule 12: a reload is dropped when every view was unpacked once (autograd owns it then) or died, or at
+  the end of backward.
+- Rule 13 (parking): once a view of a storage saved in several blocks (a skip connection) was
+  unpacked and its remaining views are needed only beyond the prefetch window, its reload is dropped
+  (the host copy stays) and reloaded when backward comes within `swap.lookahead` blocks of them.
 
-Residency: `stats.peak_resident_saved_bytes` counts the bytes of saved storages the engine holds on the
-device (kept, unreleased, reloaded), so the engine's measurement and the simulator's prediction are the
-same counter. `log` (a list, optional) receives `(event, record index)` for every swap out, release,
-reload, reloaded (a use waited for its reload), use and drop: the per-tensor sequence a test compares.
+Lifetime and accounting:
+
+- Rule 14: an entry dies with its last handle; whatever the engine still holds for it goes then.
+- Rule 15: `stats.peak_resident_saved_bytes` counts the bytes of saved storages the engine holds on the
+  device (kept, copying, reloaded, and the conversion buffers of bf16 copies: `Executor.staging_bytes`),
+  so the engine's measurement and the simulator's prediction are the same counter.
+- Rule 16 (`swap.compress: bf16`): backward reads a compressed storage from the host, never from the
+  device, so its values (rounded to bf16) do not depend on when its copy finished: rule 8 releases it
+  at the end of the forward, and a use that finds it still copying waits, releases and reloads it.
+
+Each entry is in one state (`EntryState`): `ON_DEVICE` (kept or recomputed: its handles hold it),
+`COPYING` (swapped, device storage referenced until released), `ON_HOST` (released, no reload held),
+`RELOADED` (a reloaded device buffer is held), `PARKED` (rule 13) or `DEAD` (rule 14).
+
+`log` (a list, optional) receives `(event, record index)` for every swap out, release, reload, reloaded
+(a use waited for its reload), use and drop: the per-tensor sequence a test compares.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from brats_swap.config.schema import MemoryConfig, SwapConfig
-from brats_swap.memory.policy import SWAP_MODES, SavedRecord, module_matches
+from brats_swap.memory.records import SWAP_MODES, SavedRecord, module_matches
 from brats_swap.memory.stats import StepStats
 
 KEEP, SWAP, RECOMPUTE = "keep", "swap", "recompute"
@@ -85,7 +96,7 @@ class Decision:
 
 
 class Decider:
-    """The decision per saved storage (module docstring), fed in forward order: `swap.tensors` counts."""
+    """The decision per saved storage (rules 1-3), fed in forward order: `swap.tensors` counts."""
 
     def __init__(self, swap_cfg: SwapConfig, swapping: bool = True):
         self.swap_cfg = swap_cfg
@@ -134,12 +145,36 @@ def transfer_bytes(record: SavedRecord, swap_cfg: SwapConfig) -> int:
     return record.nbytes
 
 
+@dataclass
+class SaveFacts:
+    """What the rulebook is told at a storage's first save (`Rulebook.save`)."""
+
+    nbytes: int
+    dtype: str
+    is_param: bool
+    is_input: bool
+    dense: bool
+    recompute: bool  # a norm_act recipe can rebuild it
+    deps: list = field(default_factory=list)  # the stored entries that recipe reads
+    payload: Any = None  # the executor's own state for this storage
+
+
+class EntryState(enum.Enum):
+    """Where an entry's storage is (module docstring)."""
+
+    ON_DEVICE = "on_device"
+    COPYING = "copying"
+    ON_HOST = "on_host"
+    RELOADED = "reloaded"
+    PARKED = "parked"
+    DEAD = "dead"
+
+
 class Entry:
     """One saved storage in one step, as the rulebook tracks it; `payload` is the executor's own state."""
 
-    __slots__ = ("record", "decision", "reason", "transfer_bytes", "use_marker", "deps", "alive", "pending", "unreleased",
-                 "released", "reload_held", "seen", "resident", "dead", "saved_mark", "payload", "handle_markers",
-                 "parked", "__weakref__")
+    __slots__ = ("record", "decision", "reason", "transfer_bytes", "use_marker", "deps", "alive", "pending", "state",
+                 "seen", "resident", "saved_mark", "payload", "handle_markers", "__weakref__")
 
     def __init__(self, record: SavedRecord, decision: Decision, transfer: int, use_marker: int, deps: list[Entry],
                  payload: Any):
@@ -151,21 +186,22 @@ class Entry:
         self.deps = deps  # a recomputed storage: the stored entries its recipe reads
         self.alive = 1  # live handles (views autograd holds)
         self.pending = 1  # live handles not unpacked yet
-        self.unreleased = False  # swapped, device storage still referenced
-        self.released = False  # swapped and released at least once
-        self.reload_held = False  # a reloaded device buffer is referenced by the engine
+        self.state = EntryState.ON_DEVICE
         self.seen = False  # unpacked at least once
         self.resident = 0  # device bytes of this storage the engine holds now
-        self.dead = False
         self.saved_mark = 0  # bytes saved in the step up to and with this storage
         self.payload = payload
         # The use marker of each handle not unpacked yet (None: not known per handle, never parked).
         self.handle_markers: list[int] | None = [use_marker]
-        self.parked = False  # swapped, reloaded for one use, dropped again until its next handle's block
 
     @property
     def index(self) -> int:
         return self.record.index
+
+    @property
+    def compressed(self) -> bool:
+        """Swapped in bf16: the host holds a rounded copy (rule 16)."""
+        return self.transfer_bytes != self.record.nbytes
 
 
 class Executor(Protocol):
@@ -174,8 +210,12 @@ class Executor(Protocol):
     def swap_out(self, entry: Entry) -> None:
         """Issue the copy of the entry's storage to the host."""
 
-    def copy_out_done(self, entry: Entry) -> bool:
-        """Has that copy finished, as far as the host can tell now? Never waits."""
+    def copies_synchronously(self) -> bool:
+        """Every copy has finished when it is issued (the synchronous CPU link): rule 6."""
+
+    def staging_bytes(self, entry: Entry) -> int:
+        """Device bytes a copy of `entry` holds besides the storage itself (a conversion buffer for bf16
+        transport on CUDA), from the copy's issue until the compute waited for it (rule 15)."""
 
     def release(self, entry: Entry, wait: bool) -> None:
         """Drop the device storage; with `wait`, the compute first waits for its copy out."""
@@ -238,7 +278,7 @@ class Rulebook:
 
     def module_start(self, name: str, is_block: bool) -> None:
         self.module_stack.append(name)
-        self.release_finished()
+        self._release_copied()
         if is_block:
             ordinal = self.blocks_started
             self.blocks_started += 1
@@ -254,16 +294,17 @@ class Rulebook:
         return None
 
     # ------------------------------------------------------------------ saves
-    def save(self, *, nbytes: int, dtype: str, is_param: bool, is_input: bool, dense: bool, recompute: bool,
-             deps: Iterable[Entry] = (), payload: Any = None) -> Entry:
-        """The first save of a storage: a new record, decided, and for a swap the copy out issued."""
+    def save(self, facts: SaveFacts) -> Entry:
+        """The first save of a storage: a new record, decided (rules 1-3), needed from its block (rule 4),
+        and for a swap the copy out issued (rule 5)."""
         module, block, use_marker = self.where()
-        recompute = recompute and not module_matches(module, self.norm_act_exclude)
+        nbytes, is_param = facts.nbytes, facts.is_param
+        recompute = facts.recompute and not module_matches(module, self.norm_act_exclude)
         record = SavedRecord(index=len(self.entries), nbytes=nbytes, module=module, block=block, is_param=is_param,
-                             recompute=recompute, dtype=dtype, is_input=is_input, dense=dense)
+                             recompute=recompute, dtype=facts.dtype, is_input=facts.is_input, dense=facts.dense)
         decision = self.decider.decide(record)
         entry = Entry(record, decision, transfer_bytes(record, self.swap_cfg), use_marker,
-                      list(deps) if recompute else [], payload)
+                      list(facts.deps) if recompute else [], facts.payload)
         self.entries.append(entry)
         if not is_param:
             self.saved_total += nbytes
@@ -278,10 +319,10 @@ class Rulebook:
         elif entry.decision == SWAP:
             stats.swapped_out_bytes += nbytes
             stats.swapped_tensors += 1
-            self._hold(entry, nbytes)
+            self._hold(entry, nbytes + self.executor.staging_bytes(entry))
             self._note("swap_out", entry)
             self.executor.swap_out(entry)
-            entry.unreleased = True
+            entry.state = EntryState.COPYING
             self.unreleased.append(entry)
             self.unreleased_bytes += nbytes
         elif not is_param:
@@ -291,7 +332,8 @@ class Rulebook:
         return entry
 
     def save_again(self, entry: Entry) -> None:
-        """Another handle on an existing record: it is needed no earlier than the current position's marker."""
+        """Another handle on an existing record (rule 3): needed no earlier than the current position's
+        marker (rule 4)."""
         entry.alive += 1
         entry.pending += 1
         marker = self.where()[2]
@@ -300,7 +342,7 @@ class Rulebook:
         self.raise_use_marker(entry, marker)
 
     def raise_use_marker(self, entry: Entry, marker: int) -> None:
-        """`entry` is needed in backward no earlier than block `marker`; so are its recipe's inputs."""
+        """`entry` is needed in backward no earlier than block `marker`; so are its recipe's inputs (rule 4)."""
         if marker > entry.use_marker and entry.handle_markers is not None and marker not in entry.handle_markers:
             entry.handle_markers = None  # needed earlier than any handle says (a recipe, a checkpoint): never park
         entry.use_marker = max(entry.use_marker, marker)
@@ -309,56 +351,55 @@ class Rulebook:
 
     def region_done(self, entries: Iterable[Entry | None]) -> None:
         """A checkpointed region returned: its saved inputs are first used when backward reruns it, in the
-        last block that started."""
+        last block that started (rule 4)."""
         for entry in entries:
             if entry is not None:
                 self.raise_use_marker(entry, self.last_block)
 
     # ------------------------------------------------------------------ release (forward)
-    def release_finished(self) -> None:
-        """Release the oldest unreleased storages whose copy out has finished (never waits)."""
+    def _release_copied(self) -> None:
+        """Rule 6: with a synchronous link every copy has finished already; release them all."""
+        if not self.executor.copies_synchronously():
+            return
         while self.unreleased:
-            entry = self.unreleased[0]
-            if not entry.dead and not self.executor.copy_out_done(entry):
-                break  # FIFO on one link direction: later copies are not done either
             self._release(self.unreleased.popleft(), wait=False)
 
     def _enforce_inflight_budget(self) -> None:
         """Release (waiting for its copy) every unreleased storage after which `swap.max_inflight_bytes`
-        of further storages were saved: its copy had that much forward work to hide behind."""
+        of further storages were saved: its copy had that much forward work to hide behind (rule 7)."""
         budget = self.swap_cfg.max_inflight_bytes
         while self.unreleased and self.saved_total - self.unreleased[0].saved_mark >= budget:
             self._release(self.unreleased.popleft(), wait=True)
 
     def _release(self, entry: Entry, wait: bool) -> None:
-        if entry.dead:
+        if entry.state is EntryState.DEAD:
             return  # died meanwhile; its bytes left the budget then
         self.unreleased_bytes -= entry.record.nbytes
-        entry.unreleased = False
-        entry.released = True
+        entry.state = EntryState.ON_HOST
         self._note("release", entry)
         self.executor.release(entry, wait)
         self._unhold(entry)
         self.released.append(entry)
 
     def forward_end(self) -> None:
-        """The peak of a step comes as backward starts: every unreleased storage backward does not need
-        within `lookahead` blocks is released now (waiting for its copy only). Then, with lookahead >= 1,
-        released storages saved after the last block (a loss, say) are reloaded, since they are needed
-        before any marker fires; with lookahead 0, the first storage backward will need is reloaded."""
+        """The peak of a step comes as backward starts: every copying storage backward does not need
+        within `lookahead` blocks is released now, waiting for its copy only (rule 8). Then, with
+        lookahead >= 1, storages on the host saved after the last block (a loss, say) are reloaded, since
+        they are needed before any marker fires (rule 9); with lookahead 0, the first storage backward
+        will need is reloaded (rule 10)."""
         self._release_outside_window()
         if not self.prefetch:
             return
         if self.lookahead != 0:
             for entry in self.released:
-                if entry.use_marker > self.last_block and not entry.reload_held and entry.pending > 0:
+                if entry.use_marker > self.last_block and entry.state is EntryState.ON_HOST and entry.pending > 0:
                     self._reload(entry)
             return
         if not self.released:
             return
         if self._learned_valid() and self.learned_order:
             first = self.entries[self.learned_order[0]]
-            if first.released and not first.reload_held and first.pending > 0:
+            if first.state is EntryState.ON_HOST and first.pending > 0:
                 self._reload(first)
             else:
                 self._prefetch_next(after=first.index)
@@ -366,15 +407,16 @@ class Rulebook:
             self._prefetch_next(after=None)
 
     def _release_outside_window(self) -> None:
-        """At the end of the forward: keep on the device only the unreleased storages the first markers
-        of backward would reload (`use_marker + lookahead >= last block`; with lookahead 0, those saved
-        after the last block); release the others, finished copies first, then waiting for each copy."""
-        self.release_finished()
+        """At the end of the forward (rule 8): keep on the device only the copying storages the first
+        markers of backward would reload (`use_marker + lookahead >= last block`; with lookahead 0, those
+        saved after the last block, and none compressed: rule 16); release the others, oldest first,
+        waiting for each copy (rule 6: whether a copy finished early changes nothing)."""
+        self._release_copied()
         keep: deque[Entry] = deque()
         reach = self.last_block - self.lookahead if self.lookahead else self.last_block + 1
         while self.unreleased:
             entry = self.unreleased.popleft()
-            if entry.dead or entry.use_marker >= reach:
+            if entry.state is EntryState.DEAD or (entry.use_marker >= reach and not entry.compressed):
                 keep.append(entry)
             else:
                 self._release(entry, wait=True)
@@ -382,7 +424,8 @@ class Rulebook:
 
     # ------------------------------------------------------------------ reload (backward)
     def marker(self, ordinal: int) -> None:
-        """Backward reached block `ordinal`: reload what is needed within `lookahead` blocks from here."""
+        """Backward reached block `ordinal`: reload what is needed within `lookahead` blocks from here
+        (rules 9, 10 and 13)."""
         self.backward_block = ordinal
         if not self.prefetch:
             return
@@ -393,7 +436,7 @@ class Rulebook:
             return
         remaining = []
         for entry in self.released:
-            if entry.alive == 0 or entry.reload_held:
+            if entry.state in (EntryState.DEAD, EntryState.RELOADED):
                 continue
             if entry.use_marker + self.lookahead >= ordinal and entry.pending > 0:
                 self._reload(entry)
@@ -402,13 +445,15 @@ class Rulebook:
         self.released = remaining
 
     def _unpark(self, ordinal: int) -> None:
-        """Reload the parked storages whose next handle is needed within the prefetch window of `ordinal`."""
+        """Reload the parked storages whose next handle is needed within the prefetch window of `ordinal`
+        (rule 13)."""
         waiting = []
         for entry in self.parked:
-            if entry.alive == 0 or entry.pending == 0 or not entry.parked:
-                entry.parked = False
+            if entry.state is not EntryState.PARKED:
+                continue  # died, or reloaded by a miss meanwhile
+            if entry.pending == 0:
+                entry.state = EntryState.ON_HOST
             elif entry.use_marker + self.lookahead >= ordinal:
-                entry.parked = False
                 self._reload(entry)
             else:
                 waiting.append(entry)
@@ -416,21 +461,21 @@ class Rulebook:
 
     def _park_if_needed_later(self, entry: Entry) -> None:
         """After a use of a reloaded storage: drop the reload when its remaining handles are all needed in
-        blocks beyond the prefetch window (module docstring); the host copy is reloaded for them later."""
+        blocks beyond the prefetch window; the host copy is reloaded for them later (rule 13)."""
         markers = entry.handle_markers
-        if (entry.decision != SWAP or not entry.reload_held or entry.pending == 0 or not markers
+        if (entry.decision != SWAP or entry.state is not EntryState.RELOADED or entry.pending == 0 or not markers
                 or self.backward_block is None or max(markers) + self.lookahead >= self.backward_block):
             return
         entry.use_marker = max(markers)
         self._drop_reload(entry)
-        entry.parked = True
+        entry.state = EntryState.PARKED
         self.parked.append(entry)
 
     def _learned_valid(self) -> bool:
         return self.learned_count == len(self.entries)
 
     def _prefetch_next(self, after: int | None) -> None:
-        """lookahead 0: keep exactly one swapped storage reloaded ahead of backward.
+        """lookahead 0: keep exactly one swapped storage reloaded ahead of backward (rule 10).
 
         The order is the previous step's first-unpack order, valid while the forward saves as many
         storages. Without it, reverse forward order: first the pending storages saved just after the one
@@ -447,43 +492,52 @@ class Rulebook:
             below = (e for e in reversed(self.released) if e.index < after)
             candidates = (*above, *below)
         for entry in candidates:
-            if not entry.released or entry.alive == 0 or entry.pending == 0 or entry.parked:
+            if entry.state not in (EntryState.ON_HOST, EntryState.RELOADED) or entry.pending == 0:
                 continue
-            if not entry.reload_held:
+            if entry.state is EntryState.ON_HOST:
                 self._reload(entry)
             return
 
     def _reload(self, entry: Entry) -> None:
         self._note("reload", entry)
         self.executor.reload(entry)
-        entry.reload_held = True
+        entry.state = EntryState.RELOADED
         self.held.append(entry)
-        self._hold(entry, entry.record.nbytes)
+        self._hold(entry, entry.record.nbytes + self.executor.staging_bytes(entry))
         self.stats.swapped_in_bytes += entry.record.nbytes
 
     # ------------------------------------------------------------------ unpack
     def unpack_begin(self, entry: Entry) -> None:
-        """A view of `entry` is unpacked: make its storage available (reload if needed, then wait)."""
+        """A view of `entry` is unpacked: make its storage available (reload if needed, then wait: rule 11)."""
         self._note("use", entry)
         if not entry.seen:
             entry.seen = True
             self.unpack_order.append(entry.index)
-        if entry.decision != SWAP or entry.unreleased:
-            return  # kept, recomputed, or never released: on the device
-        if not entry.reload_held:
+        if entry.decision != SWAP:
+            return  # kept or recomputed: on the device
+        if entry.state is EntryState.COPYING:
+            if not entry.compressed:
+                return  # never released: read on the device
+            self.unreleased.remove(entry)  # rule 16: read what the host holds, whatever the timing
+            self._release(entry, wait=True)
+        if entry.state is not EntryState.RELOADED:
             self.stats.prefetch_misses += 1  # still correct, just synchronous
-            entry.parked = False
             self._reload(entry)
         self._note("reloaded", entry)
         self.executor.await_reload(entry)
+        staging = self.executor.staging_bytes(entry)
+        if staging and entry.resident > entry.record.nbytes:  # the reload's conversion buffer goes now
+            entry.resident -= staging
+            self.resident -= staging
 
     def unpack_end(self, entry: Entry, first_for_handle: bool) -> None:
-        """After the view was built: count the handle as unpacked, and keep one reload ahead (lookahead 0)."""
+        """After the view was built: count the handle as unpacked, drop the reload autograd now owns
+        (rule 12) or park it (rule 13), and keep one reload ahead (lookahead 0, rule 10)."""
         if first_for_handle:
             entry.pending -= 1
             if entry.handle_markers:
                 entry.handle_markers.remove(max(entry.handle_markers))  # backward meets the latest save first
-            if entry.pending == 0 and entry.reload_held:
+            if entry.pending == 0 and entry.state is EntryState.RELOADED:
                 self._drop_reload(entry)  # autograd's view now owns the storage
             else:
                 self._park_if_needed_later(entry)
@@ -492,39 +546,40 @@ class Rulebook:
 
     # ------------------------------------------------------------------ lifetime
     def handle_died(self, entry: Entry, unpacked: bool) -> None:
+        """A handle died; the last one takes the entry with it (rules 12 and 14)."""
         entry.alive -= 1
         if not unpacked:
             entry.pending -= 1
-            if entry.pending == 0 and entry.reload_held:
+            if entry.pending == 0 and entry.state is EntryState.RELOADED:
                 self._drop_reload(entry)
         if entry.alive == 0:
             self._died(entry)
 
     def _died(self, entry: Entry) -> None:
-        if entry.reload_held:
+        if entry.state is EntryState.RELOADED:
             self._drop_reload(entry)
-        if entry.unreleased:
-            entry.unreleased = False
+        if entry.state is EntryState.COPYING:
             self.unreleased_bytes -= entry.record.nbytes
-        entry.dead = True
+        entry.state = EntryState.DEAD
         self.executor.died(entry)
         self._unhold(entry)
 
     def backward_end(self) -> None:
-        """End of a backward pass: drop every reload it did not consume (unused heads, branches)."""
+        """End of a backward pass: drop every reload it did not consume, unused heads, branches (rule 12)."""
         for entry in self.held:
-            if entry.reload_held:
+            if entry.state is EntryState.RELOADED:
                 self._drop_reload(entry)
         self.held = []
 
     def _drop_reload(self, entry: Entry) -> None:
-        entry.reload_held = False
+        entry.state = EntryState.ON_HOST
         self._note("drop", entry)
         self.executor.drop_reload(entry)
         self._unhold(entry)
 
     # ------------------------------------------------------------------ accounting
     def _hold(self, entry: Entry, nbytes: int) -> None:
+        """Rule 15: the engine holds `nbytes` more of this entry on the device."""
         entry.resident += nbytes
         self.resident += nbytes
         if self.resident > self.stats.peak_resident_saved_bytes:

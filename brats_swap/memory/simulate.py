@@ -13,14 +13,9 @@ saved and the link is free; a reload starts when it is issued, the link is free 
 landed. The compute stream waits (a stall) where the engine waits: a release forced by
 `swap.max_inflight_bytes` waits for that copy, every use waits for its reload.
 
-The host runs ahead of the device on a GPU: kernels are queued, not finished, when the host reaches a
-module start, so the engine finds a copy finished later than the device finished it. `host_lead_kernels`
-models that: when the host is at an op, the device may still be that many kernels behind (CUDA queues
-about a thousand launches before the host blocks), and a copy counts as found finished only when it
-finished before the device started that earlier kernel. With the queue's depth the prediction assumes
-the worst the queue allows, so the predicted peak is not lower than the real one; `None` means no bound
-(only the in-flight budget releases storages). The CPU engine (`sync_copies`) copies at once; on the
-emulated CPU link the host is the compute, so the lead is 0.
+Where storages are released does not depend on the clock (rulebook rule 6): the clock only prices the
+waits, so the predicted memory is the same for any link speed of a kind (synchronous, as the CPU
+engine's default link; or asynchronous: CUDA streams, the emulated link) and holds for every timing.
 
 Memory (a liveness walk, SuperNeurons-style): every storage of the step occupies the device from the op
 that allocates it to the op at which the program drops it, or later while the engine holds it (kept:
@@ -32,88 +27,20 @@ peak is the maximum over ops of the running sum.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
 
 from brats_swap.config.schema import MemoryConfig
-from brats_swap.memory.rulebook import RECOMPUTE, SWAP, Entry, Rulebook
+from brats_swap.memory.cost import D2H, H2D, INSTANT, OpCostModel
+from brats_swap.memory.events import FORWARD, EventKind, deliver
+from brats_swap.memory.rulebook import RECOMPUTE, SWAP, Entry, EntryState, Rulebook, SaveFacts
 from brats_swap.memory.stats import StepStats
-from brats_swap.memory.trace import (
-    BACKWARD_END,
-    FORWARD,
-    FORWARD_END,
-    HANDLE_DIED,
-    MARKER,
-    MODULE_END,
-    MODULE_START,
-    REGION_DONE,
-    SAVE,
-    SAVE_AGAIN,
-    UNPACK_BEGIN,
-    UNPACK_END,
-    Trace,
-)
+from brats_swap.memory.trace import Trace
 
 GIB = float(1 << 30)
 ADAM_STATE_FACTOR = 2  # exp_avg and exp_avg_sq: two extra copies of the parameters
-
-
-@dataclass
-class OpCostModel:
-    """Roofline-ish op duration: flops / flops_per_s + bytes / bytes_per_s + launch_s, times a per-phase
-    scale fitted to a measured profile (see `brats_swap.memory.planner.profile_device`), and the link."""
-
-    name: str = "default"
-    flops_per_s: float = 50e12
-    bytes_per_s: float = 3.0e12
-    launch_s: float = 5e-6
-    fwd_scale: float = 1.0
-    bwd_scale: float = 1.0
-    h2d_bytes_per_s: float = 50e9
-    d2h_bytes_per_s: float = 50e9
-    # The engine's synchronous CPU link copies at once (the compute waits for the whole copy); CUDA
-    # streams and the emulated link copy while the compute runs.
-    sync_copies: bool = False
-    # How many kernels the device may lag behind the host when the host asks whether a copy finished
-    # (module docstring): CUDA's launch queue on a GPU; 0 on the CPU, whose host is the compute.
-    host_lead_kernels: int | None = 1024
-    # The emulated CPU link (`memory.swap.emulate_gbs`): compute seconds its copy threads take from the
-    # step per byte they move (on 2 cores a copy preempts an intra-op thread); 0 for real copy engines.
-    copy_interference_s_per_byte: float = 0.0
-
-    def durations(self, trace: Trace) -> list[float]:
-        """Seconds of each op of `trace` (0 for ops that launch no kernel)."""
-        out = [0.0] * trace.n_ops
-        for i, op in enumerate(trace.ops):
-            if not op.kernel:
-                continue
-            raw = op.flops / self.flops_per_s + op.bytes_accessed / self.bytes_per_s + self.launch_s
-            out[i] = raw * (self.fwd_scale if op.phase == FORWARD else self.bwd_scale)
-        return out
-
-    def copy_seconds(self, entry: Entry, rate: float) -> float:
-        """A copy of `entry` one way: its bytes on the link, plus the fp32<->bf16 conversion on the copy
-        stream (reads one, writes the other) when it travels compressed."""
-        seconds = entry.transfer_bytes / rate
-        if entry.transfer_bytes != entry.record.nbytes:
-            seconds += (entry.record.nbytes + entry.transfer_bytes) / self.bytes_per_s
-        return seconds
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> OpCostModel:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
-
-# The engine's synchronous CPU path with free copies: what the byte-exact tests replay.
-INSTANT = OpCostModel(name="instant synchronous copies", h2d_bytes_per_s=float("inf"),
-                      d2h_bytes_per_s=float("inf"), sync_copies=True, host_lead_kernels=0)
 
 
 @dataclass
@@ -160,17 +87,19 @@ class Schedule:
     hold_end: dict[int, int] = field(default_factory=dict)  # record -> op where the engine dropped its storage
     use_end: dict[int, int] = field(default_factory=dict)  # record -> op where its last on-device use ended
     reloads: list[list[int]] = field(default_factory=list)  # [record, issue op, end op]
+    staging: list[list[int]] = field(default_factory=list)  # bf16 conversion buffers: [bytes, start op, end op]
 
 
 class _Timing:
     """The clock's state of one entry (its `payload`)."""
 
-    __slots__ = ("out_done", "in_done", "reload")
+    __slots__ = ("out_done", "in_done", "reload", "staging")
 
     def __init__(self):
         self.out_done = 0.0
         self.in_done = 0.0
         self.reload: list[int] | None = None  # the current reload interval in `Schedule.reloads`
+        self.staging: list[int] | None = None  # the open conversion-buffer interval in `Schedule.staging`
 
 
 class _Clock:
@@ -186,9 +115,6 @@ class _Clock:
         self.stalled = 0.0
         self.d2h_free = self.h2d_free = self.d2h_busy = self.h2d_busy = 0.0
         self.stalls: list[tuple[int, float]] = []  # (op, seconds) for op start times
-        self.stall_ops: list[int] = []  # ops with a stall and the total stalled up to and with each
-        self.stall_totals: list[float] = []
-        self.kernels = [i for i, seconds in enumerate(durations) if seconds > 0]
         self.lanes = {"compute": [], "d2h": [], "h2d": [], "stall": []} if keep_lanes else None
 
     @property
@@ -202,18 +128,35 @@ class _Clock:
                 self.lanes["stall"].append((now, t, "stall"))
             self.stalls.append((self.op, t - now))
             self.stalled += t - now
-            self.stall_ops.append(self.op)
-            self.stall_totals.append(self.stalled)
 
     def _copy(self, lane: str, start: float, seconds: float, label: str) -> float:
         if self.lanes is not None and seconds > 0:
             self.lanes[lane].append((start, start + seconds, label))
         return start + seconds
 
+    def staging_bytes(self, entry: Entry) -> int:
+        return entry.transfer_bytes if entry.compressed and self.cost.staged_conversion else 0
+
+    def copies_synchronously(self) -> bool:
+        return self.cost.sync_copies
+
+    def _open_staging(self, entry: Entry) -> None:
+        nbytes = self.staging_bytes(entry)
+        if nbytes:
+            entry.payload.staging = [nbytes, self.op, -1]
+            self.schedule.staging.append(entry.payload.staging)
+
+    def _close_staging(self, entry: Entry) -> None:
+        interval = entry.payload.staging
+        if interval is not None:
+            interval[2] = max(self.op, interval[1] + 1)
+            entry.payload.staging = None
+
     def swap_out(self, entry: Entry) -> None:
         timing: _Timing = entry.payload
+        self._open_staging(entry)
         start = max(self.d2h_free, self.now)
-        seconds = self.cost.copy_seconds(entry, self.cost.d2h_bytes_per_s)
+        seconds = self.cost.copy_seconds(entry.transfer_bytes, entry.record.nbytes, D2H)
         self.d2h_busy += seconds
         self.d2h_free = timing.out_done = self._copy("d2h", start, seconds, f"s{entry.index}")
         if self.cost.sync_copies:
@@ -222,61 +165,46 @@ class _Clock:
 
     def _interfere(self, entry: Entry) -> None:
         """The compute time a CPU copy thread takes from the step for this copy (`OpCostModel`)."""
-        if self.cost.copy_interference_s_per_byte:
-            self.stall_until(self.now + entry.transfer_bytes * self.cost.copy_interference_s_per_byte)
-
-    def copy_out_done(self, entry: Entry) -> bool:
-        if self.cost.sync_copies:
-            return True
-        return entry.payload.out_done <= self.device_time_behind()
-
-    def device_time_behind(self) -> float:
-        """The latest time at which the device may be starting, when the host is at the current op (the
-        device `host_lead_kernels` kernels behind it)."""
-        lead = self.cost.host_lead_kernels
-        if lead == 0:
-            return self.now
-        position = bisect.bisect_left(self.kernels, self.op) - (lead if lead is not None else len(self.kernels))
-        if position < 0:
-            return float("-inf")
-        op = self.kernels[position]
-        return self.cum[op] + self.stalls_before(op)
-
-    def stalls_before(self, op: int) -> float:
-        position = bisect.bisect_right(self.stall_ops, op)
-        return self.stall_totals[position - 1] if position else 0.0
+        seconds = self.cost.interference_seconds(entry.transfer_bytes)
+        if seconds:
+            self.stall_until(self.now + seconds)
 
     def release(self, entry: Entry, wait: bool) -> None:
         if wait:
             self.stall_until(entry.payload.out_done)
         self.schedule.hold_end[entry.index] = self.op
+        self._close_staging(entry)
 
     def reload(self, entry: Entry) -> None:
         timing: _Timing = entry.payload
         start = max(self.h2d_free, self.now, timing.out_done)
-        seconds = self.cost.copy_seconds(entry, self.cost.h2d_bytes_per_s)
+        seconds = self.cost.copy_seconds(entry.transfer_bytes, entry.record.nbytes, H2D)
         self.h2d_busy += seconds
         self.h2d_free = timing.in_done = self._copy("h2d", start, seconds, f"r{entry.index}")
         timing.reload = [entry.index, self.op, self.op + 1]
         self.schedule.reloads.append(timing.reload)
+        self._open_staging(entry)
         if self.cost.sync_copies:
             self.stall_until(timing.in_done)
         self._interfere(entry)
 
     def await_reload(self, entry: Entry) -> None:
         self.stall_until(entry.payload.in_done)
+        self._close_staging(entry)
 
     def drop_reload(self, entry: Entry) -> None:
         reload = entry.payload.reload
         reload[2] = max(reload[2], self.op)
+        self._close_staging(entry)
 
     def died(self, entry: Entry) -> None:
         if entry.decision != RECOMPUTE:  # kept, or swapped and never released: held until now
             self.schedule.hold_end.setdefault(entry.index, self.op)
+        self._close_staging(entry)
 
     def used(self, entry: Entry, artifact_end: int) -> None:
         """A use of `entry` whose view lives until `artifact_end`: on the device or on its reload."""
-        if entry.decision == SWAP and not entry.unreleased:
+        if entry.decision == SWAP and entry.state is not EntryState.COPYING:
             reload = entry.payload.reload
             reload[2] = max(reload[2], artifact_end)
         else:
@@ -303,48 +231,49 @@ def replay(trace: Trace, memory_cfg: MemoryConfig, *, cost: OpCostModel = INSTAN
     return schedule
 
 
+class _TraceSource:
+    """The tables a recorded trace's events index (`events.EventSource`), and a fresh clock payload per
+    saved storage."""
+
+    def __init__(self, trace: Trace, rulebook: Rulebook):
+        self.trace, self.rulebook = trace, rulebook
+
+    def module_name(self, index: int) -> str:
+        return self.trace.module_names[index]
+
+    def region(self, index: int) -> list[int]:
+        return self.trace.regions[index]
+
+    def first_save(self, index: int) -> SaveFacts:
+        traced = self.trace.records[index]
+        record = traced.record
+        return SaveFacts(nbytes=record.nbytes, dtype=record.dtype, is_param=record.is_param,
+                         is_input=record.is_input, dense=record.dense, recompute=record.recompute,
+                         deps=[self.rulebook.entries[d] for d in traced.deps], payload=_Timing())
+
+
 def _run_events(trace: Trace, rulebook: Rulebook, clock: _Clock) -> float:
-    """Feed every event of the trace to the rulebook; returns the forward's end time."""
-    records, entries, regions = trace.records, rulebook.entries, trace.regions
+    """Deliver every event of the trace to the rulebook (`events.deliver`, as the front end does at run
+    time); the clock follows each use of a stored view. Returns the forward's end time."""
+    records, entries = trace.records, rulebook.entries
     artifact_ends = trace.cache.get("artifact_ends")
     if artifact_ends is None:
         artifact_ends = trace.cache["artifact_ends"] = [
             [_free_op(trace, sid) for sid in traced.artifact_sids] for traced in records]
     unpacks = [0] * len(records)
     forward_s = 0.0
-    for op, kind, a, b in trace.events:
-        clock.op = op
-        if kind == MODULE_START:
-            rulebook.module_start(trace.module_names[a], bool(b))
-        elif kind == MODULE_END:
-            rulebook.module_end(bool(b))
-        elif kind == SAVE:
-            traced = records[a]
-            record = traced.record
-            rulebook.save(nbytes=record.nbytes, dtype=record.dtype, is_param=record.is_param,
-                          is_input=record.is_input, dense=record.dense, recompute=record.recompute,
-                          deps=[entries[d] for d in traced.deps], payload=_Timing())
-        elif kind == SAVE_AGAIN:
-            rulebook.save_again(entries[a])
-        elif kind == UNPACK_BEGIN:
-            entry = entries[a]
-            rulebook.unpack_begin(entry)
+    source = _TraceSource(trace, rulebook)
+    for event in trace.events:
+        clock.op = event.op
+        deliver(rulebook, event, source)
+        kind, index = event.kind, event.arg
+        if kind is EventKind.UNPACK_BEGIN:
+            entry = entries[index]
             if entry.decision != RECOMPUTE and not entry.record.is_param:
-                clock.used(entry, artifact_ends[a][unpacks[a]])
-                unpacks[a] += 1
-        elif kind == UNPACK_END:
-            rulebook.unpack_end(entries[a], bool(b))
-        elif kind == HANDLE_DIED:
-            rulebook.handle_died(entries[a], bool(b))
-        elif kind == MARKER:
-            rulebook.marker(a)
-        elif kind == REGION_DONE:
-            rulebook.region_done(entries[i] for i in regions[a])
-        elif kind == FORWARD_END:
-            rulebook.forward_end()
+                clock.used(entry, artifact_ends[index][unpacks[index]])
+                unpacks[index] += 1
+        elif kind is EventKind.FORWARD_END:
             forward_s = clock.now
-        elif kind == BACKWARD_END:
-            rulebook.backward_end()
     clock.op = trace.n_ops
     return forward_s
 
@@ -418,13 +347,9 @@ def persistent_bytes(trace: Trace, optimizer_state_factor: int = ADAM_STATE_FACT
     return trace.param_bytes * (1 + optimizer_state_factor) + trace.buffer_bytes
 
 
-def simulate_memory(trace: Trace, memory_cfg: MemoryConfig | None = None, *, schedule: Schedule | None = None,
-                    optimizer_state_factor: int = ADAM_STATE_FACTOR, keep_timeline: bool = False) -> MemoryResult:
-    """Peak device memory of `memory_cfg` (default: keep everything) from a replay (`schedule`, default the
-    engine's synchronous CPU replay)."""
-    if schedule is None:
-        schedule = replay(trace, memory_cfg or MemoryConfig())
-    n = trace.n_ops
+def _held_ends(trace: Trace, schedule: Schedule) -> np.ndarray:
+    """The op at which each program storage leaves the device in this replay: when the program drops it,
+    or later while the engine holds it or autograd uses a view of it."""
     arrays = _storage_arrays(trace)
     ends = arrays["free"].copy()
     owner = arrays["owner"]
@@ -433,11 +358,33 @@ def simulate_memory(trace: Trace, memory_cfg: MemoryConfig | None = None, *, sch
         held = max(schedule.hold_end.get(record, 0), schedule.use_end.get(record, 0))
         if held > ends[index]:
             ends[index] = held
+    return ends
+
+
+def resident_records(trace: Trace, schedule: Schedule, op: int) -> set[int]:
+    """Records whose storage occupies the device at `op` in this replay (the liveness walk's intervals)."""
+    arrays = _storage_arrays(trace)
+    ends = _held_ends(trace, schedule)
+    inside = (arrays["owner"] >= 0) & (arrays["alloc"] <= op) & (op < ends)
+    return {int(record) for record in arrays["owner"][inside]}
+
+
+def simulate_memory(trace: Trace, memory_cfg: MemoryConfig | None = None, *, schedule: Schedule | None = None,
+                    optimizer_state_factor: int = ADAM_STATE_FACTOR, keep_timeline: bool = False) -> MemoryResult:
+    """Peak device memory of `memory_cfg` (default: keep everything) from a replay (`schedule`, default the
+    engine's synchronous CPU replay)."""
+    if schedule is None:
+        schedule = replay(trace, memory_cfg or MemoryConfig())
+    n = trace.n_ops
+    arrays = _storage_arrays(trace)
+    ends = _held_ends(trace, schedule)
     reloads = np.array(schedule.reloads, dtype=np.int64).reshape(-1, 3)
     reload_bytes = np.array([trace.records[r].record.nbytes for r in reloads[:, 0]], dtype=np.int64)
-    starts = np.concatenate([arrays["alloc"], reloads[:, 1]])
-    stops = np.concatenate([ends, np.maximum(reloads[:, 2], reloads[:, 1] + 1)])
-    peak, peak_op, timeline = _peak(n, starts, stops, np.concatenate([arrays["nbytes"], reload_bytes]),
+    staging = np.array(schedule.staging, dtype=np.int64).reshape(-1, 3)
+    staging_ends = np.where(staging[:, 2] < 0, n, staging[:, 2])  # still held at the end of the step
+    starts = np.concatenate([arrays["alloc"], reloads[:, 1], staging[:, 1]])
+    stops = np.concatenate([ends, np.maximum(reloads[:, 2], reloads[:, 1] + 1), staging_ends])
+    peak, peak_op, timeline = _peak(n, starts, stops, np.concatenate([arrays["nbytes"], reload_bytes, staging[:, 0]]),
                                     keep_timeline)
     stats = schedule.stats
     persistent = persistent_bytes(trace, optimizer_state_factor)
@@ -472,10 +419,3 @@ def floor_bytes(trace: Trace, *, optimizer_state_factor: int = ADAM_STATE_FACTOR
         sizes.append(np.full(len(alloc), record.nbytes, dtype=np.int64))
     peak, _, _ = _peak(trace.n_ops, np.concatenate(starts), np.concatenate(stops), np.concatenate(sizes), False)
     return persistent_bytes(trace, optimizer_state_factor) + peak
-
-
-def phase_compute_seconds(trace: Trace, cost: OpCostModel) -> tuple[float, float]:
-    """(forward, backward) compute seconds of a trace under a cost model."""
-    durations = cost.durations(trace)
-    forward = sum(d for d, op in zip(durations, trace.ops, strict=True) if op.phase == FORWARD)
-    return float(forward), float(sum(durations) - forward)

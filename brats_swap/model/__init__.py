@@ -1,12 +1,13 @@
-"""The Isensee 2017 3D U-Net (two faithful variants) and the label <-> target conversions it trains on."""
+"""The networks `model.name` builds (`build_model`: the Isensee 2017 U-Net, nnU-Net's plain and
+residual-encoder U-Nets, MONAI's SegResNet and SwinUNETR) and the label <-> target conversions they train on."""
 
+from brats_swap.model.networks import build_model, emits_logits
 from brats_swap.model.unet import (
     ConvNormAct,
     Isensee2017UNet,
     KerasInstanceNorm,
     ModelInputError,
     block_modules,
-    build_model,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "ModelInputError",
     "block_modules",
     "build_model",
+    "emits_logits",
 ]

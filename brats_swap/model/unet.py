@@ -524,13 +524,6 @@ def _validate_config(cfg: ModelConfig, out_channels: int) -> None:
         raise ConfigError(f"model.norm_eps must be positive, got {cfg.norm_eps}")
 
 
-def build_model(model_cfg: ModelConfig, out_channels: int = 3) -> Isensee2017UNet:
-    """The network described by the `model` config section, freshly initialized (Keras initializers)."""
-    if model_cfg.name != "isensee2017":
-        raise ConfigError(f"model.name {model_cfg.name!r} is unknown (known: isensee2017)")
-    return Isensee2017UNet(model_cfg, out_channels)
-
-
 def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's levels in forward order: ("encoder.level0", ...), ..., ("decoder.level0", ...).
 

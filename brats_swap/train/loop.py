@@ -60,6 +60,7 @@ from brats_swap.config import (
     config_to_yaml,
     diff_configs,
 )
+from brats_swap.config.networks import architecture_record
 from brats_swap.data.cache import list_prepared
 from brats_swap.distributed import (
     DistContext,
@@ -91,7 +92,15 @@ from brats_swap.run.folder import FoldFolder, RunFolder
 from brats_swap.run.inference import predict_cube
 from brats_swap.splits import fold_cases, load_or_create_splits
 from brats_swap.train.data import TrainData, build_train_data, run_table
-from brats_swap.train.losses import weighted_dice_loss
+from brats_swap.train.losses import SegmentationLoss, training_loss, weighted_dice_loss
+from brats_swap.train.optim import (
+    Scheduler,
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    step_after_epoch,
+    step_after_validation,
+)
 from brats_swap.train.planning import out_of_memory_error, plan_memory, swap_arena_bytes, training_input_shape
 from brats_swap.train.report import TrainLog
 
@@ -262,6 +271,7 @@ def _resume_state(config: Config, folder: FoldFolder, resume: bool) -> dict[str,
     state, used = loaded
     changed = diff_configs(config_from_saved(state["config"]), config)
     _check_same_architecture(state, config, changed, used)
+    _check_same_network(state, config, used)
     if changed:
         warn(f"{used}: config differs from the checkpoint's in {', '.join(changed)}; continuing with the new values")
     return state
@@ -276,6 +286,15 @@ def _check_same_architecture(state: dict[str, Any], config: Config, changed: lis
         keys = [k for k in changed if k.startswith(("model.", "data.modalities"))] or ["model"]
         raise ConfigError(f"{used}: {', '.join(keys)} differs from the checkpoint's model; the architecture "
                           "cannot change on --resume (train it in a new --run folder)")
+
+
+def _check_same_network(state: dict[str, Any], config: Config, used: Path) -> None:
+    """Refuse a --resume that names another network, even one whose weights would load (resenc_m into l)."""
+    saved, now = state.get("architecture"), architecture_record(config.model)
+    if saved is not None and saved != now:
+        keys = [f"model.{k}" for k in now if saved.get(k) != now[k]]
+        raise ConfigError(f"{used}: {', '.join(keys)} differs from the checkpoint's network "
+                          f"({saved['name']}); the architecture cannot change on --resume (train it in a new --run folder)")
 
 
 def _can_extend(state: dict[str, Any], config: Config) -> bool:
@@ -304,7 +323,8 @@ class FoldRecipe:
     memory_cfg: MemoryConfig  # the resolved policy the engine runs and the checkpoint records
     engine: MemoryEngine
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.ReduceLROnPlateau
+    scheduler: Scheduler
+    loss: SegmentationLoss
     scaler: torch.amp.GradScaler
     data: TrainData
     sample_shape: tuple[int, ...]
@@ -389,6 +409,9 @@ class FoldRecipe:
         config, train_cfg, device = self.config, self.config.train, self.device
         seed_everything(config.seed)
         self.model = build_model(config.model, out_channels=self.out_channels).to(device)
+        # The weighted Dice looked up here, when the fold is built: the tests' seam for a faulty loss.
+        self.loss = training_loss(train_cfg.loss, self.model, dice=weighted_dice_loss,
+                                  distributed=self.ctx.is_distributed)
         input_shape = training_input_shape(config)
         self.sample_shape = input_shape[2:]
         # The one resolved policy: what the engine runs, the checkpoint saves and train.log records.
@@ -397,14 +420,10 @@ class FoldRecipe:
         # The host arena sized from the plan and allocated now: a host that cannot hold one step's swapped
         # activations is a one-line error here, before the first epoch, not an out-of-memory kill mid-step.
         arena = run_on_main(self.ctx, swap_arena_bytes, self.model, self.memory_cfg, input_shape,
-                            amp_dtype(train_cfg.amp))
+                            amp_dtype(train_cfg.amp), self.loss)
         self.engine = MemoryEngine(self.model, self.memory_cfg, device, arena_bytes=arena)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=train_cfg.lr, eps=train_cfg.adam_eps,
-                                          weight_decay=train_cfg.weight_decay)
-        # Keras reduces when `wait >= patience`, torch when `bad_epochs > patience`: patience - 1 matches Keras.
-        self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            self.optimizer, mode="min", factor=train_cfg.plateau_factor,
-            patience=max(0, train_cfg.plateau_patience - 1), threshold=1e-4, threshold_mode="abs")
+        self.optimizer = build_optimizer(self.model.parameters(), train_cfg)
+        self.scheduler = build_scheduler(self.optimizer, train_cfg)
         self.scaler = torch.amp.GradScaler(device.type, enabled=train_cfg.amp == "fp16")
         self.data = build_train_data(config, train_ids, val_ids, edition=self.edition, fold=self.folder.fold,
                                      device=device, ctx=self.ctx)
@@ -489,15 +508,16 @@ class FoldRecipe:
         targets = batch["target"].to(self.device, non_blocking=True)
         try:
             with autocast_context(self.device, self.config.train.amp), self.engine.step():
-                probs = self.train_model(images)
-                loss = weighted_dice_loss(probs, targets)
+                loss = self.loss(self.train_model(images), targets)
+            # Backward is queued before the loss is read: reading it (and the all-reduce) waits for the device.
+            self.scaler.scale(loss).backward()
             loss_value = all_reduce_mean(float(loss.detach()), self.ctx)  # the same value on every rank
             if not math.isfinite(loss_value):
                 raise NumericalError(
                     f"{self.folder.root}: loss is {loss_value} at epoch {self.loop.epoch + 1} step "
                     f"{self.loop.step_in_epoch + 1}; training stopped, the last good checkpoint is kept "
                     "(try train.amp=none or a lower train.lr)")
-            self.scaler.scale(loss).backward()
+            clip_gradients(self.model, self.optimizer, self.scaler, self.config.train.grad_clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
@@ -515,7 +535,7 @@ class FoldRecipe:
         started = time.perf_counter()
         val = validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device, self.ctx)
         record: dict[str, Any] = {**val, "val_seconds": time.perf_counter() - started}
-        self.scheduler.step(val["val_loss"])
+        step_after_validation(self.scheduler, val["val_loss"])
         mean_dice = float(np.mean([val[dice_column(r)] for r in self.regions]))
         record["val_dice_mean"] = mean_dice
         loop, epoch = self.loop, self.loop.epoch + 1
@@ -540,6 +560,7 @@ class FoldRecipe:
         loop.epoch += 1
         loop.step_in_epoch, loop.epoch_loss_sum, loop.epoch_elapsed = 0, 0.0, 0.0
         loop.finished = loop.stopped_early or loop.epoch >= train_cfg.max_epochs
+        step_after_epoch(self.scheduler)
         self.epoch_seconds.append(epoch_seconds)
 
         line = self.log.epoch(record, memory_stats, train_cfg.max_epochs)
@@ -603,6 +624,7 @@ class FoldRecipe:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "rng": rng,
             "config": config_to_dict(self.config), "memory": dataclasses.asdict(self.memory_cfg),
+            "architecture": architecture_record(self.config.model),
             "edition": self.edition, "fold": self.folder.fold, **self.loop.as_checkpoint(),
         }
         if self.ctx.is_distributed:

@@ -1,8 +1,14 @@
-"""Ellis's weighted multi-label soft Dice loss (the loss the IBM paper trained with)."""
+"""The training losses: Ellis's weighted multi-label soft Dice (the loss the IBM paper trained with), MONAI's
+Dice + cross-entropy and nnU-Net's region Dice + BCE, over deep-supervision outputs with nnU-Net's weights."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
+
+from brats_swap.model import emits_logits
 
 
 def weighted_dice_loss(probs: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
@@ -28,3 +34,80 @@ def weighted_dice_loss(probs: torch.Tensor, target: torch.Tensor, smooth: float 
     denominator = y.sum(dim=spatial) + p.sum(dim=spatial)
     dice = 2.0 * (intersection + smooth / 2.0) / (denominator + smooth)
     return -dice.mean()
+
+
+def deep_supervision_weights(outputs: int, distributed: bool = False) -> list[float]:
+    """nnU-Net's weights for `outputs` deep-supervision outputs (full resolution first): halving per level,
+    the lowest-resolution output off, normalised to sum 1; a single output weighs 1. `distributed`: the
+    lowest weighs 1e-6 instead, as in nnU-Net under DDP, whose gradient reduction waits for every parameter."""
+    if outputs == 1:
+        return [1.0]
+    weights = [1.0 / 2**level for level in range(outputs)]
+    weights[-1] = 1e-6 if distributed else 0.0
+    return [w / sum(weights) for w in weights]
+
+
+def _at_resolution(target: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """The binary targets at an output's resolution (nearest, as nnU-Net downsamples its segmentations)."""
+    if target.shape[2:] == output.shape[2:]:
+        return target
+    return F.interpolate(target, size=output.shape[2:], mode="nearest")
+
+
+def _sigmoid_dice_bce(output: torch.Tensor, target: torch.Tensor, from_logits: bool) -> torch.Tensor:
+    """nnU-Net's region loss: BCE plus the soft Dice over the batch (smooth 1e-5, every channel) of the
+    sigmoid outputs. MONAI's DiceLoss is 1 + nnU-Net's (-Dice) form: the same gradients."""
+    from monai.losses import DiceLoss  # imported where used: MONAI takes seconds to import
+
+    dice = DiceLoss(sigmoid=from_logits, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)(output, target)
+    if from_logits:
+        return dice + F.binary_cross_entropy_with_logits(output, target)
+    # A network that ends in a sigmoid: BCE on its probabilities, in fp32 (autocast refuses it in fp16).
+    with torch.autocast(output.device.type, enabled=False):
+        return dice + F.binary_cross_entropy(output.clamp(1e-7, 1 - 1e-7), target)
+
+
+class SegmentationLoss:
+    """`train.loss` over a network's training outputs (one tensor, or a deep-supervision list full
+    resolution first, each scale against the targets at its resolution with nnU-Net's weights).
+
+    `from_logits`: the network's training outputs are logits (else sigmoid probabilities, the Isensee U-Net).
+    dice: Ellis's weighted Dice of the probabilities; dice_ce: MONAI's DiceCELoss (sigmoid Dice + cross-entropy
+    across the channels, for mutually exclusive label outputs; needs logits); dice_bce: nnU-Net's region loss.
+    """
+
+    def __init__(self, name: str, from_logits: bool, dice: Callable = weighted_dice_loss,
+                 distributed: bool = False) -> None:
+        if name == "dice_ce" and not from_logits:
+            raise ValueError("dice_ce needs a network whose training outputs are logits")
+        self.name, self.from_logits, self.dice, self.distributed = name, from_logits, dice, distributed
+        self.dice_ce = None
+        if name == "dice_ce":
+            from monai.losses import DiceCELoss  # imported where used: MONAI takes seconds to import
+
+            self.dice_ce = DiceCELoss(sigmoid=True)
+
+    def single(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        output = output.float()  # sums and logs in fp32 under AMP
+        if self.name == "dice":
+            return self.dice(torch.sigmoid(output) if self.from_logits else output, target)
+        if self.dice_ce is not None:
+            return self.dice_ce(output, target)
+        return _sigmoid_dice_bce(output, target, self.from_logits)
+
+    def __call__(self, outputs: torch.Tensor | list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+        target = target.float()
+        total = None
+        for weight, output in zip(deep_supervision_weights(len(outputs), self.distributed), outputs, strict=True):
+            if weight > 0:
+                term = weight * self.single(output, _at_resolution(target, output))
+                total = term if total is None else total + term
+        return total
+
+
+def training_loss(loss: str, model: torch.nn.Module, dice: Callable = weighted_dice_loss,
+                  distributed: bool = False) -> SegmentationLoss:
+    """The loss `train.loss` names, for `model`'s training outputs (logits or probabilities); `dice` is the
+    weighted Dice the `dice` loss applies to probabilities; `distributed`: trained under DDP."""
+    return SegmentationLoss(loss, from_logits=emits_logits(model), dice=dice, distributed=distributed)

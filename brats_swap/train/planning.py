@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -22,21 +23,30 @@ from brats_swap.config import Config, ConfigError, DataConfig, MemoryConfig, val
 from brats_swap.config.loader import from_dict
 from brats_swap.data.discovery import check_forced_convention, resolve_convention
 from brats_swap.errors import DeviceOutOfMemoryError
-from brats_swap.memory.arena import arena_bytes
+from brats_swap.memory.arena import arena_bytes, check_host_memory
+from brats_swap.memory.budget import with_overhead
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
-from brats_swap.memory.policy import SWAP_MODES, effective_memory_config
+from brats_swap.memory.records import SWAP_MODES, effective_memory_config
 from brats_swap.memory.rulebook import transfer_bytes
+from brats_swap.memory.stages import check_globs
 from brats_swap.model import build_model
 from brats_swap.model.targets import run_output_count
 from brats_swap.run.device import amp_dtype
 from brats_swap.run.folder import FoldFolder
-from brats_swap.train.losses import weighted_dice_loss
+from brats_swap.train.losses import training_loss, weighted_dice_loss
 
 console = Console(stderr=True, highlight=False)
 
 # `brats-swap plan --dtype`: the dtype activations are priced in (default: the one `train.amp` trains in).
 PLAN_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16}
+# Device bytes of optimizer state per parameter byte: Adam keeps two moments, SGD with momentum one buffer.
+OPTIMIZER_STATE_FACTOR = {"adam": 2, "sgd": 1}
+
+
+def optimizer_state_factor(config: Config) -> int:
+    """What `train.optimizer` keeps on the device per parameter, in parameters."""
+    return OPTIMIZER_STATE_FACTOR[config.train.optimizer]
 
 
 def training_input_shape(config: Config) -> tuple[int, ...]:
@@ -67,7 +77,7 @@ def config_model(config: Config, out_channels: int | None = None) -> torch.nn.Mo
 
 
 def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_shape: tuple[int, ...],
-                     dtype: torch.dtype) -> int:
+                     dtype: torch.dtype, loss_fn=weighted_dice_loss) -> int:
     """Host bytes of the arena that holds one step's swapped storages under the resolved policy `memory_cfg`
     (`MemoryEngine(arena_bytes=...)`); 0 for a mode that does not swap.
 
@@ -75,13 +85,17 @@ def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_sha
     storages the engine swaps; each takes its size on the link (`rulebook.transfer_bytes`: half of an fp32
     storage with `swap.compress: bf16`), rounded as the arena hands out slices. Sized up front, the arena is
     allocated before the first step, so a host without the memory fails then with a one-line error.
+    Under torchrun every rank on this host (`LOCAL_WORLD_SIZE`) holds such an arena: the host is checked
+    here for all of them at once, before any allocates (this runs on rank 0, the others wait for it).
     """
     if memory_cfg.mode not in SWAP_MODES:
         return 0
-    planner = Planner(model, input_shape, dtype=dtype, loss_fn=weighted_dice_loss)
+    planner = Planner(model, input_shape, dtype=dtype, loss_fn=loss_fn)
     swapped = planner.swapped(memory_cfg)
-    return arena_bytes(transfer_bytes(record, memory_cfg.swap) for record in planner.records(memory_cfg)
-                       if record.index in swapped)
+    nbytes = arena_bytes(transfer_bytes(record, memory_cfg.swap) for record in planner.records(memory_cfg)
+                         if record.index in swapped)
+    check_host_memory(nbytes, ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return nbytes
 
 
 def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, input_shape: tuple[int, ...],
@@ -93,6 +107,7 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
     planning again. Every mode then goes through `effective_memory_config` (e.g. `recompute` with nothing
     to recompute means norm_act), so the result is the concrete policy, never `auto`.
     """
+    check_globs(model, config.memory)
     if config.memory.mode != "auto":
         return effective_memory_config(config.memory)
     plan_path = folder.memory_plan
@@ -100,7 +115,8 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
         return effective_memory_config(from_dict(MemoryConfig, saved["memory"], "memory"))
     chosen, report = choose_policy(model, config.memory, input_shape, amp_dtype(config.train.amp), device,
-                                   loss_fn=weighted_dice_loss)
+                                   loss_fn=training_loss(config.train.loss, model),
+                                   optimizer_state_factor=optimizer_state_factor(config))
     chosen = effective_memory_config(chosen)
     atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
@@ -117,7 +133,7 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
     table the config forces, `config_model`)."""
     memory_cfg = memory_cfg or config.memory
     total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-    budget = f"{0.9 * total:.0f}" if total else "N"
+    budget = f"{total:.0f}" if total else "N"  # the card: the planner leaves the device overhead and headroom
     shape = training_input_shape(config)
     needs = pick = ""
     try:  # advice only: whatever goes wrong here must not hide the out-of-memory error itself
@@ -125,14 +141,16 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
         dtype = amp_dtype(config.train.amp)
         # Priced for the device that ran out: on CUDA a GPU's time model (assumed, not measured: the device
         # is full), on the configured link when `memory.bandwidth_gbs` names one.
-        cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=weighted_dice_loss,
+        loss_fn = training_loss(config.train.loss, model)
+        cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=loss_fn,
                                   bandwidth_gbs=memory_cfg.bandwidth_gbs)
-        planner = Planner(model, shape, dtype=dtype, loss_fn=weighted_dice_loss, cost=cost)
+        planner = Planner(model, shape, dtype=dtype, loss_fn=loss_fn, cost=cost,
+                          optimizer_state_factor=optimizer_state_factor(config))
         peak = planner.memory(memory_cfg).peak_bytes
         needs = f" the planner predicts it needs about {peak / GIB:.2f} GiB for input {list(shape)}"
         needs += f" on this {total:.0f} GiB device;" if total else ";"
         if total:
-            best, _ = planner.auto(0.9 * total * GIB, memory_cfg)
+            best, _ = planner.auto(total * GIB, with_overhead(memory_cfg, device))
             if best is not None:
                 pick = f" (its pick: {best.name}, about {best.peak_bytes / GIB:.2f} GiB)"
     except Exception:  # noqa: BLE001 - see above
@@ -146,11 +164,12 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
     return DeviceOutOfMemoryError(f"{where}: {device} ran out of memory with memory.mode={mode};{needs} {advice}")
 
 
-def plan_for_config(config: Config, *, size: int | None = None, batch: int | None = None,
+def plan_for_config(config: Config, *, batch: int | None = None,
                     budget_gib: float | None = None, dtype: str | None = None,
                     bandwidth_gbs: float | None = None, device: str = "auto",
                     profile: dict | None = None) -> tuple[PlanReport, Planner]:
-    """`brats-swap plan`: the run's model at its cube (or `size`³) and batch, every policy priced.
+    """`brats-swap plan`: the run's model at its training sample (the patch in `train.mode: patch`, else the
+    cube; `plan --size` sets the cube, so the network's stages adapt to it) and batch, every policy priced.
 
     Activations are priced in `dtype` (fp32, bf16, fp16), by default in the dtype `train.amp` trains in.
     `budget_gib` and `bandwidth_gbs` replace `memory.budget_gib` / `memory.bandwidth_gbs` and are checked
@@ -158,12 +177,13 @@ def plan_for_config(config: Config, *, size: int | None = None, batch: int | Non
     and a pinned copy loop), "cpu" uses CPU constants, "gpu" uses H200-class constants without measuring,
     and "auto" measures when CUDA is available and otherwise assumes an H200-class GPU. `profile` is a
     saved cost model (`--save-profile`) used instead of measuring. The network has the run's outputs
-    (`config_model`: 4 for a PED run, 1 for MEN-RT).
+    (`config_model`: 4 for a PED run, 1 for MEN-RT). Peaks include the device overhead
+    (`memory.device_overhead_gib`, default: the device's); the optimizer state is `train.optimizer`'s.
     """
-    cube = [size] * 3 if size is not None else list(config.data.cube)
+    cube = list(training_input_shape(config)[2:])
     batch = batch if batch is not None else config.train.batch_size
-    if batch < 1 or any(v < 1 for v in cube):
-        raise ConfigError(f"plan: batch {batch} and size {cube} must be positive")
+    if batch < 1:
+        raise ConfigError(f"plan --batch: must be positive, got {batch}")
     if dtype is not None and dtype not in PLAN_DTYPES:
         raise ConfigError(f"plan --dtype: {dtype!r} is not one of fp32, bf16, fp16")
     torch_dtype = PLAN_DTYPES[dtype] if dtype is not None else amp_dtype(config.train.amp)
@@ -177,11 +197,14 @@ def plan_for_config(config: Config, *, size: int | None = None, batch: int | Non
     memory.budget_gib = budget_gib if budget_gib is not None else memory.budget_gib
     memory.bandwidth_gbs = bandwidth_gbs if bandwidth_gbs is not None else memory.bandwidth_gbs
     validate_memory_config(memory)
+    memory = with_overhead(memory, device)
     model = config_model(config)
-    cost = resolve_cost_model(model, device, torch_dtype, loss_fn=weighted_dice_loss, profile=profile,
+    check_globs(model, memory)
+    loss_fn = training_loss(config.train.loss, model)
+    cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     return plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype, cost=cost,
-                       loss_fn=weighted_dice_loss)
+                       loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config))
 
 
 _TIMELINE_COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "recompute": "#55A868", "stall": "#C44E52",

@@ -1,0 +1,241 @@
+"""The one cost model of the memory package: how long an operator runs and how long a copy takes.
+
+- `OpCostModel.durations`: seconds per operator of a trace (roofline: FLOPs / rate + bytes / memory
+  bandwidth + launch, times a per-phase scale fitted to a measured profile);
+- `OpCostModel.copy_seconds`: one storage over the host<->device link, each way at that direction's
+  rate, plus the fp32<->bf16 conversion on the copy stream when it travels compressed;
+- `OpCostModel.bytes_moved`: what the link moves in a given time (how much a copy queue can hide);
+- `link_seconds`: bytes over a rate (also what the emulated CPU link sleeps);
+- `profile_device`, `measure_bandwidth`, `resolve_cost_model`, `default_cost_model`: where the numbers
+  come from (a short measurement, a saved profile, or assumed constants).
+
+The planner, the swap search and the simulator price everything through this module: no other module
+of the package divides by (or multiplies with) a link bandwidth.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from brats_swap.memory.events import FORWARD
+
+D2H, H2D = "d2h", "h2d"  # copy directions: device to host (swap out), host to device (reload)
+
+
+def bytes_per_second(gbs: float) -> float:
+    """A link rate given in GB/s (configs, command lines), in bytes per second."""
+    return float(gbs) * 1e9
+
+
+def link_seconds(nbytes: float, bytes_per_s: float) -> float:
+    """Seconds `nbytes` take over a link of `bytes_per_s` (an infinite rate takes none)."""
+    return nbytes / bytes_per_s
+
+
+@dataclass
+class OpCostModel:
+    """Roofline-ish op duration: flops / flops_per_s + bytes / bytes_per_s + launch_s, times a per-phase
+    scale fitted to a measured profile (see `profile_device`), and the link."""
+
+    name: str = "default"
+    flops_per_s: float = 50e12
+    bytes_per_s: float = 3.0e12
+    launch_s: float = 5e-6
+    fwd_scale: float = 1.0
+    bwd_scale: float = 1.0
+    h2d_bytes_per_s: float = 50e9
+    d2h_bytes_per_s: float = 50e9
+    # The engine's synchronous CPU link copies at once (the compute waits for the whole copy); CUDA
+    # streams and the emulated link copy while the compute runs.
+    sync_copies: bool = False
+    # The emulated CPU link (`memory.swap.emulate_gbs`): compute seconds its copy threads take from the
+    # step per byte they move (on 2 cores a copy preempts an intra-op thread); 0 for real copy engines.
+    copy_interference_s_per_byte: float = 0.0
+    # bf16 transport converts on the device through a staging buffer the size of the bf16 copy (CUDA);
+    # the CPU links convert on the host.
+    staged_conversion: bool = False
+
+    def durations(self, trace) -> list[float]:
+        """Seconds of each op of `trace` (0 for ops that launch no kernel)."""
+        out = [0.0] * trace.n_ops
+        for i, op in enumerate(trace.ops):
+            if not op.kernel:
+                continue
+            raw = op.flops / self.flops_per_s + op.bytes_accessed / self.bytes_per_s + self.launch_s
+            out[i] = raw * (self.fwd_scale if op.phase == FORWARD else self.bwd_scale)
+        return out
+
+    def phase_seconds(self, trace) -> tuple[float, float]:
+        """(forward, backward) compute seconds of a trace."""
+        durations = self.durations(trace)
+        forward = sum(d for d, op in zip(durations, trace.ops, strict=True) if op.phase == FORWARD)
+        return float(forward), float(sum(durations) - forward)
+
+    def rate(self, direction: str) -> float:
+        return self.d2h_bytes_per_s if direction == D2H else self.h2d_bytes_per_s
+
+    def copy_seconds(self, transfer_bytes: int, nbytes: int, direction: str) -> float:
+        """A copy of one storage (`nbytes` on the device, `transfer_bytes` on the link and the host) in
+        `direction`: its bytes on the link, plus the fp32<->bf16 conversion on the copy stream (reads one,
+        writes the other) when it travels compressed."""
+        seconds = link_seconds(transfer_bytes, self.rate(direction))
+        if transfer_bytes != nbytes:
+            seconds += (nbytes + transfer_bytes) / self.bytes_per_s
+        return seconds
+
+    def round_trip_seconds(self, transfer_bytes: int, nbytes: int) -> float:
+        """The copy out and the copy back of one storage."""
+        return self.copy_seconds(transfer_bytes, nbytes, D2H) + self.copy_seconds(transfer_bytes, nbytes, H2D)
+
+    def interference_seconds(self, transfer_bytes: int) -> float:
+        """Compute time an emulated link's copy thread takes from the step while it moves these bytes."""
+        return transfer_bytes * self.copy_interference_s_per_byte
+
+    def bytes_moved(self, seconds: float, direction: str = D2H) -> float:
+        """Bytes the link moves in `direction` in `seconds` (uncompressed)."""
+        return self.rate(direction) * seconds
+
+    def link_gbs(self) -> float:
+        """The host-to-device rate in GB/s (reports)."""
+        return self.h2d_bytes_per_s / 1e9
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> OpCostModel:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+# The engine's synchronous CPU path with free copies: what the byte-exact tests replay.
+INSTANT = OpCostModel(name="instant synchronous copies", h2d_bytes_per_s=float("inf"),
+                      d2h_bytes_per_s=float("inf"), sync_copies=True)
+
+
+# Pinned host<->device copies over PCIe 5 x16 measure about 50-55 GB/s per direction (PCIe 4 x16: about
+# 22-25 GB/s); `--bandwidth` / `memory.bandwidth_gbs` set another link, a CUDA profile measures it.
+DEFAULT_BANDWIDTH_GBS = 50.0
+# Roofline constants when nothing was measured. CPU: this project's CI machine at 32³-48³ (about 60
+# GFLOP/s per step for the U-Net). GPU: an H200-class card in fp32 (TF32 convolutions) and in half
+# precision (bf16 and fp16 run on the same tensor cores at the same rate), on a PCIe 5 x16 link.
+_GPU_LINK = f"PCIe 5 link {DEFAULT_BANDWIDTH_GBS:g} GB/s"
+DEFAULT_COSTS = {
+    "cpu": OpCostModel(name="cpu (assumed)", flops_per_s=60e9, bytes_per_s=20e9, launch_s=20e-6,
+                       h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True),
+    "gpu-float32": OpCostModel(name=f"H200-class GPU, fp32/TF32, {_GPU_LINK} (assumed)", flops_per_s=60e12,
+                               bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
+                               d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
+    "gpu-half": OpCostModel(name=f"H200-class GPU, bf16/fp16, {_GPU_LINK} (assumed)", flops_per_s=150e12,
+                            bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
+                            d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
+}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def default_cost_model(device: str | torch.device, dtype: torch.dtype = torch.float32) -> OpCostModel:
+    """Unmeasured constants: "cpu" for a CPU device, H200-class GPU constants otherwise."""
+    kind = device.type if isinstance(device, torch.device) else str(device)
+    if kind == "cpu":
+        return copy.deepcopy(DEFAULT_COSTS["cpu"])
+    return copy.deepcopy(DEFAULT_COSTS["gpu-half" if dtype in HALF_DTYPES else "gpu-float32"])
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s of pinned copies on CUDA.
+
+    One unmeasured copy first (it pays for the lazy setup of the pinned path), then `repeats` copies of a
+    256 MiB buffer timed with events on `device`'s stream: large enough to reach the link's sustained rate.
+    """
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for src, dst in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = torch.cuda.current_stream(device)  # the copies run on `device`'s stream, not the current device's
+        start.record(stream)
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=True)
+        end.record(stream)
+        torch.cuda.synchronize(device)
+        rates.append(nbytes * repeats / (start.elapsed_time(end) / 1e3))
+    return rates[0], rates[1]
+
+
+def profile_device(model: nn.Module, device: torch.device, *, loss_fn: Callable, cube: int | None = None,
+                   batch: int = 1, dtype: torch.dtype = torch.float32, steps: int = 3,
+                   base: OpCostModel | None = None) -> OpCostModel:
+    """Time forward and backward of `model` on `device` at a small cube and fit the roofline's per-phase
+    scale so the trace of the same cube predicts the measured times (then scaled by FLOPs and bytes).
+    `base` gives the roofline's rates (e.g. measured compute and memory rates of this CPU) instead of
+    the defaults of `default_cost_model`."""
+    device = torch.device(device)
+    cost = copy.deepcopy(base) if base is not None else default_cost_model(device.type, dtype)
+    cube = cube or (96 if device.type == "cuda" else 32)
+    in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv3d)).in_channels
+    shape = (batch, in_channels, cube, cube, cube)
+    # Imported here: the recorder runs the engine's front end, whose emulated link prices with this module.
+    from brats_swap.memory.recorder import trace_step
+
+    raw_fwd, raw_bwd = cost.phase_seconds(trace_step(model, shape, dtype=dtype, loss_fn=loss_fn))
+
+    work = copy.deepcopy(model).to(device).train()
+    x = torch.randn(shape, device=device)
+    fwd_times, bwd_times = [], []
+    autocast = device.type == "cuda" and dtype in HALF_DTYPES
+    for step in range(steps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            probs = work(x)
+            loss = loss_fn(probs, torch.rand_like(probs))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mid = time.perf_counter()
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        end = time.perf_counter()
+        work.zero_grad(set_to_none=True)
+        if step:  # the first step warms caches and picks cuDNN algorithms
+            fwd_times.append(mid - start)
+            bwd_times.append(end - mid)
+    fwd_times.sort()
+    bwd_times.sort()
+    cost.fwd_scale = fwd_times[len(fwd_times) // 2] / max(raw_fwd, 1e-12)
+    cost.bwd_scale = bwd_times[len(bwd_times) // 2] / max(raw_bwd, 1e-12)
+    cost.name = f"measured on {device} at {cube}³ batch {batch}"
+    if device.type == "cuda":
+        cost.h2d_bytes_per_s, cost.d2h_bytes_per_s = measure_bandwidth(device)
+    return cost
+
+
+def resolve_cost_model(model: nn.Module, device: torch.device | str, dtype: torch.dtype, *, loss_fn: Callable,
+                       profile: dict | None = None, bandwidth_gbs: float | None = None) -> OpCostModel:
+    """The time model for `device`: a saved profile, else a short measurement on a CUDA device, else
+    constants ("cpu"; "gpu" or any other device: an assumed H200-class card on a 50 GB/s PCIe 5 link).
+    `bandwidth_gbs`, when given, replaces the link rate (measured, saved or assumed), and the model's
+    name says so."""
+    kind = str(device)
+    if profile is not None:
+        cost = OpCostModel.from_dict(profile)
+    elif kind.startswith("cuda"):
+        cost = profile_device(model, torch.device(kind), loss_fn=loss_fn, dtype=dtype)
+    else:
+        cost = default_cost_model(kind, dtype)
+    if bandwidth_gbs is not None:
+        cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = float(bandwidth_gbs) * 1e9
+        cost.name = cost.name.replace(f", {_GPU_LINK} (assumed)", " (assumed)")
+        cost.name += f"; link {float(bandwidth_gbs):g} GB/s (given)"
+    return cost
+
+

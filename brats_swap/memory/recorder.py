@@ -1,0 +1,374 @@
+"""The recorder: the saved-tensor front end's back end on the `meta` device, which records a step.
+
+`trace_step` runs one training step of a `meta` copy of the model (shapes, dtypes, strides, storages and
+version counters, no data) through the same front end the engine uses (`frontend.SavedTensorFrontEnd`:
+module and block hooks, pack/unpack, checkpoint wrappers, norm_act recipes), with a `TraceRecorder` as
+its back end. The recorder adds what only a trace needs:
+
+- a `TorchDispatchMode` that sees every aten operator (forward, backward and recomputation alike): it
+  numbers them (the "op index" is the trace's clock), registers each new output storage, and notices a
+  storage's death through a weak storage reference (`StorageWeakRef.expired()`), checked before each op;
+- every event the front end reports, with the op index at which it happened (`Trace.events`);
+- handles that, on purpose, do NOT keep the saved tensor (except parameters): the trace then shows when
+  each saved storage would die without autograd's reference (what swapping can gain); at unpack it
+  hands backward a fresh meta tensor of the same layout (an "artifact") whose death marks when the
+  node that used it has finished.
+
+Why our own recorder instead of `torch.utils.flop_counter.FlopCounterMode` or `torch.cuda.memory`
+snapshots: neither reports saved-tensor lifetimes, and snapshots need a GPU at the real size. We do use
+the flop counter's formula table (`flop_registry`) for convolution FLOPs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from brats_swap.config import MemoryConfig, RecomputeConfig
+from brats_swap.memory.engine import ATTACHED
+from brats_swap.memory.events import BACKWARD, FORWARD, Event
+from brats_swap.memory.frontend import BackEnd, SavedHandle, SavedTensorFrontEnd, discover_blocks
+from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
+from brats_swap.memory.rulebook import Entry
+from brats_swap.memory.trace import OpInfo, Storage, Trace, TracedRecord, variant_name
+
+# Ops that only reinterpret or allocate: no kernel runs, so they cost no time in the time model.
+_NO_KERNEL = {"view", "_unsafe_view", "as_strided", "expand", "permute", "t", "transpose", "unsqueeze",
+              "squeeze", "detach", "alias", "slice", "select", "reshape", "empty", "empty_strided",
+              "empty_like", "set_", "lift_fresh", "split", "unbind", "_reshape_alias", "view_as",
+              "split_with_sizes", "unflatten", "flatten", "_to_copy_view", "new_empty", "new_empty_strided"}
+
+
+
+class _AutocastEmulation:
+    """bf16 autocast on meta tensors, which CUDA autocast does not apply to: every convolution and linear
+    layer of the meta copy casts its input, weight and bias to `dtype` (a patched instance `forward`);
+    everything else runs in the dtype it receives, as under autocast for this kind of network (conv ->
+    fp32-statistics norm -> activation). Like autocast, a parameter is cast once per forward (its cast
+    is reused by later calls) and again in backward recomputation (checkpoint reruns under autocast).
+    An instance patch rather than a TorchFunctionMode because modes are thread-local and the autograd
+    engine may recompute checkpointed regions on its own thread."""
+
+    _TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+              nn.Linear)
+    _PLAIN_FORWARDS = frozenset(cls.forward for cls in _TYPES)
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, recorder: TraceRecorder):
+        self.dtype = dtype
+        self.recorder = recorder
+        self.cache: dict[int, torch.Tensor] = {}
+        for module in model.modules():
+            if isinstance(module, self._TYPES):
+                module.forward = functools.partial(self._forward, module)
+
+    def _cast_param(self, param: torch.Tensor | None) -> torch.Tensor | None:
+        if param is None or param.dtype == self.dtype:
+            return param
+        if self.recorder.phase == BACKWARD:
+            return param.to(self.dtype)
+        if id(param) not in self.cache:
+            self.cache[id(param)] = param.to(self.dtype)
+        return self.cache[id(param)]
+
+    def _forward(self, module: nn.Module, *inputs: torch.Tensor) -> torch.Tensor:
+        inputs = tuple(x.to(self.dtype) if x.is_floating_point() else x for x in inputs)
+        weight, bias = self._cast_param(module.weight), self._cast_param(module.bias)
+        if type(module).forward not in self._PLAIN_FORWARDS:
+            return self._own_forward(module, weight, bias, inputs)
+        (x,) = inputs
+        if isinstance(module, nn.Linear):
+            return torch.nn.functional.linear(x, weight, bias)
+        if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            convolution = {1: torch.nn.functional.conv_transpose1d, 2: torch.nn.functional.conv_transpose2d,
+                           3: torch.nn.functional.conv_transpose3d}[x.dim() - 2]
+            return convolution(x, weight, bias, module.stride, module.padding, module.output_padding,
+                               module.groups, module.dilation)
+        return module._conv_forward(x, weight, bias)
+
+    @staticmethod
+    def _own_forward(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, inputs: tuple):
+        """A subclass's own forward (one that prepares its input, say) run on the cast parameters: what
+        autocast does to the convolution inside it. The parameters are swapped for their casts in the
+        module's parameter dict for the call, as `torch.func.functional_call` does."""
+        params = module._parameters
+        saved = params["weight"], params.get("bias")
+        params["weight"] = weight
+        if saved[1] is not None:
+            params["bias"] = bias
+        try:
+            return type(module).forward(module, *inputs)
+        finally:
+            params["weight"] = saved[0]
+            if saved[1] is not None:
+                params["bias"] = saved[1]
+
+
+class _RecordedSlot:
+    """The recorder's state of one entry (its `payload`): the recipe that rebuilds it, if any."""
+
+    __slots__ = ("recipe",)
+
+    def __init__(self):
+        self.recipe = None
+
+
+class TraceRecorder(TorchDispatchMode, BackEnd):
+    """The front end's back end while tracing (module docstring). As the rulebook's executor it keeps
+    everything (the trace runs mode none) and moves nothing."""
+
+    checks_versions = False  # meta tensors hold no data a change could corrupt
+
+    def __init__(self, param_storages: set[int]):
+        super().__init__()
+        self.ops: list[OpInfo] = []
+        self.storages: list[Storage] = []
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage _cdata -> (weak ref, sid)
+        self.param_storages = param_storages  # parameters and buffers: never allocations of the step
+        self.phase = FORWARD
+        self.unpacking = -1  # record index while `stored_view` allocates its artifact
+        self._recomputing = 0
+        self.module_stack: list[str] = []  # every running module (forward and recomputation): op owners
+        self.records: list[TracedRecord] = []
+        self.events: list[Event] = []
+
+    # ---- the front end's back end ----------------------------------------------------------------------
+    def now(self) -> int:
+        return len(self.ops)
+
+    def record(self, event: Event) -> None:
+        self.events.append(event)
+
+    def module_entered(self, name: str) -> None:
+        self.module_stack.append(name)
+
+    def module_left(self) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        self._recomputing += 1
+        try:
+            yield
+        finally:
+            self._recomputing -= 1
+
+    def new_payload(self, t: torch.Tensor) -> _RecordedSlot:
+        return _RecordedSlot()
+
+    def saved(self, entry: Entry, t: torch.Tensor) -> None:
+        sid = self.storage_id(t.untyped_storage())
+        self.records.append(TracedRecord(entry.record, sid, deps=[dep.index for dep in entry.deps]))
+
+    def holds(self, entry: Entry, t: torch.Tensor) -> bool:
+        """Only parameters (and autocast copies of them) are held by their handles."""
+        return entry.record.is_param or self.records[entry.index].sid < 0
+
+    def stored_view(self, handle: SavedHandle) -> torch.Tensor:
+        """A fresh storage of the saved layout (an "artifact"): its death marks when the node that read
+        it finished."""
+        size, stride, offset, dtype, nbytes = handle.size, handle.stride, handle.offset, handle.dtype, handle.nbytes
+        index = handle.entry.index
+        self.unpacking = index
+        try:
+            base = torch.empty(max(nbytes // dtype.itemsize, 1), dtype=dtype, device="meta")
+            self.records[index].artifact_sids.append(self.storage_id(base.untyped_storage()))
+        finally:
+            self.unpacking = -1
+        return base.as_strided(size, stride, offset)
+
+    # ---- the rulebook's executor: nothing moves -------------------------------------------------------
+    def swap_out(self, entry: Entry) -> None: ...
+    def release(self, entry: Entry, wait: bool) -> None: ...
+    def reload(self, entry: Entry) -> None: ...
+    def await_reload(self, entry: Entry) -> None: ...
+    def drop_reload(self, entry: Entry) -> None: ...
+
+    # ---- storage bookkeeping -------------------------------------------------------------------------
+    def sweep(self) -> None:
+        now = len(self.ops)
+        dead = [key for key, (ref, _) in self.live.items() if ref.expired()]
+        for key in dead:
+            _, sid = self.live.pop(key)
+            self.storages[sid].free_op = now
+
+    def storage_id(self, storage: torch.UntypedStorage) -> int:
+        """sid of a storage of the step (registered on first sight); -1 for parameters and buffers."""
+        key = storage._cdata
+        if key in self.param_storages:
+            return -1
+        hit = self.live.get(key)
+        if hit is not None and not hit[0].expired():
+            return hit[1]
+        if hit is not None:  # the address was recycled by a new storage after the old one died
+            self.storages[hit[1]].free_op = len(self.ops)
+        sid = len(self.storages)
+        self.storages.append(Storage(sid, storage.nbytes(), alloc_op=max(len(self.ops) - 1, 0),
+                                     artifact_of=self.unpacking))
+        self.live[key] = (StorageWeakRef(storage), sid)
+        return sid
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.sweep()
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        counter = flop_registry.get(func.overloadpacket)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if counter is not None:
+            flops = float(counter(*args, **kwargs, out_val=out))
+        else:  # elementwise and reductions: about one operation per output element
+            flops = float(sum(t.numel() for t in outputs)) if name not in _NO_KERNEL else 0.0
+        module = self.module_stack[-1] if self.module_stack else ""
+        recompute = self.phase == BACKWARD and (bool(self.module_stack) or self._recomputing > 0)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.ops.append(OpInfo(name, self.phase, flops, _bytes_accessed(inputs + outputs), name not in _NO_KERNEL,
+                               module, recompute))
+        for tensor in outputs:
+            self.storage_id(tensor.untyped_storage())
+        return out
+
+
+def _bytes_accessed(tensors: list[torch.Tensor]) -> int:
+    """Bytes an op touches: each tensor's view (numel x element size), summed per storage and capped at
+    the storage's size (an op on a channel slice touches the slice, not the whole tensor)."""
+    per_storage: dict[int, list[int]] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        counted = per_storage.setdefault(storage._cdata, [0, storage.nbytes()])
+        counted[0] = min(counted[1], counted[0] + tensor.numel() * tensor.element_size())
+    return sum(counted for counted, _ in per_storage.values())
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters and buffers live on `meta` (no data copied). A model with
+    a live `MemoryEngine` is refused: copying the engine's hooks would copy its state with them."""
+    attached = ATTACHED.get(model)
+    if attached is not None and attached() is not None:
+        raise ValueError("brats_swap.memory.trace: the model has a MemoryEngine attached; plan before building "
+                         "the engine or after engine.close()")
+    memo: dict[int, object] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _instrument(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
+                blocks: Sequence[str] | None, dtype: torch.dtype, recompute: RecomputeConfig | None) -> None:
+    """Install on the meta copy what the engine installs on the real model (the front end's module and
+    block hooks, checkpoint wrappers, norm_act recipes) plus the autocast emulation."""
+    if blocks is None:
+        block_pairs = discover_blocks(meta_model)
+    else:
+        names = set(blocks)
+        block_pairs = [(name, module) for name, module in meta_model.named_modules() if name in names]
+    front.install(meta_model, block_pairs)
+    if dtype in (torch.bfloat16, torch.float16):
+        _AutocastEmulation(meta_model, dtype, recorder)
+    if recompute is not None and recompute.modules:
+        CheckpointedModules(meta_model, list(recompute.modules), front.checkpoint_called, front.region_done)
+    if recompute is not None and recompute.norm_act:
+        front.recipes = NormActRecipes(meta_model, front)
+
+
+def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
+              step: Callable[[nn.Module], torch.Tensor]) -> int:
+    """Forward + loss inside the front end's step (as inside `engine.step()`), then backward outside it.
+    Returns the op index where backward starts."""
+    with recorder:
+        with front.forward():
+            loss = step(meta_model)
+        fwd_end = len(recorder.ops)
+        recorder.phase = BACKWARD
+        loss.backward()
+        del loss
+        recorder.sweep()
+    return fwd_end
+
+
+def trace_step(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    target_channels: int | None = None,
+    recompute: RecomputeConfig | None = None,
+    blocks: Sequence[str] | None = None,
+    train: bool = True,
+    step: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> Trace:
+    """Run forward + `loss_fn(output, target)` + backward of `model` on `meta` at `input_shape`
+    (B, C, D, H, W) and record it.
+
+    The caller passes the training loss: its saved tensors and temporaries are part of the step. A model
+    with another calling convention passes `step(model, x) -> loss` instead (x: the meta batch; make any
+    other argument on `x.device`). `dtype` bfloat16 or float16 emulates autocast in that dtype.
+    `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
+    meta copy. `blocks` overrides the engine's `discover_blocks`. The output may be a tensor or a list,
+    tuple or dict of them (deep supervision, full resolution first); the loss gets one target: with
+    `target_channels` (default: the model's `out_channels`) at the input's size, else shaped as the
+    (first) output. The input model is not modified.
+    """
+    if (loss_fn is None) == (step is None):
+        raise ValueError("trace_step needs exactly one of loss_fn and step")
+    started = time.perf_counter()
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    meta_model = meta_copy(model)
+    meta_model.train(train)
+    params = list(meta_model.parameters())
+    buffers = list(meta_model.buffers())
+    keys = {t.untyped_storage()._cdata for t in params + buffers}
+    recorder = TraceRecorder(keys)
+    front = SavedTensorFrontEnd(MemoryConfig(recompute=recompute or RecomputeConfig()), recorder,
+                                param_storages=lambda: keys)
+    _instrument(meta_model, front, recorder, blocks, dtype, recompute)
+
+    # The batch and its target are storages of the step, allocated before it and held by the caller to
+    # its end; the input is saved by the first convolution and kept (the caller holds it).
+    x = torch.empty(tuple(input_shape), device="meta")
+    recorder.storage_id(x.untyped_storage())
+    held = [x]
+    if step is None:
+        channels = target_channels or getattr(model, "out_channels", None)
+        if channels is not None:
+            held.append(torch.empty((input_shape[0], channels, *input_shape[2:]), device="meta"))
+            recorder.storage_id(held[-1].untyped_storage())
+
+        def step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+            output = module(batch)
+            if len(held) == 1:  # the target takes the shape of the (first) output
+                held.append(torch.empty_like(next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))))
+                # Allocated before the step (the data loader's), alive to its end like the batch.
+                recorder.storages[recorder.storage_id(held[-1].untyped_storage())].alloc_op = 0
+            return loss_fn(output, held[1])
+    try:
+        fwd_end = _run_step(meta_model, front, recorder, lambda module: step(module, x))
+    finally:
+        front.remove()
+        if front.recipes is not None:
+            front.recipes.remove()
+    n_ops = len(recorder.ops)
+    for storage in recorder.storages:
+        storage.free_op = min(storage.free_op, n_ops)
+
+    return Trace(
+        input_shape=tuple(int(v) for v in input_shape), dtype=str(dtype).removeprefix("torch."),
+        variant=variant_name(recompute), ops=recorder.ops, storages=recorder.storages, records=recorder.records,
+        events=recorder.events, module_names=front.module_names, regions=front.regions, fwd_end=fwd_end,
+        param_bytes=sum(p.untyped_storage().nbytes() for p in params),
+        buffer_bytes=sum(b.untyped_storage().nbytes() for b in buffers),
+        input_bytes=sum(t.untyped_storage().nbytes() for t in held), seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,273 @@
+"""The planner's search (`Planner.auto`, steps 2-4 of `planner.py`'s docstring): which recompute
+variants to try, and what to swap on top of each.
+
+Everything here prices through the planner (its traces, the simulator's replay and the cost model,
+`cost.OpCostModel`): link seconds come from `OpCostModel.copy_seconds`, liveness from
+`simulate.resident_records`.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from brats_swap.config import MemoryConfig, RecomputeConfig
+from brats_swap.memory.cost import D2H
+from brats_swap.memory.events import EventKind
+from brats_swap.memory.rulebook import select_swapped, transfer_bytes
+from brats_swap.memory.simulate import MemoryResult, resident_records
+from brats_swap.memory.trace import Trace
+
+if TYPE_CHECKING:
+    from brats_swap.memory.planner import Planner, PolicyPrediction
+
+LOOKAHEADS = (0, 1, 2, 4, 8, 16, 32)
+INFLIGHT_BUDGETS = tuple(mib << 20 for mib in (64, 256, 1024, 2048, 4096, 8192, 16384))
+LEANEST_INFLIGHT = INFLIGHT_BUDGETS[0]
+# Checkpointing amounts tried, as shares of the bytes the link cannot hide before the peak.
+CHECKPOINT_SHARES = (0.6, 1.0, 1.4)
+
+
+def save_and_first_use(trace: Trace) -> tuple[dict[int, int], dict[int, int]]:
+    """(record -> op of its first save, record -> op of its first unpack), cached on the trace."""
+    cached = trace.cache.get("save_and_first_use")
+    if cached is None:
+        pack_op, first_use = {}, {}
+        for event in trace.events:
+            if event.kind is EventKind.SAVE:
+                pack_op[event.arg] = event.op
+            elif event.kind is EventKind.UNPACK_BEGIN:
+                first_use.setdefault(event.arg, event.op)
+        cached = trace.cache["save_and_first_use"] = (pack_op, first_use)
+    return cached
+
+
+def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> list[tuple[MemoryConfig, float]]:
+    """The recompute variants `auto` tries, each with its compute seconds (estimated for the ones not
+    traced yet): none; norm_act; norm_act with the storages whose own rebuild costs most stored and
+    swapped instead, where their copies can hide; checkpointing of the cheapest blocks in amounts
+    sized to the bytes the link cannot hide before the peak (module docstring)."""
+    plain = variant_of(base, RecomputeConfig())
+    norm_act = variant_of(base, RecomputeConfig(norm_act=True))
+    variants = [(plain, sum(planner.durations(plain))), (norm_act, sum(planner.durations(norm_act)))]
+    stored = _stored_rebuilds(planner, norm_act)
+    if stored:
+        names, saved_s = stored
+        variants.append((variant_of(base, RecomputeConfig(norm_act=True, norm_act_exclude=names)),
+                         variants[1][1] - saved_s))
+    keep_all = planner.memory(plain, keep_timeline=True)
+    deficit = keep_all.peak_bytes - limit
+    if deficit <= 0:
+        return variants
+    starts = list(accumulate(planner.durations(plain), initial=0.0))
+    hideable = planner.cost.bytes_moved(starts[keep_all.peak_op])  # what the link moves before the peak
+
+    def with_stall(compute_s: float, excess: float) -> float:
+        """A lower bound of the step: the bytes over the limit that even a busy link cannot move out
+        before the peak stall the compute."""
+        late = max(0.0, excess - hideable)
+        return compute_s + planner.cost.copy_seconds(late, late, D2H)
+
+    variants[0] = (plain, with_stall(variants[0][1], deficit))
+    needed = max(deficit - hideable, deficit * 0.25)
+    ranking = checkpoint_ranking(planner.trace(plain), planner.durations(plain),
+                                 resident_records(planner.trace(plain), planner.schedule(plain), keep_all.peak_op))
+    chosen: dict[tuple[str, ...], float] = {}
+    for share in CHECKPOINT_SHARES:
+        names, freed, seconds = [], 0, 0.0
+        for name, block_s, nbytes in ranking:
+            if freed >= share * needed:
+                break
+            names.append(name)
+            freed, seconds = freed + nbytes, seconds + block_s
+        if names:
+            chosen[tuple(names)] = with_stall(starts[-1] + seconds, deficit - freed)
+    variants += [(variant_of(base, RecomputeConfig(modules=list(names))), compute_s)
+                 for names, compute_s in chosen.items()]
+    return variants
+
+
+def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str], float] | None:
+    """Modules whose norm_act storage costs a rebuild of its own (not shared with another storage of the
+    same stored input, see `frontend.RecentRebuilds`) and whose copy out and back fits comfortably between
+    its save and its use: storing and swapping them saves their rebuild. Returns (escaped module names,
+    rebuild seconds saved), most expensive first while the copies take at most half the forward."""
+    trace, durations = planner.trace(norm_act), planner.durations(norm_act)
+    cum = list(accumulate(durations, initial=0.0))
+    cost: dict[int, float] = {}
+    pack_op, first_use = save_and_first_use(trace)
+    open_unpacks = []
+    for event in trace.events:
+        if event.kind is EventKind.UNPACK_BEGIN:
+            open_unpacks.append((event.arg, event.op))
+        elif event.kind is EventKind.UNPACK_END and open_unpacks and open_unpacks[-1][0] == event.arg:
+            _, start = open_unpacks.pop()
+            cost[event.arg] = cost.get(event.arg, 0.0) + cum[event.op] - cum[start]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for traced in trace.records:
+        if traced.record.recompute:
+            groups.setdefault(tuple(traced.deps), []).append(traced.record.index)
+    candidates = [index for members in groups.values() if min(cost.get(i, 0.0) for i in members) > 0
+                  for index in members]
+    link_budget = 0.5 * cum[trace.fwd_end]
+    names, saved = [], 0.0
+    def gap(index: int) -> float:  # seconds between the save and the first use
+        return cum[first_use.get(index, trace.n_ops)] - cum[pack_op[index]]
+
+    for index in sorted(candidates, key=lambda i: (-cost[i], -gap(i))):
+        record = trace.records[index].record
+        round_trip = planner.cost.round_trip_seconds(transfer_bytes(record, norm_act.swap), record.nbytes)
+        if round_trip > link_budget or gap(index) < 2 * round_trip:
+            continue
+        link_budget -= round_trip
+        names.append(glob.escape(record.module))
+        saved += cost[index]
+    return (names, saved) if names else None
+
+
+def variant_of(base: MemoryConfig, recompute: RecomputeConfig) -> MemoryConfig:
+    """`base` with this recomputation and nothing swapped (mode none or recompute)."""
+    cfg = copy.deepcopy(base)
+    cfg.recompute = recompute
+    cfg.mode = "recompute" if recompute.modules or recompute.norm_act else "none"
+    cfg.budget_gib, cfg.bandwidth_gbs = base.budget_gib, base.bandwidth_gbs
+    return cfg
+
+
+def checkpoint_ranking(trace: Trace, durations: list[float], at_peak: set[int]) -> list[tuple[str, float, int]]:
+    """Blocks by recompute seconds per byte freed at the peak, cheapest first: (name, seconds, bytes).
+
+    Checkpointing a block stores only its inputs; what it frees are the storages saved inside it that
+    were also allocated inside it (the storages saved for its own backward), and what counts of those
+    are the ones resident at the peak (`at_peak`, record indices). The cost is its forward, run again
+    in backward. Both are summed over every call of the block.
+    """
+    pack_op, _ = save_and_first_use(trace)
+    stack: list[tuple[str, int]] = []
+    seconds: dict[str, float] = {}
+    freed: dict[str, int] = {}
+    cum = list(accumulate(durations, initial=0.0))
+    for event in trace.events:
+        op = event.op
+        if event.kind is EventKind.MODULE_START and event.flag:
+            stack.append((trace.module_names[event.arg], op))
+        elif event.kind is EventKind.MODULE_END and event.flag and stack:
+            name, start = stack.pop()
+            seconds[name] = seconds.get(name, 0.0) + cum[op] - cum[start]
+            prefix = name + "."
+            inside = [r for r in trace.records if not r.record.is_param and r.sid >= 0
+                      and r.record.index in at_peak and start <= pack_op[r.record.index] <= op
+                      and trace.storages[r.sid].alloc_op >= start
+                      and (r.record.module == name or r.record.module.startswith(prefix))]
+            freed[name] = freed.get(name, 0) + sum(r.record.nbytes for r in inside)
+    ranked = [(name, seconds[name], freed[name]) for name in seconds if freed[name] > 0]
+    return sorted(ranked, key=lambda item: item[1] / item[2])
+
+
+@dataclass
+class _Unit:
+    """The saved storages of one module that the engine may swap, as one swap candidate."""
+
+    module: str
+    nbytes: int = 0
+    seconds: float = 0.0  # link time of its copy out
+    pack_op: int = 1 << 62
+    free_op: int = -1  # the program itself drops the storages here; before it, swapping frees nothing
+    first_use: int = -1
+
+
+class SwapSearch:
+    """What to swap on top of one recompute variant, and how (module docstring, steps 3 and 4)."""
+
+    def __init__(self, planner: Planner, variant: MemoryConfig, limit: float, allow_compress: bool):
+        self.planner = planner
+        self.variant = variant
+        self.limit = limit
+        self.allow_compress = allow_compress
+
+    def plans(self, budget_bytes: float) -> list[PolicyPrediction]:
+        planner = self.planner
+        keep_all = planner.memory(self.variant, keep_timeline=True)
+        if keep_all.peak_bytes <= self.limit:
+            return [planner.predict("auto", self.variant, budget_bytes)]
+        order = self._candidates(keep_all)
+        if not order or not self._fits(len(order), LEANEST_INFLIGHT, 0):
+            return []
+        low, high = 1, len(order)  # the shortest prefix that fits with the leanest schedule
+        while low < high:
+            mid = (low + high) // 2
+            if self._fits(mid, LEANEST_INFLIGHT, 0):
+                high = mid
+            else:
+                low = mid + 1
+        self.order = order
+        out = []
+        for count in sorted({low, min(len(order), low + max(1, low // 4))}):
+            for compress in ("none", "bf16") if self.allow_compress else ("none",):
+                for lookahead in LOOKAHEADS:
+                    # A larger in-flight budget waits less and holds more: the largest that fits is the pick.
+                    for inflight in reversed(INFLIGHT_BUDGETS):
+                        prediction = planner.predict("auto", self._config(count, inflight, lookahead, compress),
+                                                     budget_bytes)
+                        if prediction.fits:
+                            out.append(prediction)
+                            break
+        return out
+
+    def _candidates(self, keep_all: MemoryResult) -> list[_Unit]:
+        """Modules whose storages are resident during an op over the limit: those whose copy hides before
+        the first such op (link as a FIFO of the ones chosen before) in forward order, then the rest,
+        least late first."""
+        planner, trace = self.planner, self.planner.trace(self.variant)
+        starts = list(accumulate(planner.durations(self.variant), initial=0.0))
+        over = np.flatnonzero(np.asarray(keep_all.timeline) + keep_all.persistent_bytes > self.limit)
+        hiding, late, link_free = [], [], 0.0
+        for unit in sorted(self._units(trace), key=lambda u: u.pack_op):
+            k = int(np.searchsorted(over, max(unit.pack_op, unit.free_op)))
+            if k == len(over) or over[k] >= unit.first_use:
+                continue  # not resident while memory is over the limit: swapping it gains nothing
+            finish = max(link_free, starts[unit.pack_op]) + unit.seconds
+            needed = starts[int(over[k])]
+            if finish <= needed:
+                hiding.append(unit)
+                link_free = finish
+            else:
+                late.append((finish - needed, unit.pack_op, unit))
+        self.order = hiding + [unit for *_, unit in sorted(late, key=lambda item: item[:2])]
+        return self.order
+
+    def _units(self, trace: Trace) -> list[_Unit]:
+        swap_cfg = copy.deepcopy(self.variant.swap)
+        swap_cfg.tensors = -1
+        eligible = select_swapped(trace.saved_records(), swap_cfg)
+        pack_op, first_use = save_and_first_use(trace)
+        units: dict[str, _Unit] = {}
+        for index in eligible:
+            record = trace.records[index].record
+            unit = units.setdefault(record.module, _Unit(record.module))
+            unit.nbytes += record.nbytes
+            unit.seconds += self.planner.cost.copy_seconds(transfer_bytes(record, swap_cfg), record.nbytes, D2H)
+            unit.pack_op = min(unit.pack_op, pack_op[index])
+            free = trace.storages[trace.records[index].sid].free_op
+            unit.free_op = max(unit.free_op, free if free >= 0 else trace.n_ops)
+            unit.first_use = max(unit.first_use, first_use.get(index, trace.n_ops))
+        return list(units.values())
+
+    def _config(self, count: int, inflight: int, lookahead: int, compress: str = "none") -> MemoryConfig:
+        cfg = copy.deepcopy(self.variant)
+        recomputes = bool(cfg.recompute.modules or cfg.recompute.norm_act)
+        cfg.mode = "hybrid" if recomputes else "swap"
+        cfg.swap.include = [glob.escape(unit.module) for unit in self.order[:count]]
+        cfg.swap.tensors = -1
+        cfg.swap.max_inflight_bytes = inflight
+        cfg.swap.lookahead = lookahead
+        cfg.swap.compress = compress
+        return cfg
+
+    def _fits(self, count: int, inflight: int, lookahead: int) -> bool:
+        return self.planner.memory(self._config(count, inflight, lookahead)).peak_bytes <= self.limit

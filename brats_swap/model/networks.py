@@ -1,0 +1,144 @@
+"""The registry of networks `model.name` builds: the Isensee 2017 U-Net, nnU-Net's plain and residual-encoder
+U-Nets (built by dynamic-network-architectures, the package nnU-Net itself builds them with), and MONAI's
+SegResNet (Auto3DSeg's deep-supervised SegResNetDS) and SwinUNETR.
+
+One output contract for all: in eval mode the forward returns sigmoid probabilities (B, C, D, H, W), what
+validation, evaluation and prediction read. In training mode the Isensee U-Net returns the same
+probabilities (the paper's network ends in a sigmoid); the others return logits, with deep supervision a
+list of them, full resolution first (nnU-Net's order), for the losses of `brats_swap.train.losses`
+(`emits_logits` tells them apart). Module names are the libraries' own (`encoder.stages.0`,
+`decoder.stages.0`, ...): the classes below subclass the library networks rather than wrap them.
+
+The `model.*` keys each network reads, their defaults (nnU-Net's BraTS plans) and how the stages adapt to
+the cube or patch live in `brats_swap.config.networks`; the loader fills them in, so a checkpoint's config
+holds the exact architecture.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from brats_swap.config import ConfigError, ModelConfig
+from brats_swap.config.networks import NETWORK_NAMES, NNUNET_NAMES, input_divisor
+from brats_swap.model.unet import Isensee2017UNet, ModelInputError
+
+
+class SigmoidInEval:
+    """Mixin over a network that returns logits (or a list of them): probabilities of the full-resolution
+    output in eval mode, the raw outputs in training mode. Checks the input's edges first."""
+
+    emits_logits = True
+    out_channels: int
+    size_divisor: list[int]
+
+    def check_input(self, x: torch.Tensor) -> None:
+        spatial = list(x.shape[2:])
+        if x.dim() != 5 or any(s % d for s, d in zip(spatial, self.size_divisor, strict=True)):
+            raise ModelInputError(
+                f"model input {list(x.shape)}: {type(self).__name__} needs (B, C, D, H, W) with edges divisible by "
+                f"{self.size_divisor}; change data.cube or train.patch")
+
+    def forward(self, x: torch.Tensor):
+        self.check_input(x)
+        outputs = super().forward(x)
+        if self.training:
+            return outputs
+        return torch.sigmoid(outputs[0] if isinstance(outputs, list | tuple) else outputs)
+
+
+@functools.cache
+def _with_outputs(mixin: type, base: type) -> type:
+    """`base` (a library network) with the output contract `mixin`; one class per pair, so that every model
+    of a network has the same type."""
+    return type(f"{base.__name__}BraTS", (mixin, base), {"__module__": __name__})
+
+
+def _nnunet_kwargs(cfg: ModelConfig, out_channels: int) -> dict:
+    """The arguments nnU-Net v2 passes for a 3D U-Net of these plans (instance norm with affine, eps 1e-5;
+    LeakyReLU 0.01 in place; convolution bias; no dropout)."""
+    return {
+        "input_channels": cfg.in_channels, "n_stages": len(cfg.features), "features_per_stage": list(cfg.features),
+        "conv_op": nn.Conv3d, "kernel_sizes": [[k] * 3 for k in cfg.kernels],
+        "strides": [list(s) for s in cfg.strides], "num_classes": out_channels,
+        "n_conv_per_stage_decoder": list(cfg.decoder_convs), "conv_bias": True, "norm_op": nn.InstanceNorm3d,
+        "norm_op_kwargs": {"eps": 1e-5, "affine": True}, "dropout_op": None, "dropout_op_kwargs": None,
+        "nonlin": nn.LeakyReLU, "nonlin_kwargs": {"inplace": True}, "deep_supervision": cfg.deep_supervision,
+    }
+
+
+class _NnUNetOutputs(SigmoidInEval):
+    """nnU-Net's decoder computes its deep-supervision heads only while training (in eval the full-resolution
+    head alone, as nnU-Net predicts)."""
+
+    deep_supervision: bool
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.decoder.deep_supervision = self.deep_supervision and mode
+        return self
+
+
+def _build_nnunet(cfg: ModelConfig, out_channels: int) -> nn.Module:
+    # Imported here: dynamic-network-architectures is needed only by the networks it builds.
+    try:
+        from dynamic_network_architectures.architectures.unet import PlainConvUNet, ResidualEncoderUNet
+    except ImportError as exc:
+        raise ConfigError(f"model.name={cfg.name} needs dynamic-network-architectures: `make install`, or pip "
+                          "install --no-deps dynamic-network-architectures==0.4.4 einops (its declared "
+                          "dependencies would replace torch)") from exc
+
+    base = PlainConvUNet if cfg.name == "nnunet" else ResidualEncoderUNet
+    blocks_key = "n_conv_per_stage" if cfg.name == "nnunet" else "n_blocks_per_stage"
+    network_class = _with_outputs(_NnUNetOutputs, base)
+    network = network_class(**_nnunet_kwargs(cfg, out_channels), **{blocks_key: list(cfg.blocks)})
+    network.apply(base.initialize)  # nnU-Net's He initialisation (and zeroed last norm per residual block)
+    network.deep_supervision = cfg.deep_supervision
+    network.train()
+    return network
+
+
+def _build_segresnet(cfg: ModelConfig, out_channels: int) -> nn.Module:
+    from monai.networks.nets import SegResNetDS
+
+    network_class = _with_outputs(SigmoidInEval, SegResNetDS)
+    levels = len(cfg.blocks)
+    return network_class(spatial_dims=3, init_filters=cfg.features[0], in_channels=cfg.in_channels,
+                         out_channels=out_channels, norm="instance", blocks_down=tuple(cfg.blocks),
+                         dsdepth=max(levels - 1, 1) if cfg.deep_supervision else 1)
+
+
+def _build_swinunetr(cfg: ModelConfig, out_channels: int) -> nn.Module:
+    from monai.networks.nets import SwinUNETR
+
+    network_class = _with_outputs(SigmoidInEval, SwinUNETR)
+    return network_class(in_channels=cfg.in_channels, out_channels=out_channels, feature_size=cfg.features[0],
+                         spatial_dims=3)
+
+
+def build_model(model_cfg: ModelConfig, out_channels: int = 3) -> nn.Module:
+    """The network described by the `model` config section (as the loader resolved it), freshly initialised."""
+    name = model_cfg.name
+    if name not in NETWORK_NAMES:
+        raise ConfigError(f"model.name {name!r} is unknown (known: {', '.join(NETWORK_NAMES)})")
+    if name == "isensee2017":
+        return Isensee2017UNet(model_cfg, out_channels)
+    if not model_cfg.features:
+        raise ConfigError(f"model.features: empty for model.name={name}; load the config with load_config, "
+                          "which fills in the network's plan")
+    if name in NNUNET_NAMES:
+        network = _build_nnunet(model_cfg, out_channels)
+    elif name == "segresnet":
+        network = _build_segresnet(model_cfg, out_channels)
+    else:
+        network = _build_swinunetr(model_cfg, out_channels)
+    network.out_channels = out_channels
+    network.size_divisor = input_divisor(model_cfg)
+    return network
+
+
+def emits_logits(model: nn.Module) -> bool:
+    """Whether the network's training-mode outputs are logits (else sigmoid probabilities)."""
+    return bool(getattr(model, "emits_logits", False))

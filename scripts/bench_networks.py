@@ -1,0 +1,168 @@
+"""The planner's numbers for every network, on the cards people have: the README's networks table.
+
+    .venv/bin/python scripts/bench_networks.py                 # every row (CPU only: meta-device traces; an hour)
+    .venv/bin/python scripts/bench_networks.py --acceptance    # the issue's three acceptance plans only
+    .venv/bin/python scripts/bench_networks.py --networks resenc_l --settings patch --dtypes fp16 --out /tmp/a
+    .venv/bin/python scripts/bench_networks.py --merge /tmp/a /tmp/b   # partial runs -> one table
+
+Nothing runs on a GPU: each row is `brats-swap plan`'s prediction (a trace of one training step on the
+`meta` device at full size, priced on the assumed H200 time model with a 50 GB/s PCIe 5 link), with a
+GPU's default device overhead (`memory.budget`) in every peak, floor and budget. Budgets are cards: 8,
+12, 16 and 24 GB. Per network, dtype and input:
+
+- parameters; nnU-Net's published GPU memory for its plan (nvidia-smi during training, fp16 AMP) where
+  nnU-Net publishes one, next to the planner's no-policy peak at the same plan;
+- the floor (the least any policy can need), and for each card the step time `auto` predicts relative to
+  the no-policy step (null: no plan fits that card).
+
+Inputs: `patch` is nnU-Net's plan (its patch and batch: 128x160x112 batch 2 for nnunet and ResEnc M,
+160x192x160 batch 3 for L and 5 for XL; the other networks at nnU-Net's default patch, batch 2, SwinUNETR
+at 128x160x128 because its edges must divide by 32); `whole` is a whole 192³ volume, batch 2. The
+nnU-Net networks train with nnU-Net's recipe (SGD, Dice + BCE on the regions), the others with the
+project's defaults (Adam, weighted Dice). `--acceptance` prices the issue's plans: ResEnc L at its plan on
+a 12 GB card (<= 1.25x), XL on 16 GB (<= 1.5x), L on whole 192³ batch 2 on 10 GB (<= 1.3x), fp16.
+
+Writes docs/benchmarks/networks.json (rows as they finish: an interrupted run keeps what it priced) and,
+without `--acceptance`, the Markdown table `docs/benchmarks/networks.md` that the README shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from brats_swap.atomic import atomic_write_json, atomic_write_text
+from brats_swap.config import Config, load_config
+from brats_swap.config.networks import NETWORK_NAMES, NNUNET_PRESETS
+from brats_swap.memory.budget import DEFAULT_DEVICE_OVERHEAD_GIB
+from brats_swap.memory.cost import default_cost_model
+from brats_swap.memory.planner import Planner
+from brats_swap.memory.simulate import GIB
+from brats_swap.train import planning
+
+REPO = Path(__file__).resolve().parents[1]
+CARDS_GB = (8, 12, 16, 24)
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_PATCH = ((128, 160, 112), 2)  # nnU-Net's plan for the default network and ResEnc M
+SWIN_PATCH = ((128, 160, 128), 2)
+WHOLE = ((192, 192, 192), 2)
+ACCEPTANCE = [  # (network, setting, dtype, card GB, largest step ratio)
+    ("resenc_l", "patch", "fp16", 12, 1.25),
+    ("resenc_xl", "patch", "fp16", 16, 1.5),
+    ("resenc_l", "whole", "fp16", 10, 1.3),
+]
+
+
+def network_input(network: str, setting: str) -> tuple[tuple[int, int, int], int]:
+    """(edges, batch) of `setting` for `network` (module docstring)."""
+    if setting == "whole":
+        return WHOLE
+    if network in NNUNET_PRESETS:
+        return NNUNET_PRESETS[network].patch, NNUNET_PRESETS[network].batch_size
+    return SWIN_PATCH if network == "swinunetr" else DEFAULT_PATCH
+
+
+def network_config(network: str, edges: tuple[int, int, int], batch: int) -> Config:
+    recipe = ["train.optimizer=sgd", "train.loss=dice_bce", "model.outputs=regions"] if network in NNUNET_PRESETS else []
+    return load_config(None, [f"model.name={network}", "data.cube=[{},{},{}]".format(*edges),
+                              f"train.batch_size={batch}", *recipe])
+
+
+def price(network: str, setting: str, dtype: str, cards: tuple[float, ...]) -> dict:
+    """One row: the network at `setting` in `dtype`, `auto` on each card."""
+    started = time.perf_counter()
+    edges, batch = network_input(network, setting)
+    config = network_config(network, edges, batch)
+    model = planning.config_model(config)
+    torch_dtype = DTYPES[dtype]
+    planner = Planner(model, planning.training_input_shape(config), dtype=torch_dtype,
+                      loss_fn=planning.training_loss(config.train.loss, model),
+                      cost=default_cost_model("gpu", torch_dtype),
+                      optimizer_state_factor=planning.optimizer_state_factor(config))
+    base = config.memory
+    base.device_overhead_gib = DEFAULT_DEVICE_OVERHEAD_GIB
+    none = planner.predict("none", base)
+    row = {"network": network, "setting": setting, "input": list(edges), "batch": batch, "dtype": dtype,
+           "parameters": sum(p.numel() for p in model.parameters()),
+           "published_vram_gb": NNUNET_PRESETS[network].published_vram_gb
+           if network in NNUNET_PRESETS and setting == "patch" and dtype == "fp16" else None,
+           "none_peak_gib": round(none.peak_bytes / GIB, 2),
+           "floor_gib": round((planner.floor_bytes() + DEFAULT_DEVICE_OVERHEAD_GIB * GIB) / GIB, 2),
+           "device_overhead_gib": DEFAULT_DEVICE_OVERHEAD_GIB, "none_step_s": round(none.step_s, 4), "auto": {}}
+    for card in cards:
+        best, _ = planner.auto(card * GIB, base)
+        row["auto"][f"{card:g}"] = None if best is None else {
+            "step_ratio": round(best.step_s / none.step_s, 3), "peak_gib": round(best.peak_bytes / GIB, 2),
+            "prefetch_misses": best.prefetch_misses, "mode": best.policy.mode,
+            "lookahead": best.policy.swap.lookahead}
+    row["seconds"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| network | input | dtype | parameters | nnU-Net published GB | planner no-policy GiB | floor GiB | "
+            + " | ".join(f"auto {c} GB" for c in CARDS_GB) + " |")
+    lines = [head, "|" + "---|" * (7 + len(CARDS_GB))]
+    for row in rows:
+        shape = "x".join(map(str, row["input"])) + f" b{row['batch']}"
+        cells = [f"{row['auto'][str(c)]['step_ratio']:.2f}x" if row["auto"].get(str(c)) else "no plan"
+                 for c in CARDS_GB]
+        published = f"{row['published_vram_gb']:g}" if row["published_vram_gb"] else "-"
+        lines.append(f"| {row['network']} | {shape} | {row['dtype']} | {row['parameters'] / 1e6:.1f} M | {published} "
+                     f"| {row['none_peak_gib']:.1f} | {row['floor_gib']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def merge_runs(folders: list[Path], out: Path) -> dict:
+    runs = [json.loads((folder / "networks.json").read_text(encoding="utf-8")) for folder in folders]
+    order = {name: i for i, name in enumerate(NETWORK_NAMES)}
+    rows = sorted((row for run in runs for row in run["rows"]),
+                  key=lambda row: (order[row["network"]], row["setting"] != "patch", row["dtype"] != "fp16"))
+    result = {**runs[0], "rows": rows}
+    atomic_write_json(out / "networks.json", result)
+    atomic_write_text(out / "networks.md", markdown(rows))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--networks", nargs="+", default=list(NETWORK_NAMES), choices=NETWORK_NAMES)
+    parser.add_argument("--settings", nargs="+", default=["patch", "whole"], choices=["patch", "whole"])
+    parser.add_argument("--dtypes", nargs="+", default=["fp16", "fp32"], choices=list(DTYPES))
+    parser.add_argument("--acceptance", action="store_true", help="Price the issue's three plans only.")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
+    parser.add_argument("--merge", type=Path, nargs="+", help="Folders of partial runs (run in parallel): write "
+                        "their rows, in network order, as one networks.json / networks.md in --out.")
+    args = parser.parse_args(argv)
+    if args.merge:
+        return merge_runs(args.merge, args.out)
+    torch.set_num_threads(1)
+    result: dict = {"time_model": default_cost_model("gpu", torch.float16).name, "cards_gb": list(CARDS_GB),
+                    "measured_on_gpu": False, "rows": [], "acceptance": []}
+    name = "networks_acceptance.json" if args.acceptance else "networks.json"
+    if args.acceptance:
+        for network, setting, dtype, card, limit in ACCEPTANCE:
+            row = price(network, setting, dtype, (card,))
+            found = row["auto"][f"{card:g}"]
+            row["target_ratio"], row["passes"] = limit, found is not None and found["step_ratio"] <= limit
+            result["acceptance"].append(row)
+            atomic_write_json(args.out / name, result)
+            print(row, flush=True)
+        return result
+    for network in args.networks:
+        for setting in args.settings:
+            for dtype in args.dtypes:
+                row = price(network, setting, dtype, CARDS_GB)
+                result["rows"].append(row)
+                atomic_write_json(args.out / name, result)
+                print(row, flush=True)
+    atomic_write_text(args.out / "networks.md", markdown(result["rows"]))
+    return result
+
+
+if __name__ == "__main__":
+    main()

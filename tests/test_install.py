@@ -1,0 +1,26 @@
+"""The install keeps the torch it found: dynamic-network-architectures goes in without its dependencies
+(its metadata pulls timm -> torchvision -> another torch build), and nnU-Net's networks need none of them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from brats_swap.config import load_config
+from brats_swap.model import build_model
+
+
+def test_the_torch_recorded_before_installing_the_network_library_is_the_one_installed():
+    recorded = Path(sys.prefix) / "torch-version.txt"
+    if not recorded.is_file():
+        pytest.skip(f"{recorded}: not written; this environment was not made by `make install`")
+    assert torch.__version__ == recorded.read_text(encoding="utf-8").strip()
+
+
+def test_building_nnunet_networks_imports_neither_timm_nor_torchvision():
+    for name in ("nnunet", "resenc_l"):
+        build_model(load_config(None, [f"model.name={name}", "data.cube=[16,16,16]", "model.features=[2,4,8]"]).model)
+    assert not {"timm", "torchvision"} & set(sys.modules)
