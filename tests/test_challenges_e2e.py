@@ -27,12 +27,12 @@ from brats_swap.data.challenges import get_challenge
 from brats_swap.data.phantom import synthesize_dataset
 from brats_swap.train import data as train_data
 
-# challenge -> (model.outputs, data.modalities, the regions its metrics must report, in column order)
+# challenge -> (model.outputs, data.modalities (None: unset), the regions its metrics must report, in column order)
 CASES = {
     "gli-post": ("labels", "[t1,t1ce,t2,flair]", ("WT", "TC", "ET", "RC")),
     "ped": ("regions", "[t1,t1ce,t2,flair]", ("WT", "TC", "ET", "CC")),
     "met": ("regions", "[t1,t1ce,t2,flair]", ("WT", "TC", "ET", "RC")),
-    "men-rt": ("labels", "[t1ce]", ("GTV",)),
+    "men-rt": ("labels", None, ("GTV",)),  # no data.modalities: the challenge's images (t1ce only)
 }
 TINY = ["data.cube=[24,24,24]", "model.depth=4", "model.base_filters=4", "train.max_epochs=1",
         "train.steps_per_epoch=1", "train.device=cpu", "cv.folds=2", "data.loader_workers=0",
@@ -56,14 +56,17 @@ def test_check_train_evaluate_on_a_challenge_from_an_empty_cache(challenge, tmp_
     root, cache, run = tmp_path / "download", tmp_path / "cache", tmp_path / "run"
     _invoke(["data", "synth", "--challenge", challenge, "--cases", "4", "--shape", "40", "40", "24",
              "--out", str(root)])
-    checked = _invoke(["data", "check", str(root), "--strict", *_sets(f"data.modalities={modalities}")])
+    chosen = [f"data.modalities={modalities}"] if modalities else []
+    checked = _invoke(["data", "check", str(root), "--strict", *_sets(*chosen)])
     assert "4 usable, 0 skipped" in checked.output
     assert not cache.exists()
 
-    data = [f"data.root={root}", f"data.cache={cache}", f"data.modalities={modalities}", f"model.outputs={outputs}"]
+    data = [f"data.root={root}", f"data.cache={cache}", *chosen, f"model.outputs={outputs}"]
     trained = _invoke(["train", "--run", str(run), *_sets(*data, *TINY)])
     assert "prepared 4 case(s)" in " ".join(trained.output.split())  # no `data prepare` needed first
     assert sorted(json.loads((cache / "index.json").read_text())["cases"]) == [spec.example_id(i) for i in range(4)]
+    saved = load_config(run / "config.yaml").data.modalities
+    assert saved == (["t1ce"] if challenge == "men-rt" else ["t1", "t1ce", "t2", "flair"])  # recorded in the run
     train_log = (run / "fold_0" / "train.log").read_text()
     assert all(f"dice_{region.lower()}" in train_log for region in regions)
 
@@ -128,3 +131,21 @@ def test_cv_and_compare_prepare_the_cache_once_before_any_fold(command, monkeypa
         assert run_compare(config, tmp_path / "run").complete
     assert events[0] == f"prepare {tmp_path / 'download'}" and events.count(events[0]) == 1
     assert events[1:] == ["train"] * (2 if command == "cv" else 4)
+
+
+def test_the_challenges_images_are_the_default_modalities_and_an_explicit_list_wins(tmp_path):
+    from brats_swap.data.discovery import challenge_images
+
+    root = tmp_path / "download"
+    synthesize_dataset(root, 1, seed=0, shape=(8, 8, 8), edition="men-rt")
+    assert challenge_images(root) == ["t1ce"]  # detected from the case id
+    assert challenge_images(tmp_path / "missing", "men-rt") == ["t1ce"]  # forced
+    assert challenge_images(tmp_path / "missing") is None  # nothing to read: the config keeps its list
+
+    def images_of(data):
+        return challenge_images(data.root, data.challenge)
+
+    config = load_config(None, [f"data.root={root}"], images_of=images_of)
+    assert (config.data.modalities, config.model.in_channels) == (["t1ce"], 1)
+    explicit = load_config(None, [f"data.root={root}", "data.modalities=[t1,t1ce]"], images_of=images_of)
+    assert explicit.data.modalities == ["t1", "t1ce"]

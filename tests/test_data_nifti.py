@@ -168,11 +168,11 @@ def test_a_label_outside_the_detected_challenge_names_file_labels_table_and_key(
 
 def test_men_rt_reads_t1c_alone_and_says_so_when_other_modalities_are_asked_for(tmp_path):
     write_case(tmp_path, "BraTS-MEN-RT-0060-1", "men-rt")
-    result = _check(tmp_path, "--strict")
+    result = _check(tmp_path, "--strict", "--set", "data.modalities=[t1,t1ce]")
     assert result.exit_code == 1
     assert ("case BraTS-MEN-RT-0060-1: the men-rt challenge ships no t1 image (only t1ce): "
             "set data.modalities=[t1ce]") in _one_line(result)
-    result = _check(tmp_path, "--strict", "--set", "data.modalities=[t1ce]")
+    result = _check(tmp_path, "--strict")  # data.modalities unset: the challenge's images, t1ce alone
     assert result.exit_code == 0, result.output
     loaded = load_case(discover_cases(tmp_path, modalities=["t1ce"])[0], ["t1ce"])
     assert loaded.image.shape == (1, *SHAPE) and set(np.unique(loaded.seg)) == {0, 1}

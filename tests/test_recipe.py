@@ -66,3 +66,17 @@ def test_dice_ce_needs_label_outputs_and_a_network_with_logits():
         load_config(None, ["model.name=resenc_l", "train.loss=dice_ce", "model.outputs=regions"])
     with pytest.raises(ConfigError, match=r"^train\.loss: dice_ce"):
         load_config(None, ["train.loss=dice_ce"])
+
+
+def test_dice_bce_on_a_sigmoid_network_plans_on_the_meta_device():
+    # The Isensee U-Net ends in a sigmoid: its BCE leaves autocast, which the meta device the planner traces on
+    # does not have.
+    from brats_swap.memory.planner import Planner
+    from brats_swap.model import build_model
+    from brats_swap.train.losses import training_loss
+
+    config = load_config(None, ["train.loss=dice_bce", "model.base_filters=2", "data.cube=[16,16,16]"])
+    model = build_model(config.model, 3)
+    planner = Planner(model, (1, config.model.in_channels, 16, 16, 16),
+                      loss_fn=training_loss(config.train.loss, model))
+    assert planner.memory(config.memory).peak_bytes > 0

@@ -51,8 +51,13 @@ def flag(names: str, help: str) -> Any:
     return typer.Option(names, help=help, metavar="")
 
 
-def resolve_config(config: Path | None, overrides: list[str] | None) -> Config:
-    return load_config(config, overrides or [], warn=warn)
+def resolve_config(config: Path | None, overrides: list[str] | None, data_root: Path | None = None) -> Config:
+    """The config of a command; `data.modalities`, unless set, the images of the challenge of the data
+    (`data_root`, default `data.root`)."""
+    from brats_swap.data.discovery import challenge_images
+
+    return load_config(config, overrides or [], warn=warn,
+                       images_of=lambda data: challenge_images(data_root or data.root, data.challenge))
 
 
 def default_run_dir(config: Config, run: Path | None) -> Path:

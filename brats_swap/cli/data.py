@@ -42,7 +42,7 @@ def check(root: RootArgument = None, edition: EditionOption = None, challenge: C
     """Find and validate every case: label table, shape, spacing, label counts and problems."""
     from brats_swap.data.check import check_dataset
 
-    cfg = resolve_config(config, _forcing(set_, edition, challenge))
+    cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
     results = check_dataset(folder, cfg.data.edition, cfg.data.modalities, challenge=cfg.data.challenge)
 
@@ -85,7 +85,7 @@ def prepare(
     """Crop, normalize and fit every case to data.cube into an on-disk cache (incremental, atomic)."""
     from brats_swap.data.cache import prepare_dataset
 
-    cfg = resolve_config(config, _forcing(set_, edition, challenge))
+    cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
     cache = out if out is not None else Path(cfg.data.cache)
     report = prepare_dataset(folder, cache, cfg.data, workers=workers, strict=strict)

@@ -23,15 +23,18 @@ from brats_swap.config.networks import (
     foreign_model_keys,
     input_size_problem,
 )
-from brats_swap.config.schema import Config, MemoryConfig, ModelConfig
+from brats_swap.config.schema import Config, DataConfig, MemoryConfig, ModelConfig
 from brats_swap.errors import ConfigError
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                warn: typing.Callable[[str], None] | None = None) -> Config:
+                warn: typing.Callable[[str], None] | None = None,
+                images_of: typing.Callable[[DataConfig], list[str] | None] | None = None) -> Config:
     """Resolve a config: schema defaults <- YAML file <- `section.key=value` overrides, then validate.
 
     `warn` receives one line naming the `model.*` keys set for another network than `model.name` (ignored).
+    `images_of(data)`: the modalities of the data's challenge (or None), which `data.modalities` takes when
+    neither the file nor an override sets it (the CLI passes the data layer's `challenge_images`).
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -41,6 +44,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
     config = from_dict(Config, raw)
+    _take_challenge_images(config, raw, images_of)
     _derive_unset(config, raw)
     validate_config(config)
     model_raw = raw.get("model") if isinstance(raw.get("model"), dict) else {}
@@ -51,6 +55,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if ignored and warn is not None:
         warn(f"{', '.join('model.' + k for k in ignored)}: not read by model.name={config.model.name}; ignored")
     return config
+
+
+def _take_challenge_images(config: Config, raw: dict[str, Any],
+                           images_of: typing.Callable[[DataConfig], list[str] | None] | None) -> None:
+    """`data.modalities`, when unset, is the challenge's images (a MEN-RT folder: t1ce only)."""
+    data_raw = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    if images_of is None or "modalities" in data_raw:
+        return
+    images = images_of(config.data)
+    if images:
+        config.data.modalities = images
 
 
 def _derive_unset(config: Config, raw: dict[str, Any]) -> None:

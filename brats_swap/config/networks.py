@@ -28,7 +28,7 @@ MODEL_KEYS: dict[str, tuple[str, ...]] = {
     "isensee2017": ISENSEE_KEYS,
     **{name: NNUNET_KEYS for name in NNUNET_NAMES},
     "segresnet": ("features", "blocks", "deep_supervision"),
-    "swinunetr": ("features",),
+    "swinunetr": ("features", "blocks"),
 }
 
 _NNUNET_PLAN = {"features": [32, 64, 128, 256, 320, 320], "kernels": [3] * 6,
@@ -40,8 +40,9 @@ NETWORK_DEFAULTS: dict[str, dict] = {
        for name in ("resenc_m", "resenc_l", "resenc_xl")},
     # Auto3DSeg's SegResNetDS for BraTS: 32 initial filters doubling per level, 1-2-2-4-4 blocks.
     "segresnet": {"features": [32, 64, 128, 256, 512], "blocks": [1, 2, 2, 4, 4]},
-    # MONAI's SwinUNETR BraTS tutorial: feature size 48 (its stages carry 48, 96, 192, 384, 768 channels).
-    "swinunetr": {"features": [48]},
+    # MONAI's SwinUNETR BraTS tutorial: feature size 48 (its stages carry 48, 96, 192, 384, 768 channels), and
+    # MONAI's 2 transformer blocks in each of its 4 stages.
+    "swinunetr": {"features": [48], "blocks": [2, 2, 2, 2]},
 }
 
 
@@ -179,6 +180,8 @@ def check_network_keys(model, require) -> None:
     if model.name == "swinunetr":
         require(len(model.features) == 1 and model.features[0] % 12 == 0, "model.features",
                 f"SwinUNETR takes one feature size divisible by 12, got {model.features}")
+        require(len(model.blocks) == 4, "model.blocks",
+                f"SwinUNETR has 4 transformer stages (blocks per stage), got {model.blocks}")
     if model.name != "isensee2017":
         values = [*model.features, *model.kernels, *model.blocks, *model.decoder_convs]
         require(all(v >= 1 for v in values), "model", "features, kernels, blocks and decoder_convs must be positive")

@@ -232,3 +232,18 @@ def _all_tokens() -> tuple[str, ...]:
 
 
 _ALL_TOKENS = _all_tokens()
+
+
+def challenge_images(root: str | Path, challenge: str = "auto") -> list[str] | None:
+    """The modalities a challenge ships, in the canonical channel order (MEN-RT: only t1ce): the `challenge`
+    forced, else the one of the first case id under `root`. None when neither is known (a legacy edition, a
+    missing or empty folder): the caller keeps its own list."""
+    if challenge == "auto":
+        folder = Path(root)
+        parsed = (parse_file_name(path.name) for path in _walk_nifti(folder)) if folder.is_dir() else iter(())
+        case_id = next((found[0] for found in parsed if found is not None), None)
+        challenge = challenge_of_case_id(case_id) if case_id is not None else None
+    if challenge is None or challenge not in MODERN_CHALLENGES:
+        return None
+    shipped = get_challenge(challenge).modality_suffixes
+    return [modality for modality in CANONICAL_MODALITIES if modality in shipped]

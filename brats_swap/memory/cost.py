@@ -183,7 +183,7 @@ def profile_device(model: nn.Module, device: torch.device, *, loss_fn: Callable,
     in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv3d)).in_channels
     shape = (batch, in_channels, cube, cube, cube)
     # Imported here: the recorder runs the engine's front end, whose emulated link prices with this module.
-    from brats_swap.memory.recorder import trace_step
+    from brats_swap.memory.recorder import first_output, trace_step
 
     raw_fwd, raw_bwd = cost.phase_seconds(trace_step(model, shape, dtype=dtype, loss_fn=loss_fn))
 
@@ -196,8 +196,8 @@ def profile_device(model: nn.Module, device: torch.device, *, loss_fn: Callable,
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-            probs = work(x)
-            loss = loss_fn(probs, torch.rand_like(probs))
+            output = work(x)  # a tensor, or a structure of them under deep supervision
+            loss = loss_fn(output, torch.rand_like(first_output(output)))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         mid = time.perf_counter()

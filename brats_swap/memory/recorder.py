@@ -298,6 +298,12 @@ def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: Trace
     return fwd_end
 
 
+def first_output(output) -> torch.Tensor:
+    """The first tensor of a network's output: the output itself, or the first of a list, tuple or dict of
+    tensors (deep supervision puts the full resolution first). A loss's target takes its shape."""
+    return next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+
+
 def trace_step(
     model: nn.Module,
     input_shape: Sequence[int],
@@ -350,7 +356,7 @@ def trace_step(
         def step(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
             output = module(batch)
             if len(held) == 1:  # the target takes the shape of the (first) output
-                held.append(torch.empty_like(next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))))
+                held.append(torch.empty_like(first_output(output)))
                 # Allocated before the step (the data loader's), alive to its end like the batch.
                 recorder.storages[recorder.storage_id(held[-1].untyped_storage())].alloc_op = 0
             return loss_fn(output, held[1])

@@ -115,7 +115,7 @@ def _build_swinunetr(cfg: ModelConfig, out_channels: int) -> nn.Module:
 
     network_class = _with_outputs(SigmoidInEval, SwinUNETR)
     return network_class(in_channels=cfg.in_channels, out_channels=out_channels, feature_size=cfg.features[0],
-                         spatial_dims=3)
+                         depths=tuple(cfg.blocks), spatial_dims=3)
 
 
 def build_model(model_cfg: ModelConfig, out_channels: int = 3) -> nn.Module:

@@ -3,6 +3,7 @@ Dice + cross-entropy and nnU-Net's region Dice + BCE, over deep-supervision outp
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -62,8 +63,12 @@ def _sigmoid_dice_bce(output: torch.Tensor, target: torch.Tensor, from_logits: b
     dice = DiceLoss(sigmoid=from_logits, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)(output, target)
     if from_logits:
         return dice + F.binary_cross_entropy_with_logits(output, target)
-    # A network that ends in a sigmoid: BCE on its probabilities, in fp32 (autocast refuses it in fp16).
-    with torch.autocast(output.device.type, enabled=False):
+    # A network that ends in a sigmoid: BCE on its probabilities, in fp32 (autocast refuses it in fp16). The
+    # planner traces on the meta device, which has no autocast to leave.
+    device = output.device.type
+    outside_autocast = (torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device)
+                        else contextlib.nullcontext())
+    with outside_autocast:
         return dice + F.binary_cross_entropy(output.clamp(1e-7, 1 - 1e-7), target)
 
 
