@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 
 # Without CUDA, pin the CPU build of torch first (2.13.0 is on disk here) so that resolving
 # `torch>=2.4` does not download a multi-GB CUDA build; with CUDA, pip takes the normal build.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA found: installing the default torch build"; \

@@ -165,7 +165,8 @@ def test_train_step_reads_the_loss_only_after_backward_is_queued(monkeypatch):
     monkeypatch.setattr(loop_module, "all_reduce_mean", reduce)
     fake = types.SimpleNamespace(
         folder=types.SimpleNamespace(root="run/fold0"), loop=types.SimpleNamespace(epoch=0, step_in_epoch=0),
-        device=torch.device("cpu"), config=types.SimpleNamespace(train=types.SimpleNamespace(amp="none")),
+        device=torch.device("cpu"), config=types.SimpleNamespace(train=types.SimpleNamespace(amp="none", grad_clip=None)),
+        model=model, loss=lambda output, target: (output - target).abs().mean(),
         engine=types.SimpleNamespace(step=contextlib.nullcontext), train_model=lambda x: model(x).sigmoid(),
         scaler=types.SimpleNamespace(scale=Scaled, step=lambda optimizer: order.append("step"), update=lambda: None),
         optimizer=types.SimpleNamespace(zero_grad=lambda set_to_none: None), ctx=None)

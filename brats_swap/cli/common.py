@@ -131,7 +131,7 @@ def _user_message(exc: BaseException) -> str:
 def _is_device_oom(exc: BaseException) -> bool:
     # torch is imported lazily by the commands; if it is not loaded, this cannot be its error.
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
+    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -521,7 +521,7 @@ class FoldRecipe:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:  # torch.OutOfMemoryError exists from torch 2.5 only
             raise out_of_memory_error(self.device, self.config, where, self.memory_cfg,
                                       out_channels=self.out_channels) from None
         return loss_value
