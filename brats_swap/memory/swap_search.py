@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import glob
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -31,6 +32,10 @@ INFLIGHT_BUDGETS = tuple(mib << 20 for mib in (64, 256, 1024, 2048, 4096, 8192, 
 LEANEST_INFLIGHT = INFLIGHT_BUDGETS[0]
 # Checkpointing amounts tried, as shares of the bytes the link cannot hide before the peak.
 CHECKPOINT_SHARES = (0.6, 1.0, 1.4)
+# The same with norm_act on top: norm_act frees the norm/act outputs almost for free, checkpointing the
+# cheapest blocks frees the convolution outputs the link cannot move before the peak; larger amounts,
+# since each block frees less once its norm/act outputs are rebuilt anyway.
+NORM_ACT_CHECKPOINT_SHARES = (1.0, 1.5, 2.0, 3.0)
 
 
 def save_and_first_use(trace: Trace) -> tuple[dict[int, int], dict[int, int]]:
@@ -74,11 +79,34 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
         return compute_s + planner.cost.copy_seconds(late, late, D2H)
 
     variants[0] = (plain, with_stall(variants[0][1], deficit))
+    chosen = _checkpoint_amounts(planner, plain, limit, CHECKPOINT_SHARES, with_stall)
+    variants += [(variant_of(base, RecomputeConfig(modules=names)), compute_s) for names, compute_s in chosen]
+    # norm_act frees the norm/act outputs almost for free; on top, the cheapest blocks of its own trace
+    # (each frees its convolution outputs) in amounts sized to what the link cannot move before its peak.
+    chosen = _checkpoint_amounts(planner, norm_act, limit, NORM_ACT_CHECKPOINT_SHARES,
+                                 lambda compute_s, excess: compute_s)
+    variants += [(variant_of(base, RecomputeConfig(modules=names, norm_act=True)), compute_s)
+                 for names, compute_s in chosen]
+    return variants
+
+
+def _checkpoint_amounts(planner: Planner, variant: MemoryConfig, limit: float, shares: tuple[float, ...],
+                        estimate: Callable[[float, float], float]) -> list[tuple[list[str], float]]:
+    """Checkpointing on top of `variant`: per share of the bytes the link cannot move out before
+    `variant`'s peak (at least a quarter of its excess over `limit`), the cheapest blocks of its trace
+    (`checkpoint_ranking`) that free that share, with `estimate(compute seconds, bytes still over)`."""
+    keep_all = planner.memory(variant, keep_timeline=True)
+    deficit = keep_all.peak_bytes - limit
+    if deficit <= 0:
+        return []
+    trace, durations = planner.trace(variant), planner.durations(variant)
+    starts = list(accumulate(durations, initial=0.0))
+    hideable = planner.cost.bytes_moved(starts[keep_all.peak_op])
     needed = max(deficit - hideable, deficit * 0.25)
-    ranking = checkpoint_ranking(planner.trace(plain), planner.durations(plain),
-                                 resident_records(planner.trace(plain), planner.schedule(plain), keep_all.peak_op))
+    ranking = checkpoint_ranking(trace, durations,
+                                 resident_records(trace, planner.schedule(variant), keep_all.peak_op))
     chosen: dict[tuple[str, ...], float] = {}
-    for share in CHECKPOINT_SHARES:
+    for share in shares:
         names, freed, seconds = [], 0, 0.0
         for name, block_s, nbytes in ranking:
             if freed >= share * needed:
@@ -86,10 +114,8 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
             names.append(name)
             freed, seconds = freed + nbytes, seconds + block_s
         if names:
-            chosen[tuple(names)] = with_stall(starts[-1] + seconds, deficit - freed)
-    variants += [(variant_of(base, RecomputeConfig(modules=list(names))), compute_s)
-                 for names, compute_s in chosen.items()]
-    return variants
+            chosen.setdefault(tuple(names), estimate(starts[-1] + seconds, deficit - freed))
+    return [(list(names), compute_s) for names, compute_s in chosen.items()]
 
 
 def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str], float] | None:
@@ -159,11 +185,11 @@ def checkpoint_ranking(trace: Trace, durations: list[float], at_peak: set[int]) 
         elif event.kind is EventKind.MODULE_END and event.flag and stack:
             name, start = stack.pop()
             seconds[name] = seconds.get(name, 0.0) + cum[op] - cum[start]
-            prefix = name + "."
+            # By op range, not by name: a block may run modules registered under another name (nnU-Net's
+            # `ConvDropoutNormReLU.all_modules` runs its `conv`, `norm` and `nonlin`).
             inside = [r for r in trace.records if not r.record.is_param and r.sid >= 0
                       and r.record.index in at_peak and start <= pack_op[r.record.index] <= op
-                      and trace.storages[r.sid].alloc_op >= start
-                      and (r.record.module == name or r.record.module.startswith(prefix))]
+                      and trace.storages[r.sid].alloc_op >= start]
             freed[name] = freed.get(name, 0) + sum(r.record.nbytes for r in inside)
     ranked = [(name, seconds[name], freed[name]) for name in seconds if freed[name] > 0]
     return sorted(ranked, key=lambda item: item[1] / item[2])
