@@ -21,7 +21,7 @@ from brats_swap.config import MemoryConfig, RecomputeConfig
 from brats_swap.memory.cost import D2H
 from brats_swap.memory.events import EventKind
 from brats_swap.memory.rulebook import select_swapped, transfer_bytes
-from brats_swap.memory.simulate import MemoryResult, resident_records
+from brats_swap.memory.simulate import MemoryResult, rebuilt_at, resident_records
 from brats_swap.memory.trace import Trace
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
     """The recompute variants `auto` tries, each with its compute seconds (estimated for the ones not
     traced yet): none; norm_act; norm_act with the storages whose own rebuild costs most stored and
     swapped instead, where their copies can hide; checkpointing of the cheapest blocks in amounts
-    sized to the bytes the link cannot hide before the peak (module docstring)."""
+    sized to the bytes the link cannot hide before the peak, alone and on top of norm_act; norm_act
+    storing the outputs whose rebuilds hold the peak when everything else swaps (module docstring)."""
     plain = variant_of(base, RecomputeConfig())
     norm_act = variant_of(base, RecomputeConfig(norm_act=True))
     variants = [(plain, sum(planner.durations(plain))), (norm_act, sum(planner.durations(norm_act)))]
@@ -65,6 +66,9 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
         names, saved_s = stored
         variants.append((variant_of(base, RecomputeConfig(norm_act=True, norm_act_exclude=names)),
                          variants[1][1] - saved_s))
+    rebuilt = _rebuilds_at_peak(planner, base, limit)
+    if rebuilt:  # its compute lies between plain's and norm_act's: plain's is the lower bound
+        variants.append((variant_of(base, RecomputeConfig(norm_act=True, norm_act_exclude=rebuilt)), variants[0][1]))
     keep_all = planner.memory(plain, keep_timeline=True)
     deficit = keep_all.peak_bytes - limit
     if deficit <= 0:
@@ -127,13 +131,8 @@ def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str
     cum = list(accumulate(durations, initial=0.0))
     cost: dict[int, float] = {}
     pack_op, first_use = save_and_first_use(trace)
-    open_unpacks = []
-    for event in trace.events:
-        if event.kind is EventKind.UNPACK_BEGIN:
-            open_unpacks.append((event.arg, event.op))
-        elif event.kind is EventKind.UNPACK_END and open_unpacks and open_unpacks[-1][0] == event.arg:
-            _, start = open_unpacks.pop()
-            cost[event.arg] = cost.get(event.arg, 0.0) + cum[event.op] - cum[start]
+    for index, start, end in unpack_spans(trace):
+        cost[index] = cost.get(index, 0.0) + cum[end] - cum[start]
     groups: dict[tuple[int, ...], list[int]] = {}
     for traced in trace.records:
         if traced.record.recompute:
@@ -154,6 +153,47 @@ def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str
         names.append(glob.escape(record.module))
         saved += cost[index]
     return (names, saved) if names else None
+
+
+def unpack_spans(trace: Trace) -> list[tuple[int, int, int]]:
+    """(record, first op, last op) of every unpack of a stored record, rebuilds included."""
+    spans, open_unpacks = [], []
+    for event in trace.events:
+        if event.kind is EventKind.UNPACK_BEGIN:
+            open_unpacks.append((event.arg, event.op))
+        elif event.kind is EventKind.UNPACK_END and open_unpacks and open_unpacks[-1][0] == event.arg:
+            _, start = open_unpacks.pop()
+            spans.append((event.arg, start, event.op))
+    return spans
+
+
+def _rebuilds_at_peak(planner: Planner, base: MemoryConfig, limit: float, rounds: int = 3) -> list[str] | None:
+    """Modules whose norm_act rebuilds hold the peak when everything else that can swap is swapped.
+
+    A rebuild in the last blocks of backward (the high-resolution stage) occupies a full-size storage
+    beside that stage's reloads and gradients; storing the output instead (and swapping it) leaves
+    only its reload there. Found from the peak of swapping every candidate with the leanest schedule,
+    a few rounds (excluding one rebuild may expose the next). None: no such module."""
+    excluded: list[str] = []
+    for _ in range(rounds):
+        variant = variant_of(base, RecomputeConfig(norm_act=True, norm_act_exclude=excluded))
+        search = SwapSearch(planner, variant, limit, allow_compress=False)
+        keep_all = planner.memory(variant, keep_timeline=True)
+        order = search._candidates(keep_all) if keep_all.peak_bytes > limit else []
+        if not order:
+            break
+        swap_all = search._config(len(order), LEANEST_INFLIGHT, 0)
+        result = planner.memory(swap_all)
+        if result.peak_bytes <= limit:
+            break
+        trace = planner.trace(swap_all)
+        ops = rebuilt_at(trace, planner.schedule(swap_all), result.peak_op)
+        found = {glob.escape(trace.records[index].record.module) for index, start, end in unpack_spans(trace)
+                 if any(start <= op <= end for op in ops)} - set(excluded)
+        if not found:
+            break
+        excluded = sorted({*excluded, *found})
+    return excluded or None
 
 
 def variant_of(base: MemoryConfig, recompute: RecomputeConfig) -> MemoryConfig:
