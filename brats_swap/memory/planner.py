@@ -19,6 +19,7 @@ whose predicted peak fits `memory.budget.tensor_limit` (the budget less the devi
    (`recompute.norm_act_exclude`, then swapped: swap and recompute mixed per tensor); checkpointing
    (`recompute.modules`) of the blocks that free the most bytes at the peak per second of
    recomputation (measured on the plain trace), in a few amounts sized to what the link cannot hide;
+   and the same on top of norm_act (blocks ranked on norm_act's trace, sized to its own peak);
 3. per variant, what to swap, decided per module by whether its copy can hide: on the timeline of
    keeping everything, a module's saved storages matter during the ops over the limit; its copy hides
    when the link (a FIFO queue of the copies chosen before it) finishes it before the first of those

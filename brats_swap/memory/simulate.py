@@ -369,6 +369,14 @@ def resident_records(trace: Trace, schedule: Schedule, op: int) -> set[int]:
     return {int(record) for record in arrays["owner"][inside]}
 
 
+def rebuilt_at(trace: Trace, schedule: Schedule, op: int) -> set[int]:
+    """Ops of a recomputation in backward whose outputs occupy the device at `op` in this replay."""
+    arrays = _storage_arrays(trace)
+    ends = _held_ends(trace, schedule)
+    live = arrays["alloc"][(arrays["alloc"] <= op) & (op < ends)]
+    return {int(alloc) for alloc in live if trace.ops[int(alloc)].recompute}
+
+
 def simulate_memory(trace: Trace, memory_cfg: MemoryConfig | None = None, *, schedule: Schedule | None = None,
                     optimizer_state_factor: int = ADAM_STATE_FACTOR, keep_timeline: bool = False) -> MemoryResult:
     """Peak device memory of `memory_cfg` (default: keep everything) from a replay (`schedule`, default the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import glob
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from brats_swap.config import MemoryConfig, RecomputeConfig
 from brats_swap.memory.cost import D2H
 from brats_swap.memory.events import EventKind
 from brats_swap.memory.rulebook import select_swapped, transfer_bytes
-from brats_swap.memory.simulate import MemoryResult, resident_records
+from brats_swap.memory.simulate import MemoryResult, rebuilt_at, resident_records
 from brats_swap.memory.trace import Trace
 
 if TYPE_CHECKING:
@@ -31,6 +32,10 @@ INFLIGHT_BUDGETS = tuple(mib << 20 for mib in (64, 256, 1024, 2048, 4096, 8192, 
 LEANEST_INFLIGHT = INFLIGHT_BUDGETS[0]
 # Checkpointing amounts tried, as shares of the bytes the link cannot hide before the peak.
 CHECKPOINT_SHARES = (0.6, 1.0, 1.4)
+# The same with norm_act on top: norm_act frees the norm/act outputs almost for free, checkpointing the
+# cheapest blocks frees the convolution outputs the link cannot move before the peak; larger amounts,
+# since each block frees less once its norm/act outputs are rebuilt anyway.
+NORM_ACT_CHECKPOINT_SHARES = (1.0, 1.5, 2.0, 3.0)
 
 
 def save_and_first_use(trace: Trace) -> tuple[dict[int, int], dict[int, int]]:
@@ -51,7 +56,8 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
     """The recompute variants `auto` tries, each with its compute seconds (estimated for the ones not
     traced yet): none; norm_act; norm_act with the storages whose own rebuild costs most stored and
     swapped instead, where their copies can hide; checkpointing of the cheapest blocks in amounts
-    sized to the bytes the link cannot hide before the peak (module docstring)."""
+    sized to the bytes the link cannot hide before the peak, alone and on top of norm_act; norm_act
+    storing the outputs whose rebuilds hold the peak when everything else swaps (module docstring)."""
     plain = variant_of(base, RecomputeConfig())
     norm_act = variant_of(base, RecomputeConfig(norm_act=True))
     variants = [(plain, sum(planner.durations(plain))), (norm_act, sum(planner.durations(norm_act)))]
@@ -60,6 +66,9 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
         names, saved_s = stored
         variants.append((variant_of(base, RecomputeConfig(norm_act=True, norm_act_exclude=names)),
                          variants[1][1] - saved_s))
+    rebuilt = _rebuilds_at_peak(planner, base, limit)
+    if rebuilt:  # its compute lies between plain's and norm_act's: plain's is the lower bound
+        variants.append((variant_of(base, RecomputeConfig(norm_act=True, norm_act_exclude=rebuilt)), variants[0][1]))
     keep_all = planner.memory(plain, keep_timeline=True)
     deficit = keep_all.peak_bytes - limit
     if deficit <= 0:
@@ -74,11 +83,34 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
         return compute_s + planner.cost.copy_seconds(late, late, D2H)
 
     variants[0] = (plain, with_stall(variants[0][1], deficit))
+    chosen = _checkpoint_amounts(planner, plain, limit, CHECKPOINT_SHARES, with_stall)
+    variants += [(variant_of(base, RecomputeConfig(modules=names)), compute_s) for names, compute_s in chosen]
+    # norm_act frees the norm/act outputs almost for free; on top, the cheapest blocks of its own trace
+    # (each frees its convolution outputs) in amounts sized to what the link cannot move before its peak.
+    chosen = _checkpoint_amounts(planner, norm_act, limit, NORM_ACT_CHECKPOINT_SHARES,
+                                 lambda compute_s, excess: compute_s)
+    variants += [(variant_of(base, RecomputeConfig(modules=names, norm_act=True)), compute_s)
+                 for names, compute_s in chosen]
+    return variants
+
+
+def _checkpoint_amounts(planner: Planner, variant: MemoryConfig, limit: float, shares: tuple[float, ...],
+                        estimate: Callable[[float, float], float]) -> list[tuple[list[str], float]]:
+    """Checkpointing on top of `variant`: per share of the bytes the link cannot move out before
+    `variant`'s peak (at least a quarter of its excess over `limit`), the cheapest blocks of its trace
+    (`checkpoint_ranking`) that free that share, with `estimate(compute seconds, bytes still over)`."""
+    keep_all = planner.memory(variant, keep_timeline=True)
+    deficit = keep_all.peak_bytes - limit
+    if deficit <= 0:
+        return []
+    trace, durations = planner.trace(variant), planner.durations(variant)
+    starts = list(accumulate(durations, initial=0.0))
+    hideable = planner.cost.bytes_moved(starts[keep_all.peak_op])
     needed = max(deficit - hideable, deficit * 0.25)
-    ranking = checkpoint_ranking(planner.trace(plain), planner.durations(plain),
-                                 resident_records(planner.trace(plain), planner.schedule(plain), keep_all.peak_op))
+    ranking = checkpoint_ranking(trace, durations,
+                                 resident_records(trace, planner.schedule(variant), keep_all.peak_op))
     chosen: dict[tuple[str, ...], float] = {}
-    for share in CHECKPOINT_SHARES:
+    for share in shares:
         names, freed, seconds = [], 0, 0.0
         for name, block_s, nbytes in ranking:
             if freed >= share * needed:
@@ -86,10 +118,8 @@ def recompute_variants(planner: Planner, base: MemoryConfig, limit: float) -> li
             names.append(name)
             freed, seconds = freed + nbytes, seconds + block_s
         if names:
-            chosen[tuple(names)] = with_stall(starts[-1] + seconds, deficit - freed)
-    variants += [(variant_of(base, RecomputeConfig(modules=list(names))), compute_s)
-                 for names, compute_s in chosen.items()]
-    return variants
+            chosen.setdefault(tuple(names), estimate(starts[-1] + seconds, deficit - freed))
+    return [(list(names), compute_s) for names, compute_s in chosen.items()]
 
 
 def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str], float] | None:
@@ -101,13 +131,8 @@ def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str
     cum = list(accumulate(durations, initial=0.0))
     cost: dict[int, float] = {}
     pack_op, first_use = save_and_first_use(trace)
-    open_unpacks = []
-    for event in trace.events:
-        if event.kind is EventKind.UNPACK_BEGIN:
-            open_unpacks.append((event.arg, event.op))
-        elif event.kind is EventKind.UNPACK_END and open_unpacks and open_unpacks[-1][0] == event.arg:
-            _, start = open_unpacks.pop()
-            cost[event.arg] = cost.get(event.arg, 0.0) + cum[event.op] - cum[start]
+    for index, start, end in unpack_spans(trace):
+        cost[index] = cost.get(index, 0.0) + cum[end] - cum[start]
     groups: dict[tuple[int, ...], list[int]] = {}
     for traced in trace.records:
         if traced.record.recompute:
@@ -128,6 +153,47 @@ def _stored_rebuilds(planner: Planner, norm_act: MemoryConfig) -> tuple[list[str
         names.append(glob.escape(record.module))
         saved += cost[index]
     return (names, saved) if names else None
+
+
+def unpack_spans(trace: Trace) -> list[tuple[int, int, int]]:
+    """(record, first op, last op) of every unpack of a stored record, rebuilds included."""
+    spans, open_unpacks = [], []
+    for event in trace.events:
+        if event.kind is EventKind.UNPACK_BEGIN:
+            open_unpacks.append((event.arg, event.op))
+        elif event.kind is EventKind.UNPACK_END and open_unpacks and open_unpacks[-1][0] == event.arg:
+            _, start = open_unpacks.pop()
+            spans.append((event.arg, start, event.op))
+    return spans
+
+
+def _rebuilds_at_peak(planner: Planner, base: MemoryConfig, limit: float, rounds: int = 3) -> list[str] | None:
+    """Modules whose norm_act rebuilds hold the peak when everything else that can swap is swapped.
+
+    A rebuild in the last blocks of backward (the high-resolution stage) occupies a full-size storage
+    beside that stage's reloads and gradients; storing the output instead (and swapping it) leaves
+    only its reload there. Found from the peak of swapping every candidate with the leanest schedule,
+    a few rounds (excluding one rebuild may expose the next). None: no such module."""
+    excluded: list[str] = []
+    for _ in range(rounds):
+        variant = variant_of(base, RecomputeConfig(norm_act=True, norm_act_exclude=excluded))
+        search = SwapSearch(planner, variant, limit, allow_compress=False)
+        keep_all = planner.memory(variant, keep_timeline=True)
+        order = search._candidates(keep_all) if keep_all.peak_bytes > limit else []
+        if not order:
+            break
+        swap_all = search._config(len(order), LEANEST_INFLIGHT, 0)
+        result = planner.memory(swap_all)
+        if result.peak_bytes <= limit:
+            break
+        trace = planner.trace(swap_all)
+        ops = rebuilt_at(trace, planner.schedule(swap_all), result.peak_op)
+        found = {glob.escape(trace.records[index].record.module) for index, start, end in unpack_spans(trace)
+                 if any(start <= op <= end for op in ops)} - set(excluded)
+        if not found:
+            break
+        excluded = sorted({*excluded, *found})
+    return excluded or None
 
 
 def variant_of(base: MemoryConfig, recompute: RecomputeConfig) -> MemoryConfig:
@@ -159,11 +225,11 @@ def checkpoint_ranking(trace: Trace, durations: list[float], at_peak: set[int]) 
         elif event.kind is EventKind.MODULE_END and event.flag and stack:
             name, start = stack.pop()
             seconds[name] = seconds.get(name, 0.0) + cum[op] - cum[start]
-            prefix = name + "."
+            # By op range, not by name: a block may run modules registered under another name (nnU-Net's
+            # `ConvDropoutNormReLU.all_modules` runs its `conv`, `norm` and `nonlin`).
             inside = [r for r in trace.records if not r.record.is_param and r.sid >= 0
                       and r.record.index in at_peak and start <= pack_op[r.record.index] <= op
-                      and trace.storages[r.sid].alloc_op >= start
-                      and (r.record.module == name or r.record.module.startswith(prefix))]
+                      and trace.storages[r.sid].alloc_op >= start]
             freed[name] = freed.get(name, 0) + sum(r.record.nbytes for r in inside)
     ranked = [(name, seconds[name], freed[name]) for name in seconds if freed[name] > 0]
     return sorted(ranked, key=lambda item: item[1] / item[2])
