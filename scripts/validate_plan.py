@@ -9,12 +9,14 @@ For each cube and policy (none, the presets of `brats_swap.memory.presets`, and 
 (the step time of `--steps` steps after a warm-up step, each with an Adam step, as training runs).
 
 - GPU: peak = `torch.cuda.max_memory_allocated`; the time model is profiled on the card (ops and the
-  pinned link). Policies run one after the other. Targets: peak within 10%, step time within 15%.
+  pinned link). Policies run one after the other. Targets: peak within 10%, step time relative to no
+  policy within 15%.
 - CPU: there is no device-memory counter, so the peak compared is the engine's peak resident saved bytes.
   With `--emulate-gbs G` the engine copies through `memory.swap.emulate_gbs` (a copy thread per
   direction at G GB/s, so copies really overlap the compute) and the planner prices that link: its
   bandwidth, asynchronous copies, and the compute time the copy threads take from the step
-  (`calibrate_interference`, measured here). Targets: step time within 15%, peak within 5% and never
+  (`calibrate_interference`, measured here). Targets: step time relative to no policy within 15%, peak
+  within 5% and never
   above the prediction (the largest of the steps counts). Without it the copies are synchronous and the
   byte counts match exactly. `--delays` delays every copy by a random time (`memory.swap.copy_delay_s`):
   where storages are released does not depend on copy timing, so the peaks must not move.
@@ -24,7 +26,11 @@ For each cube and policy (none, the presets of `brats_swap.memory.presets`, and 
   each per round, each on its own copy of the model) and the planner's profile (`profile_device`) is
   taken once per round too. Other processes only ever slow a step down, so on the CPU the measured step
   is the fastest of the policy's steps and the prices use the fastest round's profile (the JSON keeps
-  every step time and every round's profile). Torch runs one compute thread unless
+  every step time and every round's profile). What the planner decides with is a policy's step relative
+  to no policy's, and that is the step-time target: measured, the median over the rounds of the policy's
+  step over none's step of the same round (on a GPU, the ratio of the medians), so a machine whose speed
+  drifts between the profile and the steps moves both alike. The absolute step time is reported
+  beside it. Torch runs one compute thread unless
   `--threads` says otherwise: a second OpenMP thread that loses its core to another process stalls
   every parallel region, which no time model can price.
   The default `--budget` on CPU lies half way between the planner's floor and none's predicted peak,
@@ -251,26 +257,34 @@ def markdown(result: dict) -> str:
                          "the engine's peak resident saved bytes, the largest over the steps")
              + f" (target within {peak_target:.0%}). Step time: "
              + ("median" if gpu else "fastest (the CPU is shared; the profile's fastest round prices it)")
-             + " of the measured steps (target within "
-             f"{time_target:.0%}).", "",
+             + " of the measured steps. Step / none: the step relative to no policy's"
+             + ("" if gpu else ", measured as the median over rounds of the two steps of the same round")
+             + f" (target within {time_target:.0%}).", "",
              "| cube | batch | policy | predicted peak MiB | measured MiB | error | predicted step s | measured s "
-             "| error | swapped bytes equal |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| error | predicted step / none | measured | error | swapped bytes equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def pct(value):
         return "-" if value is None else f"{value * 100:+.1f}%"
+
+    def ratio(value):
+        return "-" if value is None else f"{value:.3f}"
 
     for row in result["rows"]:
         lines.append(
             f"| {row['cube']} | {row['batch']} | {row['policy']} | {row['predicted_peak_bytes'] / 2**20:.1f} | "
             f"{row['measured_peak_bytes'] / 2**20:.1f} | {pct(row['peak_error'])} | {row['predicted_step_s']:.4f} | "
-            f"{row['measured_step_s']:.4f} | {pct(row['step_error'])} | {row['swapped_bytes_equal']} |")
+            f"{row['measured_step_s']:.4f} | {pct(row['step_error'])} | {ratio(row.get('predicted_step_ratio'))} | "
+            f"{ratio(row.get('measured_step_ratio'))} | {pct(row.get('step_ratio_error'))} | "
+            f"{row['swapped_bytes_equal']} |")
     rows = result["rows"]
     ok_peak = sum(r["peak_error"] is not None and abs(r["peak_error"]) <= peak_target for r in rows)
-    ok_time = sum(r["step_error"] is not None and abs(r["step_error"]) <= time_target for r in rows)
+    ok_time = sum(r.get("step_ratio_error") is not None and abs(r["step_ratio_error"]) <= time_target for r in rows)
+    ok_absolute = sum(r["step_error"] is not None and abs(r["step_error"]) <= time_target for r in rows)
     bound = sum(bool(r.get("peak_within_bound")) for r in rows)
-    lines += ["", f"Within target: peak {ok_peak}/{len(rows)}, step time {ok_time}/{len(rows)}; "
-                  f"measured peak at most the predicted one: {bound}/{len(rows)}."]
+    lines += ["", f"Within target: peak {ok_peak}/{len(rows)}, step relative to none {ok_time}/{len(rows)}; "
+                  f"measured peak at most the predicted one: {bound}/{len(rows)}. Absolute step time within "
+                  f"{time_target:.0%}: {ok_absolute}/{len(rows)}."]
     if result.get("load_average") and not gpu:
         load = result["load_average"]
         lines += ["", f"Load average of this machine (1 min) at the start and end of the run: "
@@ -290,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--base-filters", type=int, default=None, help="default: 16 (GPU), 4 (CPU)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default: 3 GPU, 5 CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per policy (default: 3 GPU, 9 CPU)")
     parser.add_argument("--min-bytes", type=int, default=None, help="override swap.min_bytes of every policy")
     parser.add_argument("--budget", type=float, default=None,
                         help="GiB for the auto plan (default on CPU: half of none's predicted peak)")
@@ -419,7 +433,28 @@ def validate_cube(model, cube: int, args, device, dtype, cost: OpCostModel, base
                 print(f"{cube}³ {name}: out of memory", file=sys.stderr)
     rows = [compare(planner, cfg, name, cube, args.batch, measured[name], device)
             for name, cfg in policies.items() if name in measured]
+    add_step_ratios(rows, interleaved=device.type == "cpu")
     return rows, {**cost.as_dict(), "profile_scales_per_round": scales}
+
+
+def add_step_ratios(rows: list[dict], interleaved: bool) -> None:
+    """Each row's step relative to the `none` row of the same cube, predicted and measured, and the
+    error between them (module docstring). `interleaved` (CPU): the steps of round i of every policy ran
+    together, so the measured ratio is the median over rounds of step_i / none's step_i; otherwise the
+    ratio of the measured steps."""
+    none = next((row for row in rows if row["policy"] == "none"), None)
+    for row in rows:
+        if none is None:
+            row.update(predicted_step_ratio=None, measured_step_ratio=None, step_ratio_error=None)
+            continue
+        predicted = row["predicted_step_s"] / none["predicted_step_s"]
+        if interleaved:
+            pairs = zip(row["measured_step_times_s"], none["measured_step_times_s"], strict=True)
+            measured = statistics.median(step / base for step, base in pairs)
+        else:
+            measured = row["measured_step_s"] / none["measured_step_s"]
+        row.update(predicted_step_ratio=predicted, measured_step_ratio=measured,
+                   step_ratio_error=relative_error(predicted, measured))
 
 
 def compare(planner: Planner, cfg: MemoryConfig, name: str, cube: int, batch: int, measured: dict,
@@ -478,7 +513,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cubes = args.cubes or ([128, 192] if device.type == "cuda" else [48, 64])
-    args.steps = args.steps or (3 if device.type == "cuda" else 5)
+    args.steps = args.steps or (3 if device.type == "cuda" else 9)
     base_filters = args.base_filters or (16 if device.type == "cuda" else 4)
     base = MemoryConfig()
     if args.min_bytes is not None:

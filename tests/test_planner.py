@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -304,6 +305,11 @@ def test_validate_plan_script_runs_on_cpu(tmp_path, one_thread):
     for row in result["rows"]:
         assert row["saved_bytes_equal"] and row["swapped_bytes_equal"] and row["resident_bytes_equal"]
         assert row["predicted_peak_bytes"] == row["measured_peak_bytes"]  # CPU: peak resident saved bytes
+        # The step relative to none: the median over rounds of the two steps of one round.
+        pairs = zip(row["measured_step_times_s"], result["rows"][0]["measured_step_times_s"], strict=True)
+        assert row["measured_step_ratio"] == pytest.approx(statistics.median(a / b for a, b in pairs))
+        assert row["predicted_step_ratio"] == pytest.approx(row["predicted_step_s"] / result["rows"][0]["predicted_step_s"])
+    assert result["rows"][0]["measured_step_ratio"] == 1.0
     assert "| 16 | 1 | swap_all |" in (tmp_path / "validate_plan.md").read_text()
     assert json.loads((tmp_path / "validate_plan.json").read_text())["rows"][0]["policy"] == "none"
 
