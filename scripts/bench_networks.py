@@ -11,7 +11,9 @@ GPU's default device overhead (`memory.budget`) in every peak, floor and budget.
 12, 16 and 24 GB. Per network, dtype and input:
 
 - parameters; nnU-Net's published GPU memory for its plan (nvidia-smi during training, fp16 AMP) where
-  nnU-Net publishes one, next to the planner's no-policy peak at the same plan;
+  nnU-Net publishes one, next to the planner's no-policy peak at the same plan for the network as nnU-Net
+  builds it (`model.inplace_act=view`) and as brats-swap builds it (the activation in place on the norm's
+  base: the same values, three full-size gradient buffers fewer in backward);
 - the floor (the least any policy can need), and for each card the step time `auto` predicts relative to
   the no-policy step (null: no plan fits that card).
 
@@ -66,10 +68,20 @@ def network_input(network: str, setting: str) -> tuple[tuple[int, int, int], int
     return SWIN_PATCH if network == "swinunetr" else DEFAULT_PATCH
 
 
-def network_config(network: str, edges: tuple[int, int, int], batch: int) -> Config:
+def network_config(network: str, edges: tuple[int, int, int], batch: int, *extra: str) -> Config:
     recipe = ["train.optimizer=sgd", "train.loss=dice_bce", "model.outputs=regions"] if network in NNUNET_PRESETS else []
     return load_config(None, [f"model.name={network}", "data.cube=[{},{},{}]".format(*edges),
-                              f"train.batch_size={batch}", *recipe])
+                              f"train.batch_size={batch}", *recipe, *extra])
+
+
+def network_planner(config: Config, dtype: str) -> tuple[torch.nn.Module, Planner]:
+    """The network of `config` and a planner of its training step in `dtype` on the assumed GPU."""
+    model = planning.config_model(config)
+    torch_dtype = DTYPES[dtype]
+    return model, Planner(model, planning.training_input_shape(config), dtype=torch_dtype,
+                          loss_fn=planning.training_loss(config.train.loss, model),
+                          cost=default_cost_model("gpu", torch_dtype),
+                          optimizer_state_factor=planning.optimizer_state_factor(config))
 
 
 def price(network: str, setting: str, dtype: str, cards: tuple[float, ...]) -> dict:
@@ -77,19 +89,19 @@ def price(network: str, setting: str, dtype: str, cards: tuple[float, ...]) -> d
     started = time.perf_counter()
     edges, batch = network_input(network, setting)
     config = network_config(network, edges, batch)
-    model = planning.config_model(config)
-    torch_dtype = DTYPES[dtype]
-    planner = Planner(model, planning.training_input_shape(config), dtype=torch_dtype,
-                      loss_fn=planning.training_loss(config.train.loss, model),
-                      cost=default_cost_model("gpu", torch_dtype),
-                      optimizer_state_factor=planning.optimizer_state_factor(config))
+    model, planner = network_planner(config, dtype)
     base = config.memory
     base.device_overhead_gib = DEFAULT_DEVICE_OVERHEAD_GIB
     none = planner.predict("none", base)
+    published = (NNUNET_PRESETS[network].published_vram_gb
+                 if network in NNUNET_PRESETS and setting == "patch" and dtype == "fp16" else None)
+    nnunet_build_peak = None
+    if published is not None:  # nnU-Net's figure is for its own build: the activation in place on the norm's view
+        _, nnunet_planner = network_planner(network_config(network, edges, batch, "model.inplace_act=view"), dtype)
+        nnunet_build_peak = round(nnunet_planner.predict("none", base).peak_bytes / GIB, 2)
     row = {"network": network, "setting": setting, "input": list(edges), "batch": batch, "dtype": dtype,
            "parameters": sum(p.numel() for p in model.parameters()),
-           "published_vram_gb": NNUNET_PRESETS[network].published_vram_gb
-           if network in NNUNET_PRESETS and setting == "patch" and dtype == "fp16" else None,
+           "published_vram_gb": published, "nnunet_build_none_peak_gib": nnunet_build_peak,
            "none_peak_gib": round(none.peak_bytes / GIB, 2),
            "floor_gib": round((planner.floor_bytes() + DEFAULT_DEVICE_OVERHEAD_GIB * GIB) / GIB, 2),
            "device_overhead_gib": DEFAULT_DEVICE_OVERHEAD_GIB, "none_step_s": round(none.step_s, 4), "auto": {}}
@@ -104,16 +116,18 @@ def price(network: str, setting: str, dtype: str, cards: tuple[float, ...]) -> d
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| network | input | dtype | parameters | nnU-Net published GB | planner no-policy GiB | floor GiB | "
-            + " | ".join(f"auto {c} GB" for c in CARDS_GB) + " |")
-    lines = [head, "|" + "---|" * (7 + len(CARDS_GB))]
+    head = ("| network | input | dtype | parameters | nnU-Net published GB | planner, nnU-Net's build GiB "
+            "| planner no-policy GiB | floor GiB | " + " | ".join(f"auto {c} GB" for c in CARDS_GB) + " |")
+    lines = [head, "|" + "---|" * (8 + len(CARDS_GB))]
     for row in rows:
         shape = "x".join(map(str, row["input"])) + f" b{row['batch']}"
         cells = [f"{row['auto'][str(c)]['step_ratio']:.2f}x" if row["auto"].get(str(c)) else "no plan"
                  for c in CARDS_GB]
         published = f"{row['published_vram_gb']:g}" if row["published_vram_gb"] else "-"
+        nnunet_build = f"{row['nnunet_build_none_peak_gib']:.1f}" if row.get("nnunet_build_none_peak_gib") else "-"
         lines.append(f"| {row['network']} | {shape} | {row['dtype']} | {row['parameters'] / 1e6:.1f} M | {published} "
-                     f"| {row['none_peak_gib']:.1f} | {row['floor_gib']:.1f} | " + " | ".join(cells) + " |")
+                     f"| {nnunet_build} | {row['none_peak_gib']:.1f} | {row['floor_gib']:.1f} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 # Keys every network reads.
 COMMON_MODEL_KEYS = ("name", "in_channels", "outputs", "regions")
 ISENSEE_KEYS = ("base_filters", "depth", "dropout", "segmentation_levels", "leaky_slope", "seg_layer", "norm_eps")
-NNUNET_KEYS = ("features", "kernels", "strides", "blocks", "decoder_convs", "deep_supervision")
+NNUNET_KEYS = ("features", "kernels", "strides", "blocks", "decoder_convs", "deep_supervision", "inplace_act")
 NNUNET_NAMES = ("nnunet", "resenc_m", "resenc_l", "resenc_xl")
 NETWORK_NAMES = ("isensee2017", *NNUNET_NAMES, "segresnet", "swinunetr")
 
@@ -71,8 +71,9 @@ SWIN_DIVISOR = 32
 
 
 def architecture_record(model) -> dict:
-    """What a checkpoint records of its network (a ModelConfig's keys that shape it; dropout does not)."""
-    keys = COMMON_MODEL_KEYS + tuple(key for key in MODEL_KEYS[model.name] if key != "dropout")
+    """What a checkpoint records of its network (a ModelConfig's keys that shape it; dropout does not, nor
+    does `inplace_act`, which changes where an activation writes, not what it computes)."""
+    keys = COMMON_MODEL_KEYS + tuple(key for key in MODEL_KEYS[model.name] if key not in ("dropout", "inplace_act"))
     return {key: getattr(model, key) for key in keys}
 
 

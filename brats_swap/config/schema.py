@@ -65,6 +65,10 @@ class ModelConfig:
     blocks: list[int] = field(default_factory=list)  # convs (nnunet) or residual blocks (resenc, segresnet) per stage
     decoder_convs: list[int] = field(default_factory=list)  # nnU-Net: convs per decoder stage
     deep_supervision: bool = True  # nnU-Net, SegResNet: losses at every decoder scale (nnU-Net's weights)
+    # nnU-Net: where LeakyReLU(inplace=True) writes after each instance norm. "base": the storage under the
+    # norm's output; "view": that output itself (a view), as nnU-Net builds it, whose backward holds three
+    # more full-size gradient buffers. The same values and gradients, bitwise (brats_swap/model/networks.py).
+    inplace_act: Literal["base", "view"] = "base"
 
 
 @dataclass

@@ -29,7 +29,9 @@ autocast state, so it is only learned where that replay gives bitwise the tensor
   train mode with running statistics are replayed on scratch copies of their buffers: their output
   uses the batch statistics only, and the running statistics are updated once, by the forward;
 - a *follower* of a recipe: an activation (`LeakyReLU`, `ReLU`, `ReLU6`, `ELU`, `CELU`, `SELU`, `GELU`,
-  `SiLU`, `Mish`, `Hardswish`, `Hardsigmoid`, `Sigmoid`, `Tanh`, `Softplus`; in place or not), a dropout
+  `SiLU`, `Mish`, `Hardswish`, `Hardsigmoid`, `Sigmoid`, `Tanh`, `Softplus`; in place or not, and a class
+  whose own `forward` is declared an elementwise function of `x` by `norm_act_follower = "act"` in its
+  body, as `brats_swap.model.networks.LeakyReLUOnBase`), a dropout
   (`Dropout*`, `AlphaDropout`, `FeatureAlphaDropout`; its RNG state at the call is replayed, so the mask
   is identical) or an `nn.Upsample`, applied to the *whole* output of a norm or follower: same storage,
   size, strides, offset and version. Functional calls (`F.gelu`) are not modules and are not seen. An
@@ -88,6 +90,8 @@ NORM_LOOKALIKE_TYPES: tuple[type[nn.Module], ...] = (
     *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
 REPLAYABLE_NORM_FLAG = "replayable_norm"  # `replayable_norm = True` in a class body registers that class
+# `norm_act_follower = "act"` ("dropout", "resize") in a class body registers its forward as a follower.
+FOLLOWER_FLAG = "norm_act_follower"
 
 # The registry holds `forward` functions, not classes: a module is a norm when the forward it runs is one
 # known to be replayable, so a subclass that overrides `forward` is never registered by its parent.
@@ -132,7 +136,9 @@ def _kind_of(module: nn.Module) -> str | None:
     """The kind of module a recipe may replay ("norm", "act", "dropout", "resize"), else None."""
     if is_replayable_norm(module):
         return "norm"
-    return _FOLLOWER_FORWARDS.get(type(module).forward)
+    cls = type(module)
+    declared = vars(_forward_owner(cls)).get(FOLLOWER_FLAG)
+    return _FOLLOWER_FORWARDS.get(cls.forward) or (declared if declared in ("act", "dropout", "resize") else None)
 
 
 def _looks_like_norm(module: nn.Module) -> bool:

@@ -107,8 +107,12 @@ def _checkpoint_amounts(planner: Planner, variant: MemoryConfig, limit: float, s
     starts = list(accumulate(durations, initial=0.0))
     hideable = planner.cost.bytes_moved(starts[keep_all.peak_op])
     needed = max(deficit - hideable, deficit * 0.25)
-    ranking = checkpoint_ranking(trace, durations,
-                                 resident_records(trace, planner.schedule(variant), keep_all.peak_op))
+    # What checkpointing can free at the peak are the storages backward has not reached yet: a block whose
+    # backward holds the peak would be rebuilt right there, beside what it was meant to free.
+    _, first_use = save_and_first_use(trace)
+    waiting = {index for index in resident_records(trace, planner.schedule(variant), keep_all.peak_op)
+               if first_use.get(index, trace.n_ops) > keep_all.peak_op}
+    ranking = checkpoint_ranking(trace, durations, waiting)
     chosen: dict[tuple[str, ...], float] = {}
     for share in shares:
         names, freed, seconds = [], 0, 0.0

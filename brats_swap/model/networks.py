@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from brats_swap.config import ConfigError, ModelConfig
@@ -49,6 +50,34 @@ class SigmoidInEval:
         return torch.sigmoid(outputs[0] if isinstance(outputs, list | tuple) else outputs)
 
 
+class LeakyReLUOnBase(nn.LeakyReLU):
+    """nnU-Net's `LeakyReLU(inplace=True)`, written into the storage under its input when that input is a
+    view of all of it, as an instance norm's output is.
+
+    `F.instance_norm` normalises a (1, B*C, ...) reshape of its input and returns a view of that result.
+    An in-place operation on a view makes autograd wrap its backward in `CopySlices`, which allocates the
+    base's size three more times (a zeroed base, a strided copy of the gradient and a clone of it) beside
+    the gradient itself. At full resolution those buffers are the peak of nnU-Net's backward: 4.4 GiB of
+    ResEnc XL's 33.5 at its plan. Applied to the base, the same elementwise operation writes the same
+    values into the same storage, and its backward is a plain `LeakyReluBackward`: bitwise the same
+    outputs and gradients with one gradient buffer (`model.inplace_act: view` builds nnU-Net's own way).
+    """
+
+    norm_act_follower = "act"  # forward(x) is elementwise in x alone: memory's norm_act may replay it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = x._base
+        if self.inplace and base is not None and _whole_view(x, base):
+            return F.leaky_relu_(base, self.negative_slope).view(x.shape)
+        return super().forward(x)
+
+
+def _whole_view(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """`view` shows every element of `base` in the same order (a reshape of a contiguous tensor)."""
+    return (view.dtype == base.dtype and view.numel() == base.numel() and view.is_contiguous()
+            and base.is_contiguous() and view.storage_offset() == base.storage_offset())
+
+
 @functools.cache
 def _with_outputs(mixin: type, base: type) -> type:
     """`base` (a library network) with the output contract `mixin`; one class per pair, so that every model
@@ -58,14 +87,15 @@ def _with_outputs(mixin: type, base: type) -> type:
 
 def _nnunet_kwargs(cfg: ModelConfig, out_channels: int) -> dict:
     """The arguments nnU-Net v2 passes for a 3D U-Net of these plans (instance norm with affine, eps 1e-5;
-    LeakyReLU 0.01 in place; convolution bias; no dropout)."""
+    LeakyReLU 0.01 in place, on the norm's base unless `inplace_act: view`; convolution bias; no dropout)."""
     return {
         "input_channels": cfg.in_channels, "n_stages": len(cfg.features), "features_per_stage": list(cfg.features),
         "conv_op": nn.Conv3d, "kernel_sizes": [[k] * 3 for k in cfg.kernels],
         "strides": [list(s) for s in cfg.strides], "num_classes": out_channels,
         "n_conv_per_stage_decoder": list(cfg.decoder_convs), "conv_bias": True, "norm_op": nn.InstanceNorm3d,
         "norm_op_kwargs": {"eps": 1e-5, "affine": True}, "dropout_op": None, "dropout_op_kwargs": None,
-        "nonlin": nn.LeakyReLU, "nonlin_kwargs": {"inplace": True}, "deep_supervision": cfg.deep_supervision,
+        "nonlin": LeakyReLUOnBase if cfg.inplace_act == "base" else nn.LeakyReLU, "nonlin_kwargs": {"inplace": True},
+        "deep_supervision": cfg.deep_supervision,
     }
 
 
