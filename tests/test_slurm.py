@@ -24,8 +24,10 @@ from brats_swap.train.loop import train_fold
 
 pytestmark = pytest.mark.slurm
 
-# 2 folds of 1 epoch of 16 steps (a few seconds): long enough for the signal to land inside the epoch.
-RECIPE = [*SMALL, "train.max_epochs=1", "train.steps_per_epoch=16", "train.threads=1", "name=slurm-tiny"]
+# 2 folds of 1 epoch of 64 steps (about 3 s on an idle 2-core machine, more under load): long enough for the
+# signal to land inside the epoch (16 steps took 0.8 s on an idle machine and finished before it arrived).
+STEPS = 64
+RECIPE = [*SMALL, "train.max_epochs=1", f"train.steps_per_epoch={STEPS}", "train.threads=1", "name=slurm-tiny"]
 TIMEOUT_S = 240
 
 
@@ -81,7 +83,7 @@ def test_cv_submitted_to_slurm_survives_a_preemption_bitwise(data, tmp_path):
         # Preempt fold 0 once its training runs: the warning SLURM gives before a time limit.
         wait_for(lambda: train_log.exists() and "start fold 0" in train_log.read_text(), "fold 0 training",
                  logs=(task_log,))
-        time.sleep(0.5)
+        time.sleep(0.2)
         subprocess.run(["scancel", "--signal=USR1", "--batch", f"{array}_0"], check=True)
         # Meanwhile, the reference: the same fold straight through in this process.
         reference = train_fold(config, tmp_path / "straight", 0, progress=False)
@@ -97,7 +99,7 @@ def test_cv_submitted_to_slurm_survives_a_preemption_bitwise(data, tmp_path):
         stopped = re.search(r"SIGUSR1 at epoch (\d+) step (\d+); state saved", log)
         assert stopped, log
         epoch, step = stopped.groups()
-        assert 0 < int(step) < 16 and f"resume fold 0 at epoch {epoch} step {step}" in log  # mid-epoch, both
+        assert 0 < int(step) < STEPS and f"resume fold 0 at epoch {epoch} step {step}" in log  # mid-epoch, both
         assert "exited with status 0; requeueing job" in task_log.read_text()
         assert_same_training_state(load_checkpoint(run / "fold_0" / LATEST),
                                    load_checkpoint(tmp_path / "straight" / "fold_0" / LATEST))
