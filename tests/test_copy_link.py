@@ -394,3 +394,16 @@ def test_validate_plan_prices_and_runs_the_emulated_link(tmp_path):
         assert row["saved_bytes_equal"] and row["swapped_bytes_equal"]
         assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0
     assert "| 16 | 1 | swap_all |" in out.with_suffix(".md").read_text()
+
+
+def test_a_longer_reload_distance_mid_backward_is_bitwise(references, blocked_waits):
+    """`swap.mid_lookahead` through a delayed emulated link: reloads issued further ahead in the middle of
+    backward, gradients bitwise plain PyTorch's."""
+    gbs, delay, _ = LINK_SETTINGS["0.2GBs_delays"]
+    policy = memory_config_from({"mode": "swap", "swap": {
+        "min_bytes": 0, "emulate_gbs": gbs, "copy_delay_s": delay, "lookahead": 1, "mid_lookahead": 4,
+        "mid_from_marker": 1, "mid_until_block": 2}})
+    history, stats = _train(UNET, policy)
+    assert_same_history(references["unet"], history, "mid_lookahead")
+    assert stats.swapped_in_bytes > 0
+    assert blocked_waits["blocked"] > 0

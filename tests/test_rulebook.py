@@ -97,6 +97,9 @@ def _policies(name: str, planner: Planner) -> dict[str, MemoryConfig]:
     base.swap.min_bytes = 0  # tiny tensors: let every activation qualify
     policies = named_policies(base)
     policies["recompute"].recompute.modules = checkpoint
+    policies["swap_mid_lookahead"] = from_dict(MemoryConfig, {  # rule 9's longer distance mid-backward
+        "mode": "swap", "swap": {"min_bytes": 0, "lookahead": 1, "mid_lookahead": 3, "mid_from_marker": 1,
+                                 "mid_until_block": 1}}, prefix="memory")
     policies["norm_act_stored"] = from_dict(MemoryConfig, {
         "mode": "hybrid", "swap": {"min_bytes": 0, "include": stored, "lookahead": 0},
         "recompute": {"norm_act": True, "norm_act_exclude": stored}}, prefix="memory")
@@ -247,3 +250,30 @@ def test_release_points_and_peak_do_not_depend_on_copy_timing():
     assert peaks[0] == peaks[1] == peaks[2] and logs[0] == logs[1] == logs[2]
     assert any(event == "release" for event, _ in logs[0])
     assert exposed[2] > exposed[1]
+
+
+def test_mid_lookahead_reloads_further_ahead_only_in_the_middle_of_backward():
+    """Rule 9 with `swap.mid_lookahead`: past the first marker and above the last blocks, reloads are issued
+    earlier (fewer uses before them), none later, and the same storages are reloaded."""
+    from brats_swap.memory.events import EventKind
+
+    planner = Planner(build_model(TINY_UNET), (1, 4, 16, 16, 16), step=_unet_step)
+    trace = planner.trace(MemoryConfig())
+    markers = [event.arg for event in trace.events if event.kind is EventKind.MARKER]
+    positions = {}
+    for mid in (-1, 4):
+        cfg = from_dict(MemoryConfig, {"mode": "swap", "swap": {
+            "min_bytes": 0, "lookahead": 1, "mid_lookahead": mid, "mid_from_marker": 1,
+            "mid_until_block": markers[-2]}}, prefix="memory")
+        log: list = []
+        replay(trace, cfg, log=log)
+        uses, first_reload = 0, {}
+        for event, index in log:
+            if event == "use":
+                uses += 1
+            elif event == "reload":
+                first_reload.setdefault(index, uses)
+        positions[mid] = first_reload
+    plain, mid = positions[-1], positions[4]
+    assert plain.keys() == mid.keys()
+    assert all(mid[i] <= plain[i] for i in plain) and any(mid[i] < plain[i] for i in plain)

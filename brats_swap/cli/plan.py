@@ -116,6 +116,9 @@ def print_report(report: PlanReport) -> None:
             knobs += (f" swap.tensors={cfg.swap.tensors} swap.include={_short(cfg.swap.include)}"
                       f" swap.exclude={_short(cfg.swap.exclude)} swap.lookahead={cfg.swap.lookahead}"
                       f" swap.max_inflight_bytes={cfg.swap.max_inflight_bytes} swap.compress={cfg.swap.compress}")
+            if cfg.swap.mid_lookahead >= 1:
+                knobs += (f" swap.mid_lookahead={cfg.swap.mid_lookahead} swap.mid_from_marker="
+                          f"{cfg.swap.mid_from_marker} swap.mid_until_block={cfg.swap.mid_until_block}")
         if cfg.mode in ("recompute", "hybrid"):
             knobs += (f" recompute.norm_act={cfg.recompute.norm_act}"
                       f" recompute.norm_act_exclude={_short(cfg.recompute.norm_act_exclude)}"

@@ -230,6 +230,10 @@ def validate_memory_config(memory: MemoryConfig) -> None:
             "memory.device_overhead_gib", f"{overhead} GiB leaves nothing of memory.budget_gib={memory.budget_gib}")
     require(memory.swap.tensors == -1 or memory.swap.tensors >= 0, "memory.swap.tensors", "must be -1 (all) or >= 0")
     require(memory.swap.lookahead >= 0, "memory.swap.lookahead", "must be 0 or more")
+    require(memory.swap.mid_lookahead == -1 or memory.swap.mid_lookahead >= 1, "memory.swap.mid_lookahead",
+            "must be -1 (off) or 1 or more")
+    require(memory.swap.mid_from_marker >= 0, "memory.swap.mid_from_marker", "must be 0 or more")
+    require(memory.swap.mid_until_block >= 0, "memory.swap.mid_until_block", "must be 0 or more")
     require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")
     require(memory.swap.max_inflight_bytes > 0, "memory.swap.max_inflight_bytes", "must be positive")
     gbs = memory.swap.emulate_gbs

@@ -77,6 +77,12 @@ class SwapConfig:
 
     tensors: int = -1  # n_tensors: -1 = every eligible tensor, N = the first N in forward order
     lookahead: int = 1  # lb: reload a tensor this many blocks before its backward use
+    # In the middle of backward (past its first `mid_from_marker` blocks, and until it reaches block
+    # `mid_until_block` of the forward's order) reload this many blocks ahead instead, where memory has room
+    # between the peaks at both ends of backward. -1: `lookahead` throughout. Only with lookahead >= 1.
+    mid_lookahead: int = -1
+    mid_from_marker: int = 0
+    mid_until_block: int = 0
     include: list[str] = field(default_factory=list)  # module-name globs; empty = every module
     exclude: list[str] = field(default_factory=list)  # module-name globs, e.g. "decoder.*" (synthesis path)
     min_bytes: int = 1 << 20  # smaller saved tensors are never swapped

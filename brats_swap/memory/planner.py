@@ -28,7 +28,9 @@ whose predicted peak fits `memory.budget.tensor_limit` (the budget less the devi
    `swap.include`, mixed with the variant's recomputation;
 4. per swap set and reload distance (`swap.lookahead`), the largest in-flight budget that fits
    (`swap.max_inflight_bytes`: how much may be saved after a swapped storage before the compute waits
-   for its copy) and, only when allowed, bf16 transport, priced by the replay: the fastest plan that
+   for its copy) and, only when allowed, bf16 transport, priced by the replay;
+5. the three fastest plans that reload ahead and wait for the link, with a longer reload distance in the
+   middle of backward (`swap.mid_lookahead`, between the peaks at its two ends): the fastest plan that
    fits wins.
 
 Nothing fits -> `ConfigError` naming `memory.budget_gib` and the floor.
@@ -62,7 +64,7 @@ from brats_swap.memory.simulate import (
     replay,
     simulate_memory,
 )
-from brats_swap.memory.swap_search import SwapSearch, recompute_variants
+from brats_swap.memory.swap_search import SwapSearch, mid_lookahead_plans, recompute_variants
 from brats_swap.memory.trace import Trace
 
 __all__ = ["GIB", "BUDGET_HEADROOM", "Planner", "PlanReport", "PolicyPrediction", "choose_policy", "plan_report",
@@ -284,6 +286,7 @@ class Planner:
             if compute_s >= min((p.step_s for p in fitting), default=float("inf")):
                 continue
             fitting += SwapSearch(self, variant, limit, allow_compress).plans(budget_bytes)
+        fitting += mid_lookahead_plans(self, fitting, budget_bytes)
         if not fitting:
             return None, []
         best = copy.copy(min(fitting, key=lambda p: (p.step_s, p.peak_bytes)))

@@ -45,7 +45,10 @@ Swapped storages, forward (release):
 Swapped storages, backward (reload):
 
 - Rule 9 (`swap.lookahead = L >= 1`): when backward reaches block b, every storage on the host first
-  needed in blocks >= b - L is reloaded; storages saved after the last block (the loss) are reloaded
+  needed in blocks >= b - L is reloaded; in the middle of backward (past its first
+  `swap.mid_from_marker` markers, at blocks b >= `swap.mid_until_block`) L is `swap.mid_lookahead` when
+  that is set: the reloads go further ahead where memory has room, between the peaks at the start of
+  backward and at its high-resolution end; storages saved after the last block (the loss) are reloaded
   at the end of the forward; a storage still copying is read from the device.
 - Rule 10 (`swap.lookahead = 0`): exactly one reload is kept ahead of backward, in the first-use order
   learned in the previous step (while the step saves as many storages; otherwise reverse forward order).
@@ -246,6 +249,8 @@ class Rulebook:
         self.executor = executor
         self.prefetch = prefetch
         self.lookahead = memory_cfg.swap.lookahead
+        self.base_lookahead = self.lookahead  # rule 9 outside the middle of backward
+        self.markers_reached = 0
         self.decider = Decider(memory_cfg.swap, swapping=memory_cfg.mode in SWAP_MODES)
         self.norm_act_exclude = list(memory_cfg.recompute.norm_act_exclude)
         self.entries: list[Entry] = []
@@ -427,6 +432,8 @@ class Rulebook:
         """Backward reached block `ordinal`: reload what is needed within `lookahead` blocks from here
         (rules 9, 10 and 13)."""
         self.backward_block = ordinal
+        self.markers_reached += 1
+        self.lookahead = self._lookahead_at(ordinal)
         if not self.prefetch:
             return
         self._unpark(ordinal)
@@ -443,6 +450,12 @@ class Rulebook:
             else:
                 remaining.append(entry)
         self.released = remaining
+
+    def _lookahead_at(self, ordinal: int) -> int:
+        """Rule 9's L at block `ordinal`: `swap.mid_lookahead` in the middle of backward, else `lookahead`."""
+        cfg = self.swap_cfg
+        middle = self.markers_reached > cfg.mid_from_marker and ordinal >= cfg.mid_until_block
+        return cfg.mid_lookahead if cfg.mid_lookahead >= 1 and self.base_lookahead >= 1 and middle else self.base_lookahead
 
     def _unpark(self, ordinal: int) -> None:
         """Reload the parked storages whose next handle is needed within the prefetch window of `ordinal`

@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from brats_swap.memory.planner import Planner, PolicyPrediction
 
 LOOKAHEADS = (0, 1, 2, 4, 8, 16, 32)
+# Step 5: reload distances for the middle of backward, how many markers its start keeps the plan's own
+# distance, and how many of the last markers (the high-resolution end) do.
+MID_LOOKAHEADS = (4, 8, 16)
+MID_FROM_MARKERS = (1, 4)
+MID_LAST_MARKERS = (4, 7, 10)
 INFLIGHT_BUDGETS = tuple(mib << 20 for mib in (64, 256, 1024, 2048, 4096, 8192, 16384))
 LEANEST_INFLIGHT = INFLIGHT_BUDGETS[0]
 # Checkpointing amounts tried, as shares of the bytes the link cannot hide before the peak.
@@ -198,6 +203,31 @@ def _rebuilds_at_peak(planner: Planner, base: MemoryConfig, limit: float, rounds
             break
         excluded = sorted({*excluded, *found})
     return excluded or None
+
+
+def mid_lookahead_plans(planner: Planner, fitting: list[PolicyPrediction], budget_bytes: float,
+                        top: int = 3) -> list[PolicyPrediction]:
+    """Step 5: the `top` fastest plans that reload ahead (`swap.lookahead >= 1`) and wait for the link,
+    each with a longer reload distance in the middle of backward (`swap.mid_lookahead`, rulebook rule 9):
+    the peaks sit at the start of backward and at its high-resolution end, and in between the reloads
+    can go further ahead. The ones that fit."""
+    waiting = sorted((p for p in fitting if p.swapped_bytes and p.policy.swap.lookahead >= 1
+                      and p.exposed_transfer_s > 0), key=lambda p: p.step_s)[:top]
+    out = []
+    for plan in waiting:
+        markers = [event.arg for event in planner.trace(plan.policy).events if event.kind is EventKind.MARKER]
+        for last in sorted({min(count, len(markers)) for count in MID_LAST_MARKERS}):
+            for first in MID_FROM_MARKERS:
+                for distance in MID_LOOKAHEADS:
+                    if distance <= plan.policy.swap.lookahead or first + last >= len(markers):
+                        continue
+                    cfg = copy.deepcopy(plan.policy)
+                    cfg.swap.mid_lookahead, cfg.swap.mid_from_marker = distance, first
+                    cfg.swap.mid_until_block = markers[-last]
+                    prediction = planner.predict("auto", cfg, budget_bytes)
+                    if prediction.fits:
+                        out.append(prediction)
+    return out
 
 
 def variant_of(base: MemoryConfig, recompute: RecomputeConfig) -> MemoryConfig:
