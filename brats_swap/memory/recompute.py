@@ -138,7 +138,7 @@ def _kind_of(module: nn.Module) -> str | None:
         return "norm"
     cls = type(module)
     declared = vars(_forward_owner(cls)).get(FOLLOWER_FLAG)
-    return _FOLLOWER_FORWARDS.get(cls.forward) or (declared if declared in ("act", "dropout", "resize") else None)
+    return _FOLLOWER_FORWARDS.get(cls.forward) or (declared if declared in _FOLLOWER_FORWARDS.values() else None)
 
 
 def _looks_like_norm(module: nn.Module) -> bool:

@@ -250,6 +250,8 @@ class Rulebook:
         self.prefetch = prefetch
         self.lookahead = memory_cfg.swap.lookahead
         self.base_lookahead = self.lookahead  # rule 9 outside the middle of backward
+        mid = memory_cfg.swap.mid_lookahead
+        self.mid_lookahead = mid if mid >= 1 and self.lookahead >= 1 else None  # rule 9 in the middle, if set
         self.markers_reached = 0
         self.decider = Decider(memory_cfg.swap, swapping=memory_cfg.mode in SWAP_MODES)
         self.norm_act_exclude = list(memory_cfg.recompute.norm_act_exclude)
@@ -454,8 +456,9 @@ class Rulebook:
     def _lookahead_at(self, ordinal: int) -> int:
         """Rule 9's L at block `ordinal`: `swap.mid_lookahead` in the middle of backward, else `lookahead`."""
         cfg = self.swap_cfg
-        middle = self.markers_reached > cfg.mid_from_marker and ordinal >= cfg.mid_until_block
-        return cfg.mid_lookahead if cfg.mid_lookahead >= 1 and self.base_lookahead >= 1 and middle else self.base_lookahead
+        if self.mid_lookahead and self.markers_reached > cfg.mid_from_marker and ordinal >= cfg.mid_until_block:
+            return self.mid_lookahead
+        return self.base_lookahead
 
     def _unpark(self, ordinal: int) -> None:
         """Reload the parked storages whose next handle is needed within the prefetch window of `ordinal`

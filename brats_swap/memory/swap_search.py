@@ -12,7 +12,7 @@ import copy
 import glob
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, product
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -216,17 +216,16 @@ def mid_lookahead_plans(planner: Planner, fitting: list[PolicyPrediction], budge
     out = []
     for plan in waiting:
         markers = [event.arg for event in planner.trace(plan.policy).events if event.kind is EventKind.MARKER]
-        for last in sorted({min(count, len(markers)) for count in MID_LAST_MARKERS}):
-            for first in MID_FROM_MARKERS:
-                for distance in MID_LOOKAHEADS:
-                    if distance <= plan.policy.swap.lookahead or first + last >= len(markers):
-                        continue
-                    cfg = copy.deepcopy(plan.policy)
-                    cfg.swap.mid_lookahead, cfg.swap.mid_from_marker = distance, first
-                    cfg.swap.mid_until_block = markers[-last]
-                    prediction = planner.predict("auto", cfg, budget_bytes)
-                    if prediction.fits:
-                        out.append(prediction)
+        lasts = sorted({min(count, len(markers)) for count in MID_LAST_MARKERS})
+        for last, first, distance in product(lasts, MID_FROM_MARKERS, MID_LOOKAHEADS):
+            if distance <= plan.policy.swap.lookahead or first + last >= len(markers):
+                continue
+            cfg = copy.deepcopy(plan.policy)
+            cfg.swap.mid_lookahead, cfg.swap.mid_from_marker = distance, first
+            cfg.swap.mid_until_block = markers[-last]
+            prediction = planner.predict("auto", cfg, budget_bytes)
+            if prediction.fits:
+                out.append(prediction)
     return out
 
 
