@@ -2,7 +2,7 @@
 
 Every failure we can foresee is raised as a `BratsSwapError` subclass with a one-line message that names
 the file, case or setting and the problem; the CLI prints that line and exits with `exit_code`, and only
-`--debug` shows a traceback. Exit codes are documented in the README.
+`--debug` shows a traceback. Exit codes are documented in docs/failures.md.
 """
 
 from __future__ import annotations
@@ -46,13 +46,17 @@ class DeviceOutOfMemoryError(BratsSwapError):
 
 
 class RunLockedError(BratsSwapError):
-    """Another process holds the run folder's lock (exit 75, EX_TEMPFAIL: try again later)."""
+    """Another process holds this fold's lock, or the whole run's (exit 75, EX_TEMPFAIL: try later)."""
 
     exit_code = EXIT_LOCKED
 
 
 class TrainingInterrupted(BratsSwapError):
-    """Ctrl-C / SIGTERM / --max-hours: state was saved, the run can be resumed (exit 130)."""
+    """Ctrl-C: the running step finished and the state was saved; the run can be resumed (exit 130).
+
+    A scheduler's SIGTERM/SIGUSR1 and `cv --max-hours` are planned stops, not this error: they save the state
+    too and exit 0.
+    """
 
     exit_code = EXIT_INTERRUPTED
 

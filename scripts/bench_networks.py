@@ -1,4 +1,4 @@
-"""The planner's numbers for every network, on the cards people have: the README's networks table.
+"""The planner's numbers for every network, on the cards people have (docs/networks.md).
 
     .venv/bin/python scripts/bench_networks.py                 # every row (CPU only: meta-device traces; an hour)
     .venv/bin/python scripts/bench_networks.py --acceptance    # the issue's three acceptance plans only
@@ -25,7 +25,7 @@ project's defaults (Adam, weighted Dice). `--acceptance` prices the issue's plan
 a 12 GB card (<= 1.25x), XL on 16 GB (<= 1.5x), L on whole 192³ batch 2 on 10 GB (<= 1.3x), fp16.
 
 Writes docs/benchmarks/networks.json (rows as they finish: an interrupted run keeps what it priced) and,
-without `--acceptance`, the Markdown table `docs/benchmarks/networks.md` that the README shows.
+without `--acceptance`, the Markdown table `docs/benchmarks/networks.md` that docs/networks.md links.
 """
 
 from __future__ import annotations

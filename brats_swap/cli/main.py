@@ -1,7 +1,7 @@
 """The `brats-swap` command line: a thin Typer shell over importable functions.
 
 Each command parses its options, resolves one config, calls a plain function from the package and maps
-the project's errors to exit codes (see brats_swap/errors.py and the README).
+the project's errors to exit codes (see brats_swap/errors.py and docs/failures.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The prepared-case cache: `brats-swap data prepare` writes it, training reads it.
 
-Layout (stable, documented in data/README.md):
+Layout (stable, documented in docs/data.md):
 
     CACHE/index.json                 settings + the prepared cases of the last `prepare` (+ failures)
     CACHE/<case_id>/image.npy        (C, D, H, W) float16/float32 (`data.cache_dtype`), memory-mappable

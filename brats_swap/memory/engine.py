@@ -217,7 +217,7 @@ def memory_policy(model: nn.Module, policy: MemoryConfig | dict | str | None = N
     """Apply a memory policy to any `nn.Module` for the duration of a `with` block.
 
     `policy` has the fields of the YAML `memory:` section (a dict, a `MemoryConfig`, or just a mode name).
-    Example (README):
+    Example (docs/memory.md):
 
         from brats_swap.memory import memory_policy
 
