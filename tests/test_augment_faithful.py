@@ -106,11 +106,11 @@ def test_rotation_and_scaling_match(seed):
     assert not torch.allclose(ours[0], image[:, 4:36, 4:36, 4:36], atol=1e-2)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [3, 5, 6])  # deformation scales 0.17-0.22 of the patch, up to 2.6 voxels
 def test_elastic_deformation_with_per_axis_scaling_matches(seed):
     transform, params, recorded = _spatial_case(NNUNET_BRATS2020, seed, p_elastic_deform=1, p_rotation=1,
                                                 p_scaling=1, p_synchronize_scaling_across_axes=0)
-    assert params["elastic_offsets"] is not None
+    assert params["elastic_offsets"] is not None and recorded["scale"] > 0.15
     image, labels = volume(CHANNELS, 40, seed)
     reference = _reference(image, labels, [(transform, params, None)])
     ours = _ours(image, labels, _our_spatial(params, recorded, seed))
