@@ -117,6 +117,20 @@ def test_elastic_deformation_with_per_axis_scaling_matches(seed):
     _assert_spatial_match(reference, ours)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_whole_volume_patch_that_reaches_outside_is_padded_alike(seed):
+    """Input = patch (whole-volume training): a rotated, shrunk patch reaches past the volume, where
+    batchgeneratorsv2 samples the image as 0 and the labels as the padding label 0."""
+    transform, params, recorded = _spatial_case(NNUNET, seed, size=PATCH[0], p_rotation=1, p_scaling=1,
+                                                scaling=(1.3, 1.4))
+    image, labels = volume(CHANNELS, PATCH[0], seed)
+    labels[labels == -1] = 0  # a brain filling the volume: the padding is what differs from the input
+    reference = _reference(image, labels, [(transform, params, None)])
+    ours = _ours(image, labels, _our_spatial(params, recorded, seed))
+    _assert_spatial_match(reference, ours)
+    assert (reference["image"][:, 0, 0, 0] == 0).all() and reference["segmentation"][0, 0, 0, 0] == 0
+
+
 def test_a_sample_that_draws_no_spatial_transform_is_the_same_centre_crop():
     transform, params, _ = _spatial_case(NNUNET, 0, size=39, p_rotation=0, p_scaling=0)
     assert params["grid"] is None
@@ -175,10 +189,10 @@ def test_mirroring_matches():
     assert torch.equal(out_labels, reference["segmentation"][0].long())
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_whole_pipeline_matches_when_every_transform_fires(seed):
-    """Spatial, the eight intensity transforms in order, mirroring, mask: one SampleAugment end to end."""
-    recipe = NNUNET_BRATS2020
+@pytest.mark.parametrize("recipe, seed", [(NNUNET, 0), (NNUNET, 1), (NNUNET_BRATS2020, 0), (NNUNET_BRATS2020, 1)],
+                         ids=["v2-0", "v2-1", "brats2020-0", "brats2020-1"])
+def test_the_whole_pipeline_matches_when_every_transform_fires(recipe, seed):
+    """Spatial, the intensity transforms in order, mirroring, mask: one SampleAugment end to end."""
     spatial_t, spatial_params, recorded = _spatial_case(recipe, seed, p_elastic_deform=0, p_rotation=1,
                                                         p_scaling=1)
     fields = dataclasses.asdict(_our_spatial(spatial_params, recorded, seed))
