@@ -25,7 +25,7 @@ from batchgeneratorsv2.transforms.utils.remove_label import RemoveLabelTransform
 
 from brats_swap.augment import augment_batch
 from brats_swap.augment.recipes import NNUNET, NNUNET_BRATS2020
-from brats_swap.augment.spatial import ELASTIC_SEED_OFFSET, NOISE_SEED_OFFSET, _field_seed
+from brats_swap.augment.spatial import ELASTIC_SEED_OFFSET, NOISE_SEED_OFFSET, field_seed
 
 CHANNELS = 2
 PATCH = (32, 32, 32)
@@ -66,7 +66,7 @@ def _spatial_case(recipe, seed, size=40, **overrides):
                                   **overrides)
     image, _ = volume(CHANNELS, size, seed)
     np.random.seed(seed)
-    torch.manual_seed(_field_seed(seed, ELASTIC_SEED_OFFSET))  # the elastic noise field's stream
+    torch.manual_seed(field_seed(seed, ELASTIC_SEED_OFFSET))  # the elastic noise field's stream
     params = transform.get_parameters(image=image)
     return transform, params, recorded
 
@@ -165,7 +165,7 @@ def test_each_intensity_transform_matches(recipe, name):
         params = transform.get_parameters(image=image)
         if not _applies(name, params):
             continue
-        noise_seed = _field_seed(seed, NOISE_SEED_OFFSET)
+        noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
         reference = _reference(image, labels, [(transform, params, lambda s=noise_seed: torch.manual_seed(s))])
         ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, **intensity_fields(name, params, CHANNELS)))
         assert (ours - reference["image"]).abs().max() <= 1e-5
@@ -202,7 +202,7 @@ def test_the_whole_pipeline_matches_when_every_transform_fires(recipe, seed):
     torch.manual_seed(100 + seed)
     for name, (_, transform) in intensity_transforms(recipe).items():
         params = transform.get_parameters(image=patch_image)
-        noise_seed = _field_seed(seed, NOISE_SEED_OFFSET)
+        noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
         steps.append((transform, params, (lambda s=noise_seed: torch.manual_seed(s)) if name == "noise" else None))
         fields.update(intensity_fields(name, params, CHANNELS))
     mirror = MirrorTransform(allowed_axes=(0, 1, 2))

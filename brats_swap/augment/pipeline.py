@@ -43,9 +43,10 @@ def _spatial(images: torch.Tensor, labels: torch.Tensor, params: Sequence[Sample
     out_images = images.new_empty((images.shape[0], images.shape[1], *patch_size))
     out_labels = labels.new_empty((labels.shape[0], *patch_size))
     if cropped:
-        out_images[cropped] = spatial.centre_crop(images[cropped], patch_size)
-        # centre_crop pads with zeros: label 0 is the padding label.
-        out_labels[cropped] = spatial.centre_crop(labels[cropped], patch_size)
+        # cropping first is a view of the batch: only the patches are gathered. centre_crop pads with zeros,
+        # and label 0 is the padding label.
+        out_images[cropped] = spatial.centre_crop(images, patch_size)[cropped]
+        out_labels[cropped] = spatial.centre_crop(labels, patch_size)[cropped]
     if resampled:
         grid = spatial.sampling_grid([params[b] for b in resampled], patch_size, images.shape[2:],
                                      images.device)
@@ -58,7 +59,7 @@ def _spatial(images: torch.Tensor, labels: torch.Tensor, params: Sequence[Sample
 def _intensity(images: torch.Tensor, params: Sequence[SampleAugment]) -> None:
     """The intensity transforms in nnU-Net's order, in place."""
     intensity.add_noise(images, [p.noise_std for p in params],
-                        [spatial._field_seed(p.seed, spatial.NOISE_SEED_OFFSET) for p in params])
+                        [spatial.field_seed(p.seed, spatial.NOISE_SEED_OFFSET) for p in params])
     intensity.blur(images, *intensity.chosen_channels([p.blur_sigmas for p in params], (0.0, 0.0, 0.0)))
     intensity.multiply(images, [p.brightness for p in params])
     intensity.contrast(images, *intensity.chosen_channels([p.contrast for p in params], 1.0))

@@ -235,7 +235,7 @@ def draw_from_recipe(r: Recipe, rng: np.random.Generator, patch_size: tuple[int,
                          additive_brightness=additive, gamma=gamma, mirror=mirror)
 
 
-def _rotation_matrix(angle: float, axis: int) -> np.ndarray:
+def rotation_matrix(angle: float, axis: int) -> np.ndarray:
     c, s = math.cos(angle), math.sin(angle)
     if axis == 0:
         return np.array([[1, 0, 0], [0, c, -s], [0, s, c]])
@@ -255,6 +255,6 @@ def enlarged_crop_size(recipe_name: str, patch_size: tuple[int, int, int]) -> tu
     shape = extent.copy()
     for axis in range(3):
         # batchgenerators' rotate_coords_3d multiplies the row vector by the rotation matrix.
-        shape = np.maximum(shape, np.abs(extent @ _rotation_matrix(angle, axis)))
+        shape = np.maximum(shape, np.abs(extent @ rotation_matrix(angle, axis)))
     shape = shape / _CROP_SCALE_MIN
     return tuple(int(s) for s in shape)
