@@ -64,6 +64,7 @@ def _spatial_stats(stats: Stats, rotation, scaling, elastic_scale, magnitude_rat
     stats.rate("rotation fires", rotated)
     stats.rate("scaling fires", scaled)
     stats.rate("elastic fires", elastic_scale is not None)
+    stats.rate("rotation and scaling both fire", rotated and scaled)  # drawn separately
     if rotated:
         stats.add("rotation angles", rotation)
     if scaled:
@@ -191,6 +192,7 @@ def test_every_probability_and_distribution_matches_batchgeneratorsv2(name):
 
 @pytest.mark.parametrize("change, caught", [
     ({"p_noise": 0.15}, "noise fires"),
+    ({"p_scaling": 0.3}, "rotation and scaling both fire"),
     ({"p_rotation": 0.26}, "rotation fires"),
     ({"rotation": UniformRange(-25 / 180 * np.pi, 25 / 180 * np.pi)}, "rotation angles"),
     ({"scaling": UniformRange(0.7, 1.3)}, "scaling factors"),
