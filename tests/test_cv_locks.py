@@ -98,7 +98,7 @@ def test_a_file_system_without_flock_is_a_one_line_error(fake, config, tmp_path,
 
 
 def test_status_shows_done_running_and_stopped_folds(fake, config, tmp_path, monkeypatch):
-    from brats_swap.cv.status import run_status
+    from brats_swap.cv.status_report import run_status
 
     run_dir = tmp_path / "run"
     run_cv(config, run_dir, folds=0)

@@ -131,7 +131,7 @@ def _run_and_config(config, set_, run):
 
 
 def _print_status(run) -> None:
-    from brats_swap.cv.status import run_status
+    from brats_swap.cv.status_report import run_status
 
     if run is None:
         raise ConfigError("--status: name the run folder with --run")

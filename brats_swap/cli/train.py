@@ -157,7 +157,7 @@ def evaluate(
 def _evaluate_predictions(predictions: Path, data: Path, out_dir: Path, edition: str, challenge: str, missing: str,
                           failures) -> None:
     from brats_swap.evaluate.metrics import print_summary
-    from brats_swap.evaluate.run import evaluate_predictions
+    from brats_swap.evaluate.predictions import evaluate_predictions
 
     report = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge, missing=missing,
                                   failures=failures)
@@ -176,7 +176,7 @@ def _evaluate_run(run_folder: RunFolder, data: Path | None, folds: str, checkpoi
                   set_: list[str] | None, failures) -> None:
     from brats_swap.config import load_config
     from brats_swap.evaluate.metrics import print_summary
-    from brats_swap.evaluate.run import evaluate_fold, select_folds
+    from brats_swap.evaluate.predictions import evaluate_fold, select_folds
 
     if not run_folder.config.is_file():
         raise ConfigError(f"{run_folder.config}: not found; is {run_folder.root} a brats-swap run folder?")
@@ -233,7 +233,7 @@ def predict(
     Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
     """
     from brats_swap.evaluate.failures import CaseFailures
-    from brats_swap.evaluate.run import predict as predict_cases
+    from brats_swap.evaluate.predictions import predict as predict_cases
 
     failures = CaseFailures(say=warn)
     written = predict_cases(run, input_path, out, folds, checkpoint, tta=tta, probabilities=save_probabilities,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from brats_swap.config import Config
-from brats_swap.cv.state import read_fold_state
+from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.cv.summary import pyplot, savefig_deterministic
 from brats_swap.data.challenges import get_challenge, isin
 from brats_swap.errors import DataError

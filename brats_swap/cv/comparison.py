@@ -14,7 +14,7 @@ from pathlib import Path
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import Config
 from brats_swap.cv.compare_figures import overlay_figure, paired_boxplot, training_curves
-from brats_swap.cv.state import FoldState, read_fold_state
+from brats_swap.cv.fold_progress import FoldState, read_fold_state
 from brats_swap.cv.summary import METRIC_TITLES, METRICS, format_mean_std, mean_std, read_case_rows, utc_now
 from brats_swap.evaluate.official import (
     format_official,

@@ -38,7 +38,7 @@ from brats_swap.config import Config
 from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import StopControl, fold_locks
 from brats_swap.cv.runner import CVOutcome, FoldRunner, prepared_runner, resolve_folds
-from brats_swap.cv.state import read_fold_state
+from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import CV_WORKER_LOG, RunFolder
 

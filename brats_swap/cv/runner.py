@@ -18,7 +18,7 @@ Each way, one invocation:
    or SIGUSR1 arrives (the checkpoint, mid-epoch if need be, is written by the training loop; the next
    invocation carries on);
 5. once every fold is done, tunes `postprocessing.json` on the out-of-fold predictions (again only when
-   they changed: cv/postprocessing.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
+   they changed: cv/out_of_fold_tuning.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
 6. appends one line to `cv.log` saying what it did, how long it took and how it ended.
 
 Steps 1, 4 (the window and SIGTERM) and 6 are set up once, by `cv_invocation` (cv/invocation.py).
@@ -38,13 +38,13 @@ from pathlib import Path
 from brats_swap.config import Config
 from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import StopControl, fold_locks, shared_files
-from brats_swap.cv.postprocessing import tune_after_cv
-from brats_swap.cv.state import FoldState, read_fold_state
+from brats_swap.cv.out_of_fold_tuning import tune_after_cv
+from brats_swap.cv.fold_progress import FoldState, read_fold_state
 from brats_swap.cv.summary import utc_now, write_cv_summary
 from brats_swap.data.cache import list_prepared
 from brats_swap.distributed import launched_by_torchrun
 from brats_swap.errors import ConfigError, DataError
-from brats_swap.evaluate.run import evaluate_fold
+from brats_swap.evaluate.predictions import evaluate_fold
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import fold_cases, load_or_create_splits
 from brats_swap.train.data import prepare_run_data

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
-from brats_swap.cv.state import FoldState
+from brats_swap.cv.fold_progress import FoldState
 from brats_swap.data.editions import REGIONS
 from brats_swap.errors import DataError
 from brats_swap.evaluate.official import (
@@ -27,7 +27,7 @@ from brats_swap.evaluate.official import (
     read_official_summary,
     summarize_official,
 )
-from brats_swap.evaluate.postprocess import KEEP_RULE, load_plan
+from brats_swap.evaluate.postprocessing_rules import KEEP_RULE, load_plan
 from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.folder import POSTPROCESSING_FILE, RunFolder
 

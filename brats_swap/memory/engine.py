@@ -2,8 +2,9 @@
 
 The engine installs, reversibly, through the saved-tensor front end (`frontend.SavedTensorFrontEnd`):
 - a forward pre/post hook on every module, reported to the step's `rulebook.Rulebook` (which module
-  runs, which block runs; a module start is where finished copies are released); the root module's
-  pre-hook also reports the model's forward arguments, which are never swapped (the caller holds them);
+  runs, which block runs; release points depend on the saves alone, rule 6: only a synchronous link
+  releases its copies at module starts); the root module's pre-hook also reports the model's forward
+  arguments, which are never swapped (the caller holds them);
 - on the blocks (`discover_blocks`, or the `blocks` argument) the same hooks number each block call, and
   a prehook on the `grad_fn` of each block output fires when backward reaches that block, where the
   rulebook issues the reloads needed within `swap.lookahead` blocks (TransformerEngine's approach: no

@@ -9,7 +9,7 @@ block's outputs: the backward markers), runs the forward under `saved_tensors_ho
 Its back end (`BackEnd`) is the rulebook's executor and owns the tensors:
 
 - `executor.SwapExecutor`: real tensors, a host arena and a copy link (the engine at run time);
-- `recorder.TraceRecorder`: `meta` tensors; it records every event and operator into a `trace.Trace`
+- `recorder.TraceRecorder`: `meta` tensors; it records every event and operator into a `trace_data.Trace`
   (what the planner and the simulator replay), and hands backward fresh storages instead of saved ones.
 
 Safety rules implemented here (both back ends):

@@ -65,7 +65,7 @@ from brats_swap.memory.simulate import (
     simulate_memory,
 )
 from brats_swap.memory.swap_search import SwapSearch, mid_lookahead_plans, recompute_variants
-from brats_swap.memory.trace import Trace
+from brats_swap.memory.trace_data import Trace
 
 __all__ = ["GIB", "BUDGET_HEADROOM", "Planner", "PlanReport", "PolicyPrediction", "choose_policy", "plan_report",
            "resolve_cost_model"]

@@ -40,7 +40,7 @@ from brats_swap.memory.events import BACKWARD, FORWARD, Event
 from brats_swap.memory.frontend import BackEnd, SavedHandle, SavedTensorFrontEnd, discover_blocks
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.rulebook import Entry
-from brats_swap.memory.trace import OpInfo, Storage, Trace, TracedRecord, variant_name
+from brats_swap.memory.trace_data import OpInfo, Storage, Trace, TracedRecord, variant_name
 
 # Ops that only reinterpret or allocate: no kernel runs, so they cost no time in the time model.
 _NO_KERNEL = {"view", "_unsafe_view", "as_strided", "expand", "permute", "t", "transpose", "unsqueeze",
@@ -255,7 +255,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     a live `MemoryEngine` is refused: copying the engine's hooks would copy its state with them."""
     attached = ATTACHED.get(model)
     if attached is not None and attached() is not None:
-        raise ValueError("brats_swap.memory.trace: the model has a MemoryEngine attached; plan before building "
+        raise ValueError("brats_swap.memory.recorder.meta_copy: the model has a MemoryEngine attached; plan before building "
                          "the engine or after engine.close()")
     memo: dict[int, object] = {}
     for param in model.parameters():

@@ -52,7 +52,7 @@ class Stage:
 def model_stages(model: nn.Module, input_shape: Sequence[int], step: Callable | None = None) -> list[Stage]:
     """The stages of `model` at `input_shape` (B, C, *spatial), encoder first, each side by level (module
     docstring). Runs one forward of a meta copy under `no_grad` (`step(model, x)` for a model with another
-    calling convention, as `trace.trace_step`); `model` is not modified."""
+    calling convention, as `recorder.trace_step`); `model` is not modified."""
     meta = meta_copy(model)
     order: dict[int, int] = {}  # id(module) -> first-call ordinal
     sizes: dict[int, int] = {}  # id(compute module) -> spatial size of its first output

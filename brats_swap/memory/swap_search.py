@@ -22,7 +22,7 @@ from brats_swap.memory.cost import D2H
 from brats_swap.memory.events import EventKind
 from brats_swap.memory.rulebook import select_swapped, transfer_bytes
 from brats_swap.memory.simulate import MemoryResult, rebuilt_at, resident_records
-from brats_swap.memory.trace import Trace
+from brats_swap.memory.trace_data import Trace
 
 if TYPE_CHECKING:
     from brats_swap.memory.planner import Planner, PolicyPrediction

@@ -44,8 +44,8 @@ from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.metrics import case_metrics, write_metrics_report
 from brats_swap.evaluate.official import case_official_metrics, merge_groups
-from brats_swap.evaluate.postprocess import PostprocessingPlan, describe_label_changes, load_plan
-from brats_swap.evaluate.postprocess import apply as apply_postprocessing
+from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, describe_label_changes, load_plan
+from brats_swap.evaluate.postprocessing_rules import apply as apply_postprocessing
 from brats_swap.model.targets import labels_from_probs, output_names
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
