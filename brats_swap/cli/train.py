@@ -23,7 +23,7 @@ from brats_swap.cli.common import (
     resolve_config,
 )
 from brats_swap.errors import ConfigError, TrainingInterrupted
-from brats_swap.run.console import warn
+from brats_swap.run.console import line_console, warn
 from brats_swap.run.folder import RunFolder
 
 FoldOption = Annotated[int | None, typer.Option("--fold", "-f", help="Fold of splits.json (default 0).",
@@ -56,7 +56,7 @@ def train(
     if run is not None and resume:  # the run's config.yaml, a --set recorded there (brats_swap/cv/run_config.py)
         from brats_swap.cv.run_config import run_config
 
-        resolved = run_config(run, config, set_, say=lambda text: console.print(text, markup=False, highlight=False))
+        resolved = run_config(run, config, set_, say=line_console.print)
     else:
         resolved = resolve_config(config, set_)
     if nproc is not None:
@@ -78,8 +78,7 @@ def train(
         console.print(summary_panel(result, resolved))
     if result.stop_reason is not None:  # a scheduler's SIGTERM/SIGUSR1: a planned stop, state saved (exit 0)
         if is_main_process():
-            console.print(f"{run_dir}: {result.stop_reason}: stopped with the state saved; continue with --resume",
-                          markup=False, highlight=False, soft_wrap=True)
+            line_console.print(f"{run_dir}: {result.stop_reason}: stopped with the state saved; continue with --resume")
     elif result.interrupted:
         raise TrainingInterrupted(f"{run_dir}: stopped at an epoch boundary; continue with --resume")
 
@@ -197,7 +196,7 @@ def _evaluate_run(run_folder: RunFolder, data: Path | None, folds: str, checkpoi
 
 
 def _say(line: str) -> None:
-    console.print(line, markup=False, highlight=False, soft_wrap=True)
+    line_console.print(line)
 
 
 def _print_official(report_dir: Path, title: str) -> None:

@@ -26,6 +26,7 @@ from brats_swap.evaluate.official import (
 )
 from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.folder import COMPARE_ARMS, RunFolder
+from brats_swap.run.summary_stats import STD_NOTE
 
 
 def _paired_rows(run: RunFolder, folds: list[int]) -> dict[str, list[dict]]:
@@ -234,6 +235,8 @@ def render_compare_markdown(config: Config, comparison: dict, run: RunFolder) ->
         "## Validation metrics (per-case mean ± std)",
         "",
         *_metric_table(comparison),
+        "",
+        f"{STD_NOTE}.",
         "",
         *_official_table(comparison.get("official")),
         "## Training cost",

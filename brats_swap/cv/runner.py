@@ -31,26 +31,25 @@ is complete is in the message, `cv.log` and `cv_summary.json["complete"]`. 75 = 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from brats_swap.config import Config
-from brats_swap.cv.invocation import cv_invocation
-from brats_swap.cv.lock import StopControl, fold_locks, shared_files
-from brats_swap.cv.out_of_fold_tuning import tune_after_cv
 from brats_swap.cv.fold_progress import FoldState, read_fold_state
+from brats_swap.cv.invocation import cv_invocation
+from brats_swap.cv.lock import fold_locks, shared_files
+from brats_swap.cv.out_of_fold_tuning import tune_after_cv
+from brats_swap.cv.stop_control import StopControl
 from brats_swap.cv.summary import utc_now, write_cv_summary
-from brats_swap.data.cache import list_prepared
 from brats_swap.distributed import launched_by_torchrun
-from brats_swap.errors import ConfigError, DataError
+from brats_swap.errors import ConfigError
 from brats_swap.evaluate.predictions import evaluate_fold
+from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
 from brats_swap.run.folder import RunFolder
-from brats_swap.splits import fold_cases, load_or_create_splits
+from brats_swap.splits import fold_cases, load_run_splits
 from brats_swap.train.data import prepare_run_data
 from brats_swap.train.loop import train_fold
-
-FoldSelection = str | int | Iterable[int]
 
 
 @dataclass
@@ -104,31 +103,6 @@ class CVOutcome:
         return f"{action}; {state}"
 
 
-def resolve_folds(selection: FoldSelection, n_folds: int) -> list[int]:
-    """'all' -> every fold; an int or an iterable of ints -> those folds (checked)."""
-    if isinstance(selection, str):
-        if selection.strip().lower() == "all":
-            return list(range(n_folds))
-        try:
-            selection = int(selection)
-        except ValueError:
-            raise ConfigError(f"--fold {selection!r}: expected 'all' or a fold number 0..{n_folds - 1}") from None
-    folds = [selection] if isinstance(selection, int) else [int(k) for k in selection]
-    for k in folds:
-        if not 0 <= k < n_folds:
-            raise ConfigError(f"--fold {k}: the run has folds 0..{n_folds - 1} (see splits.json)")
-    return sorted(set(folds))
-
-
-def load_run_splits(config: Config, run_dir: RunFolder | Path) -> dict:
-    """The run's splits.json (made once from the prepared cache's case ids, seeded by config.seed)."""
-    cache = Path(config.data.cache)
-    case_ids = list_prepared(cache) if cache.exists() else []
-    if not case_ids:
-        raise DataError(f"{cache}: no prepared cases (data.cache), and none to prepare from data.root")
-    return load_or_create_splits(RunFolder.of(run_dir).root, case_ids, config.cv.folds, config.seed)
-
-
 class FoldRunner:
     """Advances the folds of one run folder; the caller holds the lock. Used by `run_cv` and `compare`."""
 
@@ -144,7 +118,7 @@ class FoldRunner:
 
     def _say(self, text: str) -> None:
         if self.console is not None:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self.console.print(text)
 
     def states(self, folds: list[int]) -> dict[int, FoldState]:
         return {k: read_fold_state(self.run_dir, k) for k in folds}
@@ -219,7 +193,7 @@ def prepared_runner(config: Config, run_dir: Path, stop: StopControl, *, console
         return FoldRunner(config, run_dir, stop, console=console, train=train)
 
 
-def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None, *,
+def run_cv(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS, max_hours: float | None = None, *,
            parallel_folds: int = 1, console=None, clock: Callable[[], float] = time.monotonic) -> CVOutcome | None:
     """Continue the run's cross-validation where the last invocation stopped (see the module docstring).
 
@@ -248,7 +222,7 @@ def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hour
     return run_sequential(config, run_dir, folds, max_hours, console=console, clock=clock)
 
 
-def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None,
+def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS, max_hours: float | None = None,
                    *, console=None, clock: Callable[[], float] = time.monotonic, train=None) -> CVOutcome:
     """`run_cv` in this process, one fold after the other; `train` replaces `train_fold` (see FoldRunner)."""
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
@@ -263,4 +237,4 @@ def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = "all", 
     return outcome
 
 
-__all__ = ["CVOutcome", "FoldRunner", "load_run_splits", "prepared_runner", "resolve_folds", "run_cv", "run_sequential", "summarise_run"]
+__all__ = ["CVOutcome", "FoldRunner", "prepared_runner", "resolve_folds", "run_cv", "run_sequential", "summarise_run"]

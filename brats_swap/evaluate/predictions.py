@@ -416,7 +416,7 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
     cases = discover_cases(input_path, config.data.edition, config.data.modalities, config.data.challenge)
     if plan is not None:
         _check_plan_fits(plan, cases, run.postprocessing)
-    say = (lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)) if progress else None
+    say = (lambda line: console.print(line)) if progress else None
     if say is not None:
         say(f"predict: fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint){', 8-mirror TTA' if tta else ''}"
             f"; postprocessing: {plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}")

@@ -33,13 +33,13 @@ from itertools import accumulate
 import numpy as np
 
 from brats_swap.config.schema import MemoryConfig
+from brats_swap.memory.budget import GIB
 from brats_swap.memory.cost import D2H, H2D, INSTANT, OpCostModel
 from brats_swap.memory.events import FORWARD, EventKind, deliver
 from brats_swap.memory.rulebook import RECOMPUTE, SWAP, Entry, EntryState, Rulebook, SaveFacts
 from brats_swap.memory.stats import StepStats
 from brats_swap.memory.trace_data import Trace
 
-GIB = float(1 << 30)
 ADAM_STATE_FACTOR = 2  # exp_avg and exp_avg_sq: two extra copies of the parameters
 
 
