@@ -16,8 +16,8 @@ from cv_helpers import install_fake_training, snapshot
 
 from brats_swap.config import load_config
 from brats_swap.cv import lock
+from brats_swap.cv.dispatch import run_cv
 from brats_swap.cv.lock import fold_locks, run_lock, shared_files
-from brats_swap.cv.runner import run_cv
 from brats_swap.errors import DataError, RunLockedError
 
 

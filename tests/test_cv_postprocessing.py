@@ -14,7 +14,7 @@ from tiny_cv import copy_run, tiny_cv_run
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
-from brats_swap.cv import postprocessing as cv_postprocessing
+from brats_swap.cv import out_of_fold_tuning as cv_postprocessing
 from brats_swap.cv import run_cv
 from brats_swap.cv.summary import postprocessing_markdown_lines
 from brats_swap.data.challenges import evaluation_groups

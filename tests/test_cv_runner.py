@@ -15,8 +15,9 @@ from cv_helpers import CASE_IDS, epochs_trained, fake_dice, install_fake_trainin
 
 from brats_swap import splits
 from brats_swap.config import load_config
+from brats_swap.cv.dispatch import run_cv
 from brats_swap.cv.lock import run_lock
-from brats_swap.cv.runner import resolve_folds, run_cv
+from brats_swap.cv.runner import resolve_folds
 from brats_swap.cv.stop_control import StopControl
 from brats_swap.errors import ConfigError, DataError, RunLockedError
 

@@ -1,6 +1,6 @@
 """`brats-swap cv` under torchrun: every fold trains data-parallel on all ranks; rank 0 runs the cv runner.
 
-`run_cv` (cv/runner.py) comes here when torchrun started the process. Rank 0 does everything the
+`run_cv` (cv/dispatch.py) comes here when torchrun started the process. Rank 0 does everything the
 sequential runner does (the run lock, preparing the cases the cache lacks while the other ranks wait on the
 control channel, splits.json, deciding which folds to train or resume,
 `--max-hours` and SIGTERM, evaluation, fold_<k>/state.json, the summary, cv.log). The other ranks only

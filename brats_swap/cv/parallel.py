@@ -1,6 +1,6 @@
 """`brats-swap cv --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
 
-`run_cv` (cv/runner.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
+`run_cv` (cv/dispatch.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
 runner does (the same `cv_invocation`: run lock first, `--max-hours`, SIGTERM, the cv.log line; missing
 cases prepared and splits.json made once; the summary at the end) and, while it holds the lock, hands the unfinished folds to a pool
 of N worker processes (`concurrent.futures.ProcessPoolExecutor` with the `spawn` start method: fresh

@@ -1,10 +1,6 @@
-"""`run_cv`: the one entry of `brats-swap cv`. It trains and evaluates every fold of a run, resumably,
-one cron invocation at a time, and picks how the folds are trained:
-
-- under torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK` set): every fold data-parallel on all ranks, rank 0
-  orchestrating (cv/ddp.py);
-- `parallel_folds > 1`: that many folds at once in worker processes (cv/parallel.py);
-- otherwise: one fold after the other in this process (`run_sequential`, below).
+"""One `brats-swap cv` invocation in this process, fold after fold (`run_sequential`), and the pieces the
+other ways of running the folds share (`FoldRunner`, `prepared_runner`, `CVOutcome`); `run_cv`
+(cv/dispatch.py) picks the way.
 
 Each way, one invocation:
 
@@ -42,8 +38,6 @@ from brats_swap.cv.lock import fold_locks, shared_files
 from brats_swap.cv.out_of_fold_tuning import tune_after_cv
 from brats_swap.cv.stop_control import StopControl
 from brats_swap.cv.summary import utc_now, write_cv_summary
-from brats_swap.distributed import launched_by_torchrun
-from brats_swap.errors import ConfigError
 from brats_swap.evaluate.predictions import evaluate_fold
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
 from brats_swap.run.folder import RunFolder
@@ -193,38 +187,9 @@ def prepared_runner(config: Config, run_dir: Path, stop: StopControl, *, console
         return FoldRunner(config, run_dir, stop, console=console, train=train)
 
 
-def run_cv(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS, max_hours: float | None = None, *,
-           parallel_folds: int = 1, console=None, clock: Callable[[], float] = time.monotonic) -> CVOutcome | None:
-    """Continue the run's cross-validation where the last invocation stopped (see the module docstring).
-
-    `folds`: "all", a fold number or fold numbers. `max_hours`: the window (default `cv.max_hours`).
-    `parallel_folds`: folds trained at once, each in a worker process (not under torchrun, where every
-    fold already uses all ranks). `console`: a rich console for progress lines (None = quiet). `clock`:
-    the window's clock; the parallel runner's workers share `time.monotonic`, so only that one goes there.
-
-    Returns the invocation's outcome (`ParallelCVOutcome` with parallel folds); None on torchrun ranks > 0,
-    which only follow rank 0's folds. Raises RunLockedError (exit 75) at once, touching nothing, when
-    another process holds the run.
-    """
-    if launched_by_torchrun():
-        if parallel_folds != 1:
-            raise ConfigError("--parallel-folds: not under torchrun (there every fold already uses all ranks); "
-                              "run it as a plain command")
-        from brats_swap.cv.ddp import run_distributed
-
-        return run_distributed(config, run_dir, folds, max_hours, console=console, clock=clock)
-    if parallel_folds != 1:
-        if clock is not time.monotonic:
-            raise ValueError("clock: parallel folds share time.monotonic's deadline with their workers")
-        from brats_swap.cv.parallel import run_parallel_folds
-
-        return run_parallel_folds(config, run_dir, folds, max_hours, parallel=parallel_folds, console=console)
-    return run_sequential(config, run_dir, folds, max_hours, console=console, clock=clock)
-
-
 def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS, max_hours: float | None = None,
                    *, console=None, clock: Callable[[], float] = time.monotonic, train=None) -> CVOutcome:
-    """`run_cv` in this process, one fold after the other; `train` replaces `train_fold` (see FoldRunner)."""
+    """The folds in this process, one after the other; `train` replaces `train_fold` (see FoldRunner)."""
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
     with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started, clock=clock) as stop:
         runner = prepared_runner(config, run_dir, stop, console=console, train=train)
@@ -237,4 +202,4 @@ def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOL
     return outcome
 
 
-__all__ = ["CVOutcome", "FoldRunner", "prepared_runner", "resolve_folds", "run_cv", "run_sequential", "summarise_run"]
+__all__ = ["CVOutcome", "FoldRunner", "prepared_runner", "resolve_folds", "run_sequential", "summarise_run"]

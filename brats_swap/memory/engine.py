@@ -29,16 +29,12 @@ from torch import nn
 from brats_swap.config import ConfigError, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
 from brats_swap.memory.executor import SwapExecutor
-from brats_swap.memory.frontend import SavedTensorFrontEnd, discover_blocks
+from brats_swap.memory.frontend import ATTACHED, SavedTensorFrontEnd, discover_blocks
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.records import RECOMPUTE_MODES, SavedRecord, effective_memory_config
 from brats_swap.memory.rulebook import SWAP
 from brats_swap.memory.stats import StepStats
 
-# Models with a live engine (model -> weak reference to it): the engine's hooks, wrappers and per-step
-# state must not be copied with the model (`recorder.meta_copy` refuses such a model rather than duplicate
-# the engine's weak storage references, which would be freed twice).
-ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
     if blocks is None:

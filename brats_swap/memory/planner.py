@@ -50,7 +50,8 @@ from torch import nn
 from brats_swap.config import ConfigError, MemoryConfig, RecomputeConfig
 from brats_swap.memory.arena import arena_bytes
 from brats_swap.memory.budget import BUDGET_HEADROOM, GIB, overhead_bytes, tensor_limit, with_overhead
-from brats_swap.memory.cost import OpCostModel, default_cost_model, resolve_cost_model
+from brats_swap.memory.cost import OpCostModel, default_cost_model
+from brats_swap.memory.device_profile import resolve_cost_model
 from brats_swap.memory.presets import named_policies, resolve_presets
 from brats_swap.memory.recorder import trace_step
 from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES, SavedRecord
