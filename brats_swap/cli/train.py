@@ -67,7 +67,7 @@ def train(
         prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
         raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
     from brats_swap.train.loop import train_fold
-    from brats_swap.train.report import summary_panel
+    from brats_swap.train.summary import summary_panel
 
     run_dir = default_run_dir(resolved, run)
     with _fold_lock_of_this_rank(run_dir, fold or 0):  # a second train/cv of this fold exits 75 at once
