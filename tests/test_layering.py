@@ -38,21 +38,29 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute dotted name of `from X import ...` (X relative to `package` when it starts with dots)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: Path) -> set[str]:
     """Every module `name` imports, anywhere in the file (functions included), as absolute dotted names."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = _package_of(name, path)
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _from_module(node, package)
             found.add(module)
             # `from brats_swap import cli` imports the subpackage itself.
             found.update(f"{module}.{alias.name}" for alias in node.names)
@@ -177,18 +185,13 @@ def _runtime_imports(name: str, path: Path) -> set[str]:
     """The package's modules that `name` imports when it runs: `from a.b import c` is a.b.c when that is a
     module (only then is the package `a.b` itself not what is asked for), else a.b."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = _package_of(name, path)
     found: set[str] = set()
     for node in _runtime_import_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
             continue
-        if node.level:
-            base = package.split(".")
-            base = base[: len(base) - (node.level - 1)]
-            module = ".".join(base + ([node.module] if node.module else []))
-        else:
-            module = node.module or ""
+        module = _from_module(node, package)
         submodules = {f"{module}.{alias.name}" for alias in node.names} & set(MODULES)
         found.update(submodules)
         if len(submodules) < len(node.names):
