@@ -1,4 +1,4 @@
-"""What makes a run folder safe under cron and on a cluster: locks, and a clean way to stop.
+"""What makes a run folder safe under cron and on a cluster: its locks.
 
 Locks are `fcntl.flock` locks, which the kernel drops when the process dies, even by SIGKILL, so there is
 never a stale lock to clean up by hand; on a file system without working flock (some Lustre mounts), a
