@@ -31,11 +31,9 @@ import atexit
 import contextlib
 import datetime
 import os
-import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,6 +44,7 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from brats_swap import stop_signals
 from brats_swap.errors import ConfigError
 from brats_swap.run.device import resolve_device
 
@@ -337,27 +336,16 @@ def launch_torchrun(nproc: int, argv: Sequence[str]) -> int:
 
 # torchrun does not pass SIGUSR1 on (it dies of it, leaving its workers), and on SIGTERM it kills the workers
 # after a grace period: both go straight to the workers instead, which stop at the next step (train/loop.py).
-FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-
 @contextlib.contextmanager
 def forward_signals_to_workers(launcher_pid: int) -> Iterator[None]:
     """While in the block, SIGUSR1/SIGTERM received here are sent to every process below `launcher_pid`."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def forward(signum, frame):  # noqa: ARG001 - signal handler signature
         for pid in torchrun_workers(launcher_pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    try:
+    with stop_signals.handled(stop_signals.SCHEDULER_SIGNALS, forward):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def torchrun_workers(launcher_pid: int) -> list[int]:

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json
+from brats_swap.config import Config
+from brats_swap.data.cache import list_prepared
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.folder import RunFolder
 
@@ -56,6 +58,24 @@ def load_or_create_splits(run: RunFolder | Path, case_ids: list[str], folds: int
     splits = make_splits(sorted(case_ids), folds, seed)
     atomic_write_json(path, splits)
     return splits
+
+
+def prepared_case_ids(cache: str | Path) -> list[str]:
+    """The cases prepared in `cache` (data.cache), the ones a run's splits are made of; DataError if none."""
+    cache = Path(cache)
+    case_ids = list_prepared(cache) if cache.exists() else []
+    if not case_ids:
+        raise DataError(f"{cache}: no prepared cases (data.cache); prepare data.root into it first "
+                        "(`brats-swap data prepare`; `train` and `cv` do it themselves)")
+    return case_ids
+
+
+def load_run_splits(config: Config, run: RunFolder | Path, case_ids: list[str] | None = None) -> dict:
+    """The run's splits.json, made once (`config.cv.folds` folds seeded by `config.seed`) from `case_ids`,
+    by default the prepared cache's (`prepared_case_ids`)."""
+    if case_ids is None:
+        case_ids = prepared_case_ids(config.data.cache)
+    return load_or_create_splits(run, case_ids, config.cv.folds, config.seed)
 
 
 def read_splits(path: Path) -> dict:

@@ -37,7 +37,7 @@ import torch
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import MemoryConfig, ModelConfig
 from brats_swap.memory import MemoryEngine, discover_blocks
-from brats_swap.memory.cost import measure_bandwidth
+from brats_swap.memory.device_profile import measure_bandwidth
 from brats_swap.memory.presets import PRESET_NAMES, named_policies
 from brats_swap.memory.recompute import CheckpointedModules
 from brats_swap.model import build_model

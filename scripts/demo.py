@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
     from brats_swap.errors import BratsSwapError
     from brats_swap.evaluate.metrics import print_summary
     from brats_swap.evaluate.official import json_safe, print_official_summary, read_official_summary
-    from brats_swap.evaluate.run import evaluate_fold
+    from brats_swap.evaluate.predictions import evaluate_fold
     from brats_swap.run.folder import RunFolder
     from brats_swap.train.loop import train_fold
-    from brats_swap.train.report import summary_panel
+    from brats_swap.train.summary import summary_panel
 
     console = Console()
     config = load_config(args.config, args.overrides)

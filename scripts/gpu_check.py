@@ -62,7 +62,8 @@ from validate_plan import SAVE_ON_CPU, measure, relative_error, torch_threads  #
 from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
 from brats_swap.memory.arena import HostArena  # noqa: E402
-from brats_swap.memory.cost import bytes_per_second, resolve_cost_model  # noqa: E402
+from brats_swap.memory.cost import bytes_per_second  # noqa: E402
+from brats_swap.memory.device_profile import resolve_cost_model  # noqa: E402
 from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from  # noqa: E402
 from brats_swap.memory.link import open_link  # noqa: E402
 from brats_swap.memory.planner import Planner  # noqa: E402

@@ -61,7 +61,8 @@ import torch
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config.schema import MemoryConfig, ModelConfig
-from brats_swap.memory.cost import OpCostModel, default_cost_model, profile_device
+from brats_swap.memory.cost import OpCostModel, default_cost_model
+from brats_swap.memory.device_profile import profile_device
 from brats_swap.memory.engine import MemoryEngine
 from brats_swap.memory.link import EmulatedLink
 from brats_swap.memory.planner import Planner

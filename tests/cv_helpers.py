@@ -113,6 +113,7 @@ def snapshot(run_dir: Path, ignore: tuple[str, ...] = ()) -> dict[str, str]:
 def install_fake_training(monkeypatch, tmp_path: Path) -> FakeTraining:
     """Replace the cv runner's training, evaluation, cache preparation and cache listing by the scripted
     FakeTraining (the cache then holds CASE_IDS, all up to date)."""
+    from brats_swap import splits
     from brats_swap.cv import runner
     from brats_swap.data.cache import PrepareReport
     from brats_swap.train import data as train_data
@@ -120,7 +121,7 @@ def install_fake_training(monkeypatch, tmp_path: Path) -> FakeTraining:
     training = FakeTraining()
     monkeypatch.setattr(runner, "train_fold", training.train_fold)
     monkeypatch.setattr(runner, "evaluate_fold", training.evaluate_fold)
-    monkeypatch.setattr(runner, "list_prepared", lambda cache: list(CASE_IDS))
+    monkeypatch.setattr(splits, "list_prepared", lambda cache: list(CASE_IDS))
     monkeypatch.setattr(train_data, "prepare_missing", lambda data_cfg, **_: PrepareReport(
         cache=Path(data_cfg.cache), up_to_date=list(CASE_IDS)))
     (tmp_path / "cache").mkdir()

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
 from brats_swap.config import load_config
-from brats_swap.cv import runner
+from brats_swap.cv import run_cv, runner
 from brats_swap.cv.compare import run_compare
 from brats_swap.data.cache import PrepareReport
 from brats_swap.data.challenges import get_challenge
@@ -126,7 +126,7 @@ def test_cv_and_compare_prepare_the_cache_once_before_any_fold(command, monkeypa
     config = load_config(None, [f"data.root={tmp_path / 'download'}", f"data.cache={tmp_path / 'cache'}",
                                 "cv.folds=2", "train.max_epochs=1", "data.cube=[64,64,64]", "train.patch=[32,32,32]"])
     if command == "cv":
-        assert runner.run_cv(config, tmp_path / "run").complete
+        assert run_cv(config, tmp_path / "run").complete
     else:
         assert run_compare(config, tmp_path / "run").complete
     assert events[0] == f"prepare {tmp_path / 'download'}" and events.count(events[0]) == 1

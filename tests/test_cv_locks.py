@@ -16,8 +16,8 @@ from cv_helpers import install_fake_training, snapshot
 
 from brats_swap.config import load_config
 from brats_swap.cv import lock
+from brats_swap.cv.dispatch import run_cv
 from brats_swap.cv.lock import fold_locks, run_lock, shared_files
-from brats_swap.cv.runner import run_cv
 from brats_swap.errors import DataError, RunLockedError
 
 
@@ -98,7 +98,7 @@ def test_a_file_system_without_flock_is_a_one_line_error(fake, config, tmp_path,
 
 
 def test_status_shows_done_running_and_stopped_folds(fake, config, tmp_path, monkeypatch):
-    from brats_swap.cv.status import run_status
+    from brats_swap.cv.status_report import run_status
 
     run_dir = tmp_path / "run"
     run_cv(config, run_dir, folds=0)

@@ -14,13 +14,13 @@ from tiny_cv import copy_run, tiny_cv_run
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
-from brats_swap.cv import postprocessing as cv_postprocessing
+from brats_swap.cv import out_of_fold_tuning as cv_postprocessing
 from brats_swap.cv import run_cv
 from brats_swap.cv.summary import postprocessing_markdown_lines
 from brats_swap.data.challenges import evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.nifti import save_label_nifti
-from brats_swap.evaluate.postprocess import (
+from brats_swap.evaluate.postprocessing_rules import (
     KeepRule,
     PostprocessingPlan,
     apply,
@@ -29,7 +29,7 @@ from brats_swap.evaluate.postprocess import (
     save_plan,
     tune_postprocessing,
 )
-from brats_swap.evaluate.run import predict
+from brats_swap.evaluate.predictions import predict
 
 LEGACY_GROUPS = {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}
 

@@ -13,10 +13,12 @@ import statistics
 import pytest
 from cv_helpers import CASE_IDS, epochs_trained, fake_dice, install_fake_training, snapshot
 
+from brats_swap import splits
 from brats_swap.config import load_config
-from brats_swap.cv import runner
-from brats_swap.cv.lock import StopControl, run_lock
-from brats_swap.cv.runner import resolve_folds, run_cv
+from brats_swap.cv.dispatch import run_cv
+from brats_swap.cv.lock import run_lock
+from brats_swap.cv.runner import resolve_folds
+from brats_swap.cv.stop_control import StopControl
 from brats_swap.errors import ConfigError, DataError, RunLockedError
 
 
@@ -158,7 +160,7 @@ def test_a_window_already_closed_trains_nothing_and_exits_cleanly(fake, config, 
 
 def test_the_lock_is_released_after_an_error(fake, config, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(runner, "list_prepared", lambda cache: [])
+    monkeypatch.setattr(splits, "list_prepared", lambda cache: [])
     with pytest.raises(DataError, match="no prepared cases"):
         run_cv(config, run_dir)
     assert "exit 1 (DataError" in (run_dir / "cv.log").read_text()

@@ -42,21 +42,29 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute dotted name of `from X import ...` (X relative to `package` when it starts with dots)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: Path) -> set[str]:
     """Every module `name` imports, anywhere in the file (functions included), as absolute dotted names."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = _package_of(name, path)
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _from_module(node, package)
             found.add(module)
             # `from brats_swap import cli` imports the subpackage itself.
             found.update(f"{module}.{alias.name}" for alias in node.names)
@@ -160,3 +168,102 @@ def test_the_import_parser_resolves_relative_and_submodule_imports(tmp_path, sni
     path = tmp_path / "mod.py"
     path.write_text(snippet, encoding="utf-8")
     assert _imports("brats_swap.run.mod", path) == expected
+
+
+# --------------------------------------------------------------------------------------------------
+# No import cycle among the imports that run: module level and inside functions alike (an import inside a
+# function is still an arrow; it only runs later). Imports under `if TYPE_CHECKING:` never run.
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of `tree` except those in the body of an `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            pending.extend(node.orelse)
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _runtime_imports(name: str, path: Path) -> set[str]:
+    """The package's modules that `name` imports when it runs: `from a.b import c` is a.b.c when that is a
+    module (only then is the package `a.b` itself not what is asked for), else a.b."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = _package_of(name, path)
+    found: set[str] = set()
+    for node in _runtime_import_nodes(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+            continue
+        module = _from_module(node, package)
+        submodules = {f"{module}.{alias.name}" for alias in node.names} & set(MODULES)
+        found.update(submodules)
+        if len(submodules) < len(node.names):
+            found.add(module)
+    return {imported for imported in found if imported in MODULES and imported != name}
+
+
+def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def test_no_import_cycle_among_the_imports_that_run():
+    graph = {name: _runtime_imports(name, path) for name, path in MODULES.items()}
+    assert _import_cycles(graph) == []
+
+
+def test_the_cycle_check_sees_function_level_imports_and_skips_type_checking(tmp_path):
+    # Guards for the test above: it must find a cycle closed by an import inside a function, and must not
+    # count one closed only under `if TYPE_CHECKING:`.
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from brats_swap.run import folder\n", encoding="utf-8")
+    b.write_text("def f():\n    from brats_swap.run.console import warn\n", encoding="utf-8")
+    graph = {"brats_swap.run.console": _runtime_imports("brats_swap.run.console", a),
+             "brats_swap.run.folder": _runtime_imports("brats_swap.run.folder", b)}
+    assert graph == {"brats_swap.run.console": {"brats_swap.run.folder"},
+                     "brats_swap.run.folder": {"brats_swap.run.console"}}
+    assert _import_cycles(graph) == [["brats_swap.run.console", "brats_swap.run.folder"]]
+    b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from brats_swap.run.console import warn\n",
+                 encoding="utf-8")
+    assert _runtime_imports("brats_swap.run.folder", b) == set()

@@ -160,7 +160,7 @@ def test_summarize():
     assert dice["n"] == 4
     assert dice["mean"] == pytest.approx(0.25)
     assert dice["median"] == pytest.approx(0.25)
-    assert dice["std"] == pytest.approx(float(np.std([0.1, 0.2, 0.3, 0.4])))
+    assert dice["std"] == pytest.approx(float(np.std([0.1, 0.2, 0.3, 0.4], ddof=1)))  # the sample std
     assert summary["hd95_et"]["n"] == 3 and summary["hd95_et"]["mean"] == pytest.approx(0.3)
 
 
@@ -179,7 +179,7 @@ def test_write_metrics_report(tmp_path):
     assert float(body[1][1]) == pytest.approx(0.2)
     assert json.loads((out / "summary.json").read_text()) == summary
     md = (out / "summary.md").read_text()
-    assert md.startswith("# fold 0") and "| WT |" in md and "0.200 ± 0.082" in md
+    assert md.startswith("# fold 0") and "| WT |" in md and "0.200 ± 0.100" in md
     png = (out / "dice_boxplot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".*.tmp"))
@@ -196,4 +196,4 @@ def test_report_without_hd95_and_tables():
     console = Console(record=True, width=100)
     print_summary(summary, console, title="demo")
     text = console.export_text()
-    assert "WT" in text and "0.150 ± 0.050" in text and "2 cases" in text
+    assert "WT" in text and "0.150 ± 0.071" in text and "2 cases" in text

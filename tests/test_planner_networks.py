@@ -62,7 +62,7 @@ def test_the_tracer_takes_a_structure_of_outputs(kind):
 def test_the_device_profile_times_a_structure_of_outputs(kind):
     """`profile_device` (a CUDA device's measured time model) on a deep-supervision network; the CPU runs the
     same code path without the link measurement."""
-    from brats_swap.memory.cost import profile_device
+    from brats_swap.memory.device_profile import profile_device
 
     cost = profile_device(_TwoHeads(kind), torch.device("cpu"), loss_fn=_dice_over, cube=8, steps=1)
     assert cost.fwd_scale > 0 and cost.bwd_scale > 0

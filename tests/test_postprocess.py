@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from brats_swap.data.challenges import evaluation_groups
 from brats_swap.errors import DataError
 from brats_swap.evaluate.official import case_official_metrics
-from brats_swap.evaluate.postprocess import (
+from brats_swap.evaluate.postprocessing_rules import (
     MIN_SIZE_GRID,
     KeepRule,
     PostprocessingPlan,

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
 from brats_swap.data.discovery import discover_cases
-from brats_swap.evaluate import run as evaluate_run
+from brats_swap.evaluate import predictions as evaluate_run
 from brats_swap.evaluate.official import official_columns
-from brats_swap.evaluate.postprocess import apply, load_plan
+from brats_swap.evaluate.postprocessing_rules import apply, load_plan
 from brats_swap.model.targets import labels_from_probs, output_names
 
 
@@ -224,7 +224,7 @@ def test_predict_writes_every_good_case_and_exits_1_naming_the_broken_one(cv_run
 def test_predict_says_what_postprocessing_removed_per_case(cv_run, tmp_path, capsys):
     from dataclasses import replace
 
-    from brats_swap.evaluate.postprocess import PostprocessingPlan, relabel_labels, save_plan
+    from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, relabel_labels, save_plan
 
     _, run, root = cv_run
     run = copy_run(run, tmp_path / "run")

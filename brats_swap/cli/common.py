@@ -16,11 +16,12 @@ from rich.markup import escape
 from brats_swap.atomic import DISK_PROBLEMS
 from brats_swap.config import Config, load_config
 from brats_swap.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, BratsSwapError
+from brats_swap.run.console import console as stderr_console
 from brats_swap.run.console import warn
 from brats_swap.run.folder import RunFolder
 
-console = Console(stderr=False)
-err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+console = Console(stderr=False, highlight=False)  # tables and panels; lines go to run.console's consoles
+err_console = stderr_console
 
 # Set by the top-level --debug option: show tracebacks instead of one-line errors.
 DEBUG = {"enabled": False}
@@ -67,7 +68,7 @@ def default_run_dir(config: Config, run: Path | None) -> Path:
 
 def fail(message: str, exit_code: int) -> typer.Exit:
     # The message is plain text: escape it, or rich would swallow e.g. "[low, high]" as a markup tag.
-    err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True)
     return typer.Exit(exit_code)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from brats_swap.cli.common import ConfigOption, SetOption, console, handle_errors, resolve_config
+from brats_swap.cli.common import ConfigOption, SetOption, handle_errors, resolve_config
 from brats_swap.config import config_to_yaml
+from brats_swap.run.console import line_console
 
 app = typer.Typer(help="Inspect configurations.", no_args_is_help=True)
 
@@ -15,4 +16,4 @@ app = typer.Typer(help="Inspect configurations.", no_args_is_help=True)
 def show(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Print the resolved YAML: schema defaults <- --config file <- --set overrides."""
     resolved = resolve_config(config, set_)
-    console.print(config_to_yaml(resolved), end="", markup=False, highlight=False, soft_wrap=True)
+    line_console.print(config_to_yaml(resolved), end="")

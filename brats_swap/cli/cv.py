@@ -17,12 +17,12 @@ from brats_swap.cli.common import (
     FoldsOption,
     RunOption,
     SetOption,
-    console,
     default_run_dir,
     handle_errors,
     resolve_config,
 )
 from brats_swap.errors import ConfigError
+from brats_swap.run.console import line_console
 from brats_swap.run.fold_selection import compare_fold_selection, parse_fold_selection
 from brats_swap.run.folder import RunFolder
 
@@ -97,7 +97,7 @@ def cv(
     if summary:
         from brats_swap.cv.runner import summarise_run
 
-        outcome = summarise_run(resolved, run_dir, console=console)
+        outcome = summarise_run(resolved, run_dir, console=line_console)
     elif nproc is not None:
         import sys
 
@@ -108,7 +108,7 @@ def cv(
         raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
     else:
         outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
-                         parallel_folds=parallel_folds, console=console)
+                         parallel_folds=parallel_folds, console=line_console)
     if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
         return
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
@@ -118,7 +118,7 @@ def cv(
 
 
 def _say(text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    line_console.print(text)
 
 
 def _run_and_config(config, set_, run):
@@ -131,7 +131,7 @@ def _run_and_config(config, set_, run):
 
 
 def _print_status(run) -> None:
-    from brats_swap.cv.status import run_status
+    from brats_swap.cv.status_report import run_status
 
     if run is None:
         raise ConfigError("--status: name the run folder with --run")
@@ -188,7 +188,7 @@ def compare(
     # Not runs/<name>: that is where `brats-swap cv` / `train` put the same config's plain run.
     run_dir = run if run is not None else RunFolder.default_for(f"{resolved.name}-compare").root
     outcome = run_compare(resolved, run_dir, folds=compare_fold_selection(folds), max_hours=max_hours,
-                          console=console)
-    console.print(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)", markup=False, highlight=False, soft_wrap=True)
-    console.print(f"comparison: {RunFolder(run_dir).compare_md}", markup=False, highlight=False, soft_wrap=True)
+                          console=line_console)
+    _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
+    _say(f"comparison: {RunFolder(run_dir).compare_md}")
     raise typer.Exit(0)

@@ -90,11 +90,10 @@ def prepare(
     cache = out if out is not None else Path(cfg.data.cache)
     report = prepare_dataset(folder, cache, cfg.data, workers=workers, strict=strict)
     for case_id, problem in report.failed.items():
-        console.print(f"[yellow]skipped {case_id}:[/] {problem}", highlight=False)
+        console.print(f"[yellow]skipped {case_id}:[/] {problem}")
     console.print(f"{cache}: {len(report.prepared)} prepared, {len(report.up_to_date)} up to date, "
                   f"{len(report.failed)} skipped in {report.seconds:.1f} s "
-                  f"(cube {'x'.join(map(str, cfg.data.cube))}, fit {cfg.data.fit}, {cfg.data.cache_dtype})",
-                  highlight=False)
+                  f"(cube {'x'.join(map(str, cfg.data.cube))}, fit {cfg.data.fit}, {cfg.data.cache_dtype})")
     if not report.cases:
         raise DataError(f"{folder}: no usable case to prepare")
 
@@ -148,8 +147,7 @@ def synth(
     ids = synthesize_dataset(folder, synth_cfg.cases, synth_cfg.seed, table, tuple(synth_cfg.shape), progress=True,
                              id_offset=offset)
     console.print(f"{folder}: wrote {len(ids)} {table} phantom cases "
-                  f"({'x'.join(map(str, synth_cfg.shape))}, seed {synth_cfg.seed}): {ids[0]} ... {ids[-1]}",
-                  highlight=False)
+                  f"({'x'.join(map(str, synth_cfg.shape))}, seed {synth_cfg.seed}): {ids[0]} ... {ids[-1]}")
 
 
 def _forcing(set_: list[str] | None, edition: str | None, challenge: str | None) -> list[str]:

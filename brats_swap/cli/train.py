@@ -23,7 +23,7 @@ from brats_swap.cli.common import (
     resolve_config,
 )
 from brats_swap.errors import ConfigError, TrainingInterrupted
-from brats_swap.run.console import warn
+from brats_swap.run.console import line_console, warn
 from brats_swap.run.folder import RunFolder
 
 FoldOption = Annotated[int | None, typer.Option("--fold", "-f", help="Fold of splits.json (default 0).",
@@ -56,7 +56,7 @@ def train(
     if run is not None and resume:  # the run's config.yaml, a --set recorded there (brats_swap/cv/run_config.py)
         from brats_swap.cv.run_config import run_config
 
-        resolved = run_config(run, config, set_, say=lambda text: console.print(text, markup=False, highlight=False))
+        resolved = run_config(run, config, set_, say=line_console.print)
     else:
         resolved = resolve_config(config, set_)
     if nproc is not None:
@@ -67,7 +67,7 @@ def train(
         prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
         raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
     from brats_swap.train.loop import train_fold
-    from brats_swap.train.report import summary_panel
+    from brats_swap.train.summary import summary_panel
 
     run_dir = default_run_dir(resolved, run)
     with _fold_lock_of_this_rank(run_dir, fold or 0):  # a second train/cv of this fold exits 75 at once
@@ -78,8 +78,7 @@ def train(
         console.print(summary_panel(result, resolved))
     if result.stop_reason is not None:  # a scheduler's SIGTERM/SIGUSR1: a planned stop, state saved (exit 0)
         if is_main_process():
-            console.print(f"{run_dir}: {result.stop_reason}: stopped with the state saved; continue with --resume",
-                          markup=False, highlight=False, soft_wrap=True)
+            line_console.print(f"{run_dir}: {result.stop_reason}: stopped with the state saved; continue with --resume")
     elif result.interrupted:
         raise TrainingInterrupted(f"{run_dir}: stopped at an epoch boundary; continue with --resume")
 
@@ -157,7 +156,7 @@ def evaluate(
 def _evaluate_predictions(predictions: Path, data: Path, out_dir: Path, edition: str, challenge: str, missing: str,
                           failures) -> None:
     from brats_swap.evaluate.metrics import print_summary
-    from brats_swap.evaluate.run import evaluate_predictions
+    from brats_swap.evaluate.predictions import evaluate_predictions
 
     report = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge, missing=missing,
                                   failures=failures)
@@ -176,7 +175,7 @@ def _evaluate_run(run_folder: RunFolder, data: Path | None, folds: str, checkpoi
                   set_: list[str] | None, failures) -> None:
     from brats_swap.config import load_config
     from brats_swap.evaluate.metrics import print_summary
-    from brats_swap.evaluate.run import evaluate_fold, select_folds
+    from brats_swap.evaluate.predictions import evaluate_fold, select_folds
 
     if not run_folder.config.is_file():
         raise ConfigError(f"{run_folder.config}: not found; is {run_folder.root} a brats-swap run folder?")
@@ -197,7 +196,7 @@ def _evaluate_run(run_folder: RunFolder, data: Path | None, folds: str, checkpoi
 
 
 def _say(line: str) -> None:
-    console.print(line, markup=False, highlight=False, soft_wrap=True)
+    line_console.print(line)
 
 
 def _print_official(report_dir: Path, title: str) -> None:
@@ -233,7 +232,7 @@ def predict(
     Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
     """
     from brats_swap.evaluate.failures import CaseFailures
-    from brats_swap.evaluate.run import predict as predict_cases
+    from brats_swap.evaluate.predictions import predict as predict_cases
 
     failures = CaseFailures(say=warn)
     written = predict_cases(run, input_path, out, folds, checkpoint, tta=tta, probabilities=save_probabilities,

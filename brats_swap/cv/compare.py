@@ -33,11 +33,12 @@ from brats_swap.config import Config
 from brats_swap.config.loader import validate_config
 from brats_swap.cv.comparison import write_comparison
 from brats_swap.cv.invocation import cv_invocation, logged_invocation
-from brats_swap.cv.lock import StopControl, run_lock
-from brats_swap.cv.runner import CVOutcome, FoldRunner, load_run_splits
+from brats_swap.cv.lock import run_lock
+from brats_swap.cv.runner import CVOutcome, FoldRunner
+from brats_swap.cv.stop_control import StopControl
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.folder import COMPARE_ARMS, SPLITS_FILE, RunFolder
-from brats_swap.splits import read_splits
+from brats_swap.splits import load_run_splits, read_splits
 from brats_swap.train.data import prepare_run_data
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from brats_swap.config import Config
-from brats_swap.cv.state import read_fold_state
-from brats_swap.cv.summary import pyplot, savefig_deterministic
+from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.data.challenges import get_challenge, isin
 from brats_swap.errors import DataError
 from brats_swap.run.dice import dice_column
+from brats_swap.run.figures import pyplot, savefig_deterministic
 from brats_swap.run.folder import COMPARE_ARMS, RunFolder
 
 ARM_TITLES = {"full": "whole volume", "patch": "patches"}

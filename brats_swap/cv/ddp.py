@@ -1,6 +1,6 @@
 """`brats-swap cv` under torchrun: every fold trains data-parallel on all ranks; rank 0 runs the cv runner.
 
-`run_cv` (cv/runner.py) comes here when torchrun started the process. Rank 0 does everything the
+`run_cv` (cv/dispatch.py) comes here when torchrun started the process. Rank 0 does everything the
 sequential runner does (the run lock, preparing the cases the cache lacks while the other ranks wait on the
 control channel, splits.json, deciding which folds to train or resume,
 `--max-hours` and SIGTERM, evaluation, fold_<k>/state.json, the summary, cv.log). The other ranks only
@@ -17,7 +17,6 @@ group's watchdog, which is meant to catch real hangs in training.
 from __future__ import annotations
 
 import datetime
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from brats_swap import stop_signals
 from brats_swap.config import Config
 from brats_swap.cv.runner import CVOutcome, run_sequential
 from brats_swap.distributed import init_distributed
@@ -62,8 +62,7 @@ def _follow(config: Config, run_dir: Path, control) -> None:
     rank that died on one would leave the others in a failed collective. While a fold trains, the loop's own
     handlers take them on every rank, and the ranks stop together at the next step.
     """
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)
     while True:
         command = _receive(control)
         if command[0] == "done":

@@ -1,4 +1,4 @@
-"""What makes a run folder safe under cron and on a cluster: locks, and a clean way to stop.
+"""What makes a run folder safe under cron and on a cluster: its locks.
 
 Locks are `fcntl.flock` locks, which the kernel drops when the process dies, even by SIGKILL, so there is
 never a stale lock to clean up by hand; on a file system without working flock (some Lustre mounts), a
@@ -12,10 +12,7 @@ one-line error says so instead of pretending. Three kinds:
 - the run's shared files (`splits.json`, `cv_summary.*`, `postprocessing.json`, `cv.log`) are written in
   short critical sections (`shared_files`) that wait for each other, with a timeout.
 
-`StopControl` is the `stop_requested` callback handed to the training loop: it turns true when the next
-epoch would end past the `--max-hours` window (the loop then saves its checkpoint at that epoch boundary
-and returns) or when SIGTERM/SIGUSR1 arrived between folds; while a fold trains, the loop handles those
-signals itself and stops at the next step.
+When to stop (the `--max-hours` window, a scheduler's signal) is `cv.stop_control.StopControl`'s business.
 """
 
 from __future__ import annotations
@@ -24,19 +21,13 @@ import contextlib
 import errno
 import fcntl
 import os
-import signal
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from brats_swap.errors import DataError, RunLockedError
 from brats_swap.run.folder import RunFolder
-
-# A scheduler's warnings: SIGTERM (a plain kill, a preemption) and SIGUSR1 (SLURM's `--signal=B:USR1@N`).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
 
 # The run-level file locks: `.lock` (held shared by every process working on some folds of the run, exclusive
 # by `run_lock`) and `.shared.lock` (the short critical sections around the run's shared files).
@@ -205,78 +196,3 @@ def shared_files(run_dir: RunFolder | Path, timeout_s: float = SHARED_FILES_TIME
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-
-
-class StopControl:
-    """Decides when a cron-driven run should stop: SIGTERM, or the `--max-hours` window closing.
-
-    Call it (no arguments) at each epoch boundary: it returns True when training should stop there.
-    With a window, it also stops when the *next* epoch would not fit, estimating an epoch's length from
-    the time between the last two boundaries, so that a nightly window is respected rather than overrun
-    by one epoch. Between phases (before a fold starts, before an evaluation) use `time_is_up()`,
-    which does not disturb that estimate.
-    """
-
-    def __init__(self, max_hours: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.started = clock()
-        self.deadline = None if max_hours is None else self.started + max_hours * 3600.0
-        self.reason: str | None = None
-        self._last_boundary: float | None = None
-        self._epoch_estimate = 0.0
-
-    def __call__(self) -> bool:
-        now = self._clock()
-        if self._last_boundary is not None:
-            self._epoch_estimate = now - self._last_boundary
-        self._last_boundary = now
-        if self.reason is None and self.deadline is not None and now + self._epoch_estimate >= self.deadline:
-            self.reason = "max-hours"
-        return self.reason is not None
-
-    def time_is_up(self) -> bool:
-        if self.reason is None and self.deadline is not None and self._clock() >= self.deadline:
-            self.reason = "max-hours"
-        return self.reason is not None
-
-    def fold_started(self) -> None:
-        """Training of a fold starts now: its first epoch is measured from here (set-up included, which errs
-        on the side of stopping early), not from the previous fold's last epoch and evaluation."""
-        self._last_boundary = self._clock()
-
-    def request(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-
-    @property
-    def elapsed_seconds(self) -> float:
-        return self._clock() - self.started
-
-    @contextlib.contextmanager
-    def on_signals(self) -> Iterator[StopControl]:
-        """While in the block, SIGTERM and SIGUSR1 set the stop flag instead of killing the process.
-
-        Between folds and during evaluation this handler sees them; while a fold trains, the training loop's
-        own handlers do (they stop at the next step with a mid-epoch checkpoint) and the runner takes the
-        reason from the loop's result.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            yield self  # signal handlers can only be installed from the main thread
-            return
-        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-
-        def handler(signum, frame):  # noqa: ARG001 - signal handler signature
-            name = signal.Signals(signum).name
-            if self.reason is None:
-                # os.write is safe inside a signal handler; the message explains why nothing stops at once.
-                os.write(2, f"{name}: stopping at the next step (checkpoint written there); the next "
-                            "invocation continues\n".encode())
-            self.request(name)
-
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, handler)
-        try:
-            yield self
-        finally:
-            for sig, handler_before in previous.items():
-                signal.signal(sig, handler_before)

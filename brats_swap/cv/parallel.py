@@ -1,6 +1,6 @@
 """`brats-swap cv --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
 
-`run_cv` (cv/runner.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
+`run_cv` (cv/dispatch.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
 runner does (the same `cv_invocation`: run lock first, `--max-hours`, SIGTERM, the cv.log line; missing
 cases prepared and splits.json made once; the summary at the end) and, while it holds the lock, hands the unfinished folds to a pool
 of N worker processes (`concurrent.futures.ProcessPoolExecutor` with the `spawn` start method: fresh
@@ -34,11 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from brats_swap import stop_signals
 from brats_swap.config import Config
+from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.cv.invocation import cv_invocation
-from brats_swap.cv.lock import StopControl, fold_locks
+from brats_swap.cv.lock import fold_locks
 from brats_swap.cv.runner import CVOutcome, FoldRunner, prepared_runner, resolve_folds
-from brats_swap.cv.state import read_fold_state
+from brats_swap.cv.stop_control import StopControl
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import CV_WORKER_LOG, RunFolder
 
@@ -104,7 +106,7 @@ def _run_folds(config: Config, run_dir: Path, pending: list[int], stop: StopCont
 
     def say(text: str) -> None:
         if console is not None:
-            console.print(text, markup=False, highlight=False)
+            console.print(text)
 
     with ProcessPoolExecutor(max_workers=n_workers, mp_context=context, initializer=_init_worker,
                              initargs=(stop_event, devices, os.getpid(), threads)) as pool:
@@ -165,7 +167,7 @@ def _init_worker(stop_event, devices, parent_pid: int, threads: int) -> None:
         torch.cuda.set_device(torch.device(device))  # code that says just "cuda" means this GPU too
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the parent decides; it tells us through stop_event
+    stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)  # the parent decides; it tells us through stop_event
     _die_with_parent()
     _WORKER.update(stop_event=stop_event, device=device, parent_pid=parent_pid, threads=threads)
 

@@ -1,10 +1,6 @@
-"""`run_cv`: the one entry of `brats-swap cv`. It trains and evaluates every fold of a run, resumably,
-one cron invocation at a time, and picks how the folds are trained:
-
-- under torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK` set): every fold data-parallel on all ranks, rank 0
-  orchestrating (cv/ddp.py);
-- `parallel_folds > 1`: that many folds at once in worker processes (cv/parallel.py);
-- otherwise: one fold after the other in this process (`run_sequential`, below).
+"""One `brats-swap cv` invocation in this process, fold after fold (`run_sequential`), and the pieces the
+other ways of running the folds share (`FoldRunner`, `prepared_runner`, `CVOutcome`); `run_cv`
+(cv/dispatch.py) picks the way.
 
 Each way, one invocation:
 
@@ -18,7 +14,7 @@ Each way, one invocation:
    or SIGUSR1 arrives (the checkpoint, mid-epoch if need be, is written by the training loop; the next
    invocation carries on);
 5. once every fold is done, tunes `postprocessing.json` on the out-of-fold predictions (again only when
-   they changed: cv/postprocessing.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
+   they changed: cv/out_of_fold_tuning.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
 6. appends one line to `cv.log` saying what it did, how long it took and how it ended.
 
 Steps 1, 4 (the window and SIGTERM) and 6 are set up once, by `cv_invocation` (cv/invocation.py).
@@ -31,26 +27,23 @@ is complete is in the message, `cv.log` and `cv_summary.json["complete"]`. 75 = 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from brats_swap.config import Config
+from brats_swap.cv.fold_progress import FoldState, read_fold_state
 from brats_swap.cv.invocation import cv_invocation
-from brats_swap.cv.lock import StopControl, fold_locks, shared_files
-from brats_swap.cv.postprocessing import tune_after_cv
-from brats_swap.cv.state import FoldState, read_fold_state
+from brats_swap.cv.lock import fold_locks, shared_files
+from brats_swap.cv.out_of_fold_tuning import tune_after_cv
+from brats_swap.cv.stop_control import StopControl
 from brats_swap.cv.summary import utc_now, write_cv_summary
-from brats_swap.data.cache import list_prepared
-from brats_swap.distributed import launched_by_torchrun
-from brats_swap.errors import ConfigError, DataError
-from brats_swap.evaluate.run import evaluate_fold
+from brats_swap.evaluate.predictions import evaluate_fold
+from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
 from brats_swap.run.folder import RunFolder
-from brats_swap.splits import fold_cases, load_or_create_splits
+from brats_swap.splits import fold_cases, load_run_splits
 from brats_swap.train.data import prepare_run_data
 from brats_swap.train.loop import train_fold
-
-FoldSelection = str | int | Iterable[int]
 
 
 @dataclass
@@ -104,31 +97,6 @@ class CVOutcome:
         return f"{action}; {state}"
 
 
-def resolve_folds(selection: FoldSelection, n_folds: int) -> list[int]:
-    """'all' -> every fold; an int or an iterable of ints -> those folds (checked)."""
-    if isinstance(selection, str):
-        if selection.strip().lower() == "all":
-            return list(range(n_folds))
-        try:
-            selection = int(selection)
-        except ValueError:
-            raise ConfigError(f"--fold {selection!r}: expected 'all' or a fold number 0..{n_folds - 1}") from None
-    folds = [selection] if isinstance(selection, int) else [int(k) for k in selection]
-    for k in folds:
-        if not 0 <= k < n_folds:
-            raise ConfigError(f"--fold {k}: the run has folds 0..{n_folds - 1} (see splits.json)")
-    return sorted(set(folds))
-
-
-def load_run_splits(config: Config, run_dir: RunFolder | Path) -> dict:
-    """The run's splits.json (made once from the prepared cache's case ids, seeded by config.seed)."""
-    cache = Path(config.data.cache)
-    case_ids = list_prepared(cache) if cache.exists() else []
-    if not case_ids:
-        raise DataError(f"{cache}: no prepared cases (data.cache), and none to prepare from data.root")
-    return load_or_create_splits(RunFolder.of(run_dir).root, case_ids, config.cv.folds, config.seed)
-
-
 class FoldRunner:
     """Advances the folds of one run folder; the caller holds the lock. Used by `run_cv` and `compare`."""
 
@@ -144,7 +112,7 @@ class FoldRunner:
 
     def _say(self, text: str) -> None:
         if self.console is not None:
-            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self.console.print(text)
 
     def states(self, folds: list[int]) -> dict[int, FoldState]:
         return {k: read_fold_state(self.run_dir, k) for k in folds}
@@ -219,38 +187,9 @@ def prepared_runner(config: Config, run_dir: Path, stop: StopControl, *, console
         return FoldRunner(config, run_dir, stop, console=console, train=train)
 
 
-def run_cv(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None, *,
-           parallel_folds: int = 1, console=None, clock: Callable[[], float] = time.monotonic) -> CVOutcome | None:
-    """Continue the run's cross-validation where the last invocation stopped (see the module docstring).
-
-    `folds`: "all", a fold number or fold numbers. `max_hours`: the window (default `cv.max_hours`).
-    `parallel_folds`: folds trained at once, each in a worker process (not under torchrun, where every
-    fold already uses all ranks). `console`: a rich console for progress lines (None = quiet). `clock`:
-    the window's clock; the parallel runner's workers share `time.monotonic`, so only that one goes there.
-
-    Returns the invocation's outcome (`ParallelCVOutcome` with parallel folds); None on torchrun ranks > 0,
-    which only follow rank 0's folds. Raises RunLockedError (exit 75) at once, touching nothing, when
-    another process holds the run.
-    """
-    if launched_by_torchrun():
-        if parallel_folds != 1:
-            raise ConfigError("--parallel-folds: not under torchrun (there every fold already uses all ranks); "
-                              "run it as a plain command")
-        from brats_swap.cv.ddp import run_distributed
-
-        return run_distributed(config, run_dir, folds, max_hours, console=console, clock=clock)
-    if parallel_folds != 1:
-        if clock is not time.monotonic:
-            raise ValueError("clock: parallel folds share time.monotonic's deadline with their workers")
-        from brats_swap.cv.parallel import run_parallel_folds
-
-        return run_parallel_folds(config, run_dir, folds, max_hours, parallel=parallel_folds, console=console)
-    return run_sequential(config, run_dir, folds, max_hours, console=console, clock=clock)
-
-
-def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = "all", max_hours: float | None = None,
+def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS, max_hours: float | None = None,
                    *, console=None, clock: Callable[[], float] = time.monotonic, train=None) -> CVOutcome:
-    """`run_cv` in this process, one fold after the other; `train` replaces `train_fold` (see FoldRunner)."""
+    """The folds in this process, one after the other; `train` replaces `train_fold` (see FoldRunner)."""
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
     with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started, clock=clock) as stop:
         runner = prepared_runner(config, run_dir, stop, console=console, train=train)
@@ -263,4 +202,4 @@ def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = "all", 
     return outcome
 
 
-__all__ = ["CVOutcome", "FoldRunner", "load_run_splits", "prepared_runner", "resolve_folds", "run_cv", "run_sequential", "summarise_run"]
+__all__ = ["CVOutcome", "FoldRunner", "prepared_runner", "resolve_folds", "run_sequential", "summarise_run"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_text
 from brats_swap.config import Config
-from brats_swap.cv.state import read_fold_state
+from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import read_splits

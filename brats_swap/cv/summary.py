@@ -2,8 +2,8 @@
 
 Each evaluated fold has `fold_<k>/metrics.csv` (one row per validation case, columns like `dice_wt`,
 `sensitivity_tc`, `hd95_et`). The table follows the paper's Table 2: for each metric and region, the
-mean over folds of the per-fold mean, ± the standard deviation over folds (sample std, ddof=1; "—" with
-a single fold). The box plot shows every validation case of every fold, which is the distribution the
+mean over folds of the per-fold mean, ± the standard deviation over folds (`run.summary_stats.sample_std`,
+ddof=1; "—" with a single fold). The box plot shows every validation case of every fold, which is the distribution the
 paper's Fig. 5 draws.
 """
 
@@ -15,8 +15,8 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
-from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
-from brats_swap.cv.state import FoldState
+from brats_swap.atomic import atomic_write_json, atomic_write_text
+from brats_swap.cv.fold_progress import FoldState
 from brats_swap.data.editions import REGIONS
 from brats_swap.errors import DataError
 from brats_swap.evaluate.official import (
@@ -27,9 +27,11 @@ from brats_swap.evaluate.official import (
     read_official_summary,
     summarize_official,
 )
-from brats_swap.evaluate.postprocess import KEEP_RULE, load_plan
+from brats_swap.evaluate.postprocessing_rules import KEEP_RULE, load_plan
 from brats_swap.run.dice import dice_column, regions_of_columns
+from brats_swap.run.figures import dice_boxplot
 from brats_swap.run.folder import POSTPROCESSING_FILE, RunFolder
+from brats_swap.run.summary_stats import STD_NOTE, sample_std
 
 METRICS = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
@@ -84,8 +86,7 @@ def mean_std(values: list[float]) -> dict:
     finite = finite_values(values)
     if not finite:
         return {"mean": None, "std": None, "n": 0}
-    std = statistics.stdev(finite) if len(finite) > 1 else None
-    return {"mean": statistics.fmean(finite), "std": std, "n": len(finite)}
+    return {"mean": statistics.fmean(finite), "std": sample_std(finite), "n": len(finite)}
 
 
 def fold_means(rows: list[dict]) -> dict[str, float | None]:
@@ -172,6 +173,8 @@ def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
         f"## Validation metrics, mean ± std over {done} fold{'s' if done != 1 else ''}",
         "",
         markdown_metric_table(summary["table"]) if summary["table"] else "No fold evaluated yet.",
+        "",
+        f"{STD_NOTE}.",
         "",
         "## Folds",
         "",
@@ -280,43 +283,6 @@ def postprocessing_markdown_lines(summary: dict) -> list[str]:
     lines += ["", "Lesion-wise Dice: the official per-case mean over matched lesions, averaged over the cases; here a "
               "case without a lesion of the group on either side counts 1 (a correct empty prediction)."]
     return lines
-
-
-def savefig_deterministic(figure, path: Path) -> None:
-    """PNG without a software/date stamp, so an unchanged plot gives an unchanged file."""
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png", dpi=110, metadata={"Software": None})
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (files only, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def dice_boxplot(case_rows: list[dict], path: Path, title: str) -> None:
-    """Per-case Dice per region over all folds (one box per region, every case drawn as a dot)."""
-    plt = pyplot()
-    regions = _row_regions(case_rows)
-    data = [[r[dice_column(region)] for r in case_rows if dice_column(region) in r] for region in regions]
-    figure, axis = plt.subplots(figsize=(5, 4))
-    axis.boxplot(data, showfliers=False)
-    axis.set_xticks(range(1, len(regions) + 1), regions)
-    for i, values in enumerate(data, start=1):
-        # A deterministic spread of the dots (no random jitter: the PNG must be reproducible).
-        offsets = [(-0.12 + 0.24 * j / max(len(values) - 1, 1)) for j in range(len(values))]
-        axis.scatter([i + o for o in offsets], values, s=10, alpha=0.6, color="tab:blue", zorder=3)
-    axis.set_ylim(-0.02, 1.02)
-    axis.set_ylabel("Dice")
-    axis.set_title(title)
-    axis.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    savefig_deterministic(figure, path)
-    plt.close(figure)
 
 
 def build_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: list[int],

@@ -27,12 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from brats_swap.atomic import atomic_path, atomic_write_json, atomic_write_text
+from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.data.challenges import REGIONS, ChallengeSpec, get_challenge, isin
 from brats_swap.evaluate.official import Groups, json_safe, official_markdown_table, write_official_report
 from brats_swap.evaluate.tables import print_results_table
 from brats_swap.model.targets import region_names
 from brats_swap.run.dice import dice_sensitivity_specificity, regions_of_columns
+from brats_swap.run.figures import dice_boxplot
+from brats_swap.run.summary_stats import STD_NOTE, sample_std
 
 METRICS: tuple[str, ...] = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
@@ -130,7 +132,7 @@ def _present_keys(rows: Sequence[dict]) -> list[str]:
 
 
 def summarize(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
-    """Per metric key: {"mean", "std" (population, ddof=0), "median", "n"} over the cases.
+    """Per metric key: {"mean", "std" (`sample_std`, NaN for one case), "median", "n"} over the cases.
 
     `rows` are dicts with "case" plus metric keys (as `case_metrics` returns). Non-finite values (a
     metric that could not be computed) are left out of the statistics and of `n`.
@@ -140,7 +142,8 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
         values = np.array([float(row[key]) for row in rows if key in row], dtype=np.float64)
         values = values[np.isfinite(values)]
         if values.size:
-            summary[key] = {"mean": float(values.mean()), "std": float(values.std()),
+            std = sample_std(values)
+            summary[key] = {"mean": float(values.mean()), "std": float("nan") if std is None else std,
                             "median": float(np.median(values)), "n": int(values.size)}
         else:
             summary[key] = {"mean": float("nan"), "std": float("nan"), "median": float("nan"), "n": 0}
@@ -149,7 +152,8 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
 
 def _format(metric: str, stats: dict[str, float]) -> str:
     digits = 2 if metric == "hd95" else 3
-    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+    mean = f"{stats['mean']:.{digits}f}"
+    return mean if math.isnan(stats["std"]) else f"{mean} ± {stats['std']:.{digits}f}"
 
 
 def _table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -178,7 +182,7 @@ def print_summary(summary: dict, console, title: str = "") -> None:
     """The same table as `markdown_table`, printed with rich (numbers never cut: `print_results_table`)."""
     header, body = _table_rows(summary)
     n_cases = max((stats["n"] for stats in summary.values()), default=0)
-    print_results_table(console, header, body, title=title, caption=f"mean ± std over {n_cases} cases")
+    print_results_table(console, header, body, title=title, caption=f"mean ± std over {n_cases} cases ({STD_NOTE})")
 
 
 def _metrics_csv(rows: Sequence[dict]) -> str:
@@ -189,27 +193,6 @@ def _metrics_csv(rows: Sequence[dict]) -> str:
     for row in rows:
         writer.writerow({key: row.get(key, "") for key in columns})
     return buffer.getvalue()
-
-
-def _save_dice_boxplot(rows: Sequence[dict], path: Path, title: str) -> None:
-    # The object-oriented API with an explicit Agg canvas: no pyplot global state, no display needed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    regions = regions_of_columns(key for row in rows for key in row)
-    data = [[float(row[f"dice_{r.lower()}"]) for row in rows if f"dice_{r.lower()}" in row] for r in regions]
-    figure = Figure(figsize=(5, 4), dpi=120)
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
-    axes.boxplot(data, showmeans=True)
-    axes.set_xticks(range(1, len(regions) + 1), list(regions))
-    axes.set_ylabel("Dice per case")
-    axes.set_ylim(-0.02, 1.02)
-    axes.set_title(title or f"Dice per region ({len(rows)} cases)")
-    axes.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, format="png")
 
 
 def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str = "",
@@ -239,7 +222,7 @@ def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str =
                     "when some case has lesions but no matched pair.\n")
     cases_section = "\n## Cases\n\n" + "".join(f"- {note}\n" for note in notes) if notes else ""
     atomic_write_text(out_dir / "summary.md",
-                      f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases\n{official}{cases_section}")
+                      f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases ({STD_NOTE})\n{official}{cases_section}")
     if rows:
-        _save_dice_boxplot(rows, out_dir / "dice_boxplot.png", title)
+        dice_boxplot(rows, out_dir / "dice_boxplot.png", title)
     return summary

@@ -45,6 +45,7 @@ import numpy as np
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.errors import DataError
 from brats_swap.run.folder import OFFICIAL_CSV, OFFICIAL_SUMMARY_JSON
+from brats_swap.run.summary_stats import sample_std
 
 # Diameter of the SRI-24 atlas grid (240x240x155 at 1 mm) in mm: the official report writes this instead
 # of an infinite global HD95.
@@ -232,7 +233,7 @@ def summarize_official(rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
     for the TP/FP/FN counts.
 
     The same statistics as the official report's summary rows: NaN values (no lesion on either side) are
-    left out, an infinite lesion-wise HD95 makes the mean infinite, std is the sample std (ddof 1).
+    left out, an infinite lesion-wise HD95 makes the mean infinite, std is `sample_std` (ddof 1).
     """
     summary: dict[str, dict[str, float]] = {}
     columns = [key for key in (rows[0] if rows else {}) if any(key.startswith(stem + "_") for stem in OFFICIAL_METRICS)]
@@ -244,7 +245,8 @@ def summarize_official(rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
             with np.errstate(invalid="ignore"):
                 stats["mean"] = float(values.mean())
                 stats["median"] = float(np.median(values))
-                stats["std"] = float(values.std(ddof=1)) if values.size > 1 else float("nan")
+                std = sample_std(values)
+                stats["std"] = float("nan") if std is None else std
         if any(key.startswith(stem + "_") for stem in COUNT_METRICS):
             stats["total"] = float(values.sum())
         summary[key] = stats

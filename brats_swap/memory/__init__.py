@@ -11,7 +11,7 @@ Public API (see `engine.memory_policy` for a complete example):
 One front end (`frontend`: hooks, step, pack/unpack, typed `events`) reports every event to the
 `rulebook`, which holds the policy's numbered rules (the decision per saved storage, when it is released
 and reloaded); the `executor` carries them out on real tensors, the `recorder` records a step on `meta`
-tensors into a `trace`, the `simulate` module replays it, `cost` prices operators and copies.
+tensors into a `Trace` (`trace_data`), the `simulate` module replays it, `cost` prices operators and copies.
 `select_swapped(records, swap_cfg)` is its swap decision as a pure function, for planners.
 `presets.named_policies(base)` gives the named policies (the paper's swap configurations, recompute,
 norm_act, hybrid) as `MemoryConfig`s; `planner` prices them for any model, given its loss.

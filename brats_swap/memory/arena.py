@@ -41,11 +41,11 @@ from typing import Protocol
 import torch
 
 from brats_swap.config import ConfigError
+from brats_swap.memory.budget import GIB
 
 ALIGN = 512  # bytes; keeps every slice aligned for fast DMA and for any dtype view
 PAGE = 4096  # page-locking works on whole pages; a pinned slab owns every page it touches
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context (torch pins this way)
-GIB = float(1 << 30)
 
 
 def _align(n: int, to: int = ALIGN) -> int:

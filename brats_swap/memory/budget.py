@@ -31,7 +31,7 @@ import torch
 
 from brats_swap.config import MemoryConfig
 
-GIB = 1 << 30
+GIB = float(1 << 30)  # bytes per GiB: the one definition (a float, so byte counts divide to GiB)
 DEFAULT_DEVICE_OVERHEAD_GIB = 2.0
 # Share of the budget left after the device overhead that a plan's tensors may use.
 BUDGET_HEADROOM = 0.92

@@ -6,8 +6,8 @@
   rate, plus the fp32<->bf16 conversion on the copy stream when it travels compressed;
 - `OpCostModel.bytes_moved`: what the link moves in a given time (how much a copy queue can hide);
 - `link_seconds`: bytes over a rate (also what the emulated CPU link sleeps);
-- `profile_device`, `measure_bandwidth`, `resolve_cost_model`, `default_cost_model`: where the numbers
-  come from (a short measurement, a saved profile, or assumed constants).
+- `default_cost_model`: assumed constants per device kind; a short measurement or a saved profile
+  (`device_profile.resolve_cost_model`) gives measured ones.
 
 The planner, the swap search and the simulator price everything through this module: no other module
 of the package divides by (or multiplies with) a link bandwidth.
@@ -16,12 +16,9 @@ of the package divides by (or multiplies with) a link bandwidth.
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from brats_swap.memory.events import FORWARD
 
@@ -125,14 +122,14 @@ DEFAULT_BANDWIDTH_GBS = 50.0
 # Roofline constants when nothing was measured. CPU: this project's CI machine at 32³-48³ (about 60
 # GFLOP/s per step for the U-Net). GPU: an H200-class card in fp32 (TF32 convolutions) and in half
 # precision (bf16 and fp16 run on the same tensor cores at the same rate), on a PCIe 5 x16 link.
-_GPU_LINK = f"PCIe 5 link {DEFAULT_BANDWIDTH_GBS:g} GB/s"
+ASSUMED_GPU_LINK = f"PCIe 5 link {DEFAULT_BANDWIDTH_GBS:g} GB/s"
 DEFAULT_COSTS = {
     "cpu": OpCostModel(name="cpu (assumed)", flops_per_s=60e9, bytes_per_s=20e9, launch_s=20e-6,
                        h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True),
-    "gpu-float32": OpCostModel(name=f"H200-class GPU, fp32/TF32, {_GPU_LINK} (assumed)", flops_per_s=60e12,
+    "gpu-float32": OpCostModel(name=f"H200-class GPU, fp32/TF32, {ASSUMED_GPU_LINK} (assumed)", flops_per_s=60e12,
                                bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
                                d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
-    "gpu-half": OpCostModel(name=f"H200-class GPU, bf16/fp16, {_GPU_LINK} (assumed)", flops_per_s=150e12,
+    "gpu-half": OpCostModel(name=f"H200-class GPU, bf16/fp16, {ASSUMED_GPU_LINK} (assumed)", flops_per_s=150e12,
                             bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
                             d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
 }
@@ -145,97 +142,3 @@ def default_cost_model(device: str | torch.device, dtype: torch.dtype = torch.fl
     if kind == "cpu":
         return copy.deepcopy(DEFAULT_COSTS["cpu"])
     return copy.deepcopy(DEFAULT_COSTS["gpu-half" if dtype in HALF_DTYPES else "gpu-float32"])
-
-
-def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float]:
-    """(host->device, device->host) bytes/s of pinned copies on CUDA.
-
-    One unmeasured copy first (it pays for the lazy setup of the pinned path), then `repeats` copies of a
-    256 MiB buffer timed with events on `device`'s stream: large enough to reach the link's sustained rate.
-    """
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    for src, dst in ((host, dev), (dev, host)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        stream = torch.cuda.current_stream(device)  # the copies run on `device`'s stream, not the current device's
-        start.record(stream)
-        for _ in range(repeats):
-            dst.copy_(src, non_blocking=True)
-        end.record(stream)
-        torch.cuda.synchronize(device)
-        rates.append(nbytes * repeats / (start.elapsed_time(end) / 1e3))
-    return rates[0], rates[1]
-
-
-def profile_device(model: nn.Module, device: torch.device, *, loss_fn: Callable, cube: int | None = None,
-                   batch: int = 1, dtype: torch.dtype = torch.float32, steps: int = 3,
-                   base: OpCostModel | None = None) -> OpCostModel:
-    """Time forward and backward of `model` on `device` at a small cube and fit the roofline's per-phase
-    scale so the trace of the same cube predicts the measured times (then scaled by FLOPs and bytes).
-    `base` gives the roofline's rates (e.g. measured compute and memory rates of this CPU) instead of
-    the defaults of `default_cost_model`."""
-    device = torch.device(device)
-    cost = copy.deepcopy(base) if base is not None else default_cost_model(device.type, dtype)
-    cube = cube or (96 if device.type == "cuda" else 32)
-    in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv3d)).in_channels
-    shape = (batch, in_channels, cube, cube, cube)
-    # Imported here: the recorder runs the engine's front end, whose emulated link prices with this module.
-    from brats_swap.memory.recorder import first_output, trace_step
-
-    raw_fwd, raw_bwd = cost.phase_seconds(trace_step(model, shape, dtype=dtype, loss_fn=loss_fn))
-
-    work = copy.deepcopy(model).to(device).train()
-    x = torch.randn(shape, device=device)
-    fwd_times, bwd_times = [], []
-    autocast = device.type == "cuda" and dtype in HALF_DTYPES
-    for step in range(steps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-            output = work(x)  # a tensor, or a structure of them under deep supervision
-            loss = loss_fn(output, torch.rand_like(first_output(output)))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        mid = time.perf_counter()
-        loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        end = time.perf_counter()
-        work.zero_grad(set_to_none=True)
-        if step:  # the first step warms caches and picks cuDNN algorithms
-            fwd_times.append(mid - start)
-            bwd_times.append(end - mid)
-    fwd_times.sort()
-    bwd_times.sort()
-    cost.fwd_scale = fwd_times[len(fwd_times) // 2] / max(raw_fwd, 1e-12)
-    cost.bwd_scale = bwd_times[len(bwd_times) // 2] / max(raw_bwd, 1e-12)
-    cost.name = f"measured on {device} at {cube}³ batch {batch}"
-    if device.type == "cuda":
-        cost.h2d_bytes_per_s, cost.d2h_bytes_per_s = measure_bandwidth(device)
-    return cost
-
-
-def resolve_cost_model(model: nn.Module, device: torch.device | str, dtype: torch.dtype, *, loss_fn: Callable,
-                       profile: dict | None = None, bandwidth_gbs: float | None = None) -> OpCostModel:
-    """The time model for `device`: a saved profile, else a short measurement on a CUDA device, else
-    constants ("cpu"; "gpu" or any other device: an assumed H200-class card on a 50 GB/s PCIe 5 link).
-    `bandwidth_gbs`, when given, replaces the link rate (measured, saved or assumed), and the model's
-    name says so."""
-    kind = str(device)
-    if profile is not None:
-        cost = OpCostModel.from_dict(profile)
-    elif kind.startswith("cuda"):
-        cost = profile_device(model, torch.device(kind), loss_fn=loss_fn, dtype=dtype)
-    else:
-        cost = default_cost_model(kind, dtype)
-    if bandwidth_gbs is not None:
-        cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = float(bandwidth_gbs) * 1e9
-        cost.name = cost.name.replace(f", {_GPU_LINK} (assumed)", " (assumed)")
-        cost.name += f"; link {float(bandwidth_gbs):g} GB/s (given)"
-    return cost
-
-

@@ -2,8 +2,9 @@
 
 The engine installs, reversibly, through the saved-tensor front end (`frontend.SavedTensorFrontEnd`):
 - a forward pre/post hook on every module, reported to the step's `rulebook.Rulebook` (which module
-  runs, which block runs; a module start is where finished copies are released); the root module's
-  pre-hook also reports the model's forward arguments, which are never swapped (the caller holds them);
+  runs, which block runs; release points depend on the saves alone, rule 6: only a synchronous link
+  releases its copies at module starts); the root module's pre-hook also reports the model's forward
+  arguments, which are never swapped (the caller holds them);
 - on the blocks (`discover_blocks`, or the `blocks` argument) the same hooks number each block call, and
   a prehook on the `grad_fn` of each block output fires when backward reaches that block, where the
   rulebook issues the reloads needed within `swap.lookahead` blocks (TransformerEngine's approach: no
@@ -28,16 +29,12 @@ from torch import nn
 from brats_swap.config import ConfigError, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
 from brats_swap.memory.executor import SwapExecutor
-from brats_swap.memory.frontend import SavedTensorFrontEnd, discover_blocks
+from brats_swap.memory.frontend import ATTACHED, SavedTensorFrontEnd, discover_blocks
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.records import RECOMPUTE_MODES, SavedRecord, effective_memory_config
 from brats_swap.memory.rulebook import SWAP
 from brats_swap.memory.stats import StepStats
 
-# Models with a live engine (model -> weak reference to it): the engine's hooks, wrappers and per-step
-# state must not be copied with the model (`recorder.meta_copy` refuses such a model rather than duplicate
-# the engine's weak storage references, which would be freed twice).
-ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]]:
     if blocks is None:

@@ -9,7 +9,7 @@ block's outputs: the backward markers), runs the forward under `saved_tensors_ho
 Its back end (`BackEnd`) is the rulebook's executor and owns the tensors:
 
 - `executor.SwapExecutor`: real tensors, a host arena and a copy link (the engine at run time);
-- `recorder.TraceRecorder`: `meta` tensors; it records every event and operator into a `trace.Trace`
+- `recorder.TraceRecorder`: `meta` tensors; it records every event and operator into a `trace_data.Trace`
   (what the planner and the simulator replay), and hands backward fresh storages instead of saved ones.
 
 Safety rules implemented here (both back ends):
@@ -33,17 +33,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.autograd import _unsafe_preserve_version_counter
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from brats_swap.config.schema import MemoryConfig
 from brats_swap.memory.events import Event, EventKind, deliver
 from brats_swap.memory.records import is_param_cast, is_plain_dense
 from brats_swap.memory.rulebook import RECOMPUTE, Entry, Rulebook, SaveFacts
+
+# Models with a live engine (model -> weak reference to it), set by `engine.MemoryEngine`: the engine's
+# hooks, wrappers and per-step state must not be copied with the model (`recorder.meta_copy` refuses such a
+# model rather than duplicate the engine's weak storage references, which would be freed twice).
+ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 COMPUTE_TYPES: tuple[type[nn.Module], ...] = (
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
@@ -95,14 +102,9 @@ def discover_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def tensors_in(value) -> list[torch.Tensor]:
-    """Every tensor in a (nested) tuple, list or dict."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in tensors_in(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in tensors_in(item)]
-    return []
+    """Every tensor in a (nested) structure: the tensor leaves of torch's pytree (tuples, lists, dicts,
+    named tuples, ...), in order."""
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def storage_keys(tensors) -> set[int]:

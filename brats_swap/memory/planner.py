@@ -49,14 +49,15 @@ from torch import nn
 
 from brats_swap.config import ConfigError, MemoryConfig, RecomputeConfig
 from brats_swap.memory.arena import arena_bytes
-from brats_swap.memory.budget import BUDGET_HEADROOM, overhead_bytes, tensor_limit, with_overhead
-from brats_swap.memory.cost import OpCostModel, default_cost_model, resolve_cost_model
+from brats_swap.memory.budget import BUDGET_HEADROOM, GIB, overhead_bytes, tensor_limit, with_overhead
+from brats_swap.memory.cost import OpCostModel, default_cost_model
+from brats_swap.memory.device_profile import resolve_cost_model
+from brats_swap.memory.prediction import PolicyPrediction
 from brats_swap.memory.presets import named_policies, resolve_presets
 from brats_swap.memory.recorder import trace_step
 from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES, SavedRecord
 from brats_swap.memory.rulebook import select_swapped, transfer_bytes
 from brats_swap.memory.simulate import (
-    GIB,
     MemoryResult,
     Schedule,
     TimeResult,
@@ -65,7 +66,7 @@ from brats_swap.memory.simulate import (
     simulate_memory,
 )
 from brats_swap.memory.swap_search import SwapSearch, mid_lookahead_plans, recompute_variants
-from brats_swap.memory.trace import Trace
+from brats_swap.memory.trace_data import Trace
 
 __all__ = ["GIB", "BUDGET_HEADROOM", "Planner", "PlanReport", "PolicyPrediction", "choose_policy", "plan_report",
            "resolve_cost_model"]
@@ -76,32 +77,6 @@ __all__ = ["GIB", "BUDGET_HEADROOM", "Planner", "PlanReport", "PolicyPrediction"
 # --------------------------------------------------------------------------------------------------------
 # Results
 # --------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PolicyPrediction:
-    name: str
-    policy: MemoryConfig
-    peak_bytes: int
-    saved_bytes: int
-    swapped_bytes: int
-    recompute_flops: float
-    peak_resident_saved_bytes: int
-    step_s: float
-    exposed_transfer_s: float
-    prefetch_misses: int
-    fits: bool
-
-    def row(self) -> dict:
-        return {
-            "name": self.name,
-            "predicted_peak_gib": round(self.peak_bytes / GIB, 4),
-            "swapped_gib": round(self.swapped_bytes / GIB, 4),
-            "recompute_gflop": round(self.recompute_flops / 1e9, 3),
-            "predicted_step_s": round(float(self.step_s), 5),
-            "prefetch_misses": self.prefetch_misses,
-            "fits": self.fits,
-        }
 
 
 @dataclass

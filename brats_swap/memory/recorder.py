@@ -31,16 +31,21 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from brats_swap.config import MemoryConfig, RecomputeConfig
-from brats_swap.memory.engine import ATTACHED
 from brats_swap.memory.events import BACKWARD, FORWARD, Event
-from brats_swap.memory.frontend import BackEnd, SavedHandle, SavedTensorFrontEnd, discover_blocks
+from brats_swap.memory.frontend import (
+    ATTACHED,
+    BackEnd,
+    SavedHandle,
+    SavedTensorFrontEnd,
+    discover_blocks,
+    tensors_in,
+)
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.rulebook import Entry
-from brats_swap.memory.trace import OpInfo, Storage, Trace, TracedRecord, variant_name
+from brats_swap.memory.trace_data import OpInfo, Storage, Trace, TracedRecord, variant_name
 
 # Ops that only reinterpret or allocate: no kernel runs, so they cost no time in the time model.
 _NO_KERNEL = {"view", "_unsafe_view", "as_strided", "expand", "permute", "t", "transpose", "unsqueeze",
@@ -224,14 +229,14 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         counter = flop_registry.get(func.overloadpacket)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs = tensors_in(out)
         if counter is not None:
             flops = float(counter(*args, **kwargs, out_val=out))
         else:  # elementwise and reductions: about one operation per output element
             flops = float(sum(t.numel() for t in outputs)) if name not in _NO_KERNEL else 0.0
         module = self.module_stack[-1] if self.module_stack else ""
         recompute = self.phase == BACKWARD and (bool(self.module_stack) or self._recomputing > 0)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = tensors_in((args, kwargs))
         self.ops.append(OpInfo(name, self.phase, flops, _bytes_accessed(inputs + outputs), name not in _NO_KERNEL,
                                module, recompute))
         for tensor in outputs:
@@ -255,7 +260,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     a live `MemoryEngine` is refused: copying the engine's hooks would copy its state with them."""
     attached = ATTACHED.get(model)
     if attached is not None and attached() is not None:
-        raise ValueError("brats_swap.memory.trace: the model has a MemoryEngine attached; plan before building "
+        raise ValueError("brats_swap.memory.recorder.meta_copy: the model has a MemoryEngine attached; plan before building "
                          "the engine or after engine.close()")
     memo: dict[int, object] = {}
     for param in model.parameters():
@@ -301,7 +306,7 @@ def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: Trace
 def first_output(output) -> torch.Tensor:
     """The first tensor of a network's output: the output itself, or the first of a list, tuple or dict of
     tensors (deep supervision puts the full resolution first). A loss's target takes its shape."""
-    return next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+    return tensors_in(output)[0]
 
 
 def trace_step(

@@ -4,8 +4,9 @@ The engine (`brats_swap.memory.engine`) sees every tensor autograd saves for bac
 `torch.autograd.graph.saved_tensors_hooks`. It groups them by *storage* (two views of one storage are
 one record, copied once) and describes each storage, at its first save, with a `SavedRecord`. What
 happens to it (keep, swap, recompute) and when is decided by `brats_swap.memory.rulebook`, the one
-place the policy's rules live; the tracer fills records by the same rules, so a planner that builds
-them from a `meta`-device trace predicts exactly the storages (and bytes) the engine swaps at run time.
+place the policy's rules live; the recorder (`recorder.trace_step`) fills records by the same rules, so
+a planner that builds them from a `meta`-device trace predicts exactly the storages (and bytes) the
+engine swaps at run time.
 
 How a `SavedRecord` is filled:
 

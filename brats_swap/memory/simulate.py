@@ -1,6 +1,6 @@
 """Replay a traced step under a memory policy: the rulebook's schedule, device memory and step time.
 
-Input: a `Trace` (brats_swap.memory.trace), which recorded every event the engine reacts to, and a
+Input: a `Trace` (brats_swap.memory.trace_data), which recorded every event the engine reacts to, and a
 `MemoryConfig`. `replay` feeds the trace's events to a `rulebook.Rulebook` of that policy, exactly as the
 engine does at run time, with a clock as the rulebook's executor instead of real copies. The rulebook
 decides every save, release and reload, so the per-tensor event sequence, the swapped bytes and the
@@ -33,13 +33,13 @@ from itertools import accumulate
 import numpy as np
 
 from brats_swap.config.schema import MemoryConfig
+from brats_swap.memory.budget import GIB
 from brats_swap.memory.cost import D2H, H2D, INSTANT, OpCostModel
 from brats_swap.memory.events import FORWARD, EventKind, deliver
 from brats_swap.memory.rulebook import RECOMPUTE, SWAP, Entry, EntryState, Rulebook, SaveFacts
 from brats_swap.memory.stats import StepStats
-from brats_swap.memory.trace import Trace
+from brats_swap.memory.trace_data import Trace
 
-GIB = float(1 << 30)
 ADAM_STATE_FACTOR = 2  # exp_avg and exp_avg_sq: two extra copies of the parameters
 
 

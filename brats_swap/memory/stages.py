@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from brats_swap.config import ConfigError, MemoryConfig
-from brats_swap.memory.frontend import COMPUTE_TYPES
+from brats_swap.memory.frontend import COMPUTE_TYPES, tensors_in
 from brats_swap.memory.recorder import meta_copy
 from brats_swap.memory.records import module_matches
 
@@ -52,7 +51,7 @@ class Stage:
 def model_stages(model: nn.Module, input_shape: Sequence[int], step: Callable | None = None) -> list[Stage]:
     """The stages of `model` at `input_shape` (B, C, *spatial), encoder first, each side by level (module
     docstring). Runs one forward of a meta copy under `no_grad` (`step(model, x)` for a model with another
-    calling convention, as `trace.trace_step`); `model` is not modified."""
+    calling convention, as `recorder.trace_step`); `model` is not modified."""
     meta = meta_copy(model)
     order: dict[int, int] = {}  # id(module) -> first-call ordinal
     sizes: dict[int, int] = {}  # id(compute module) -> spatial size of its first output
@@ -71,7 +70,7 @@ def _recorder(module: nn.Module, order: dict[int, int], sizes: dict[int, int]):
     def hook(_module, _args, output):
         order.setdefault(id(module), len(order))
         if isinstance(module, COMPUTE_TYPES) and id(module) not in sizes:
-            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.dim() > 2]
+            tensors = [t for t in tensors_in(output) if t.dim() > 2]
             if tensors:
                 sizes[id(module)] = math.prod(tensors[0].shape[2:])
     return hook

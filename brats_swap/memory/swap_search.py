@@ -13,19 +13,34 @@ import glob
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate, product
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from brats_swap.config import MemoryConfig, RecomputeConfig
-from brats_swap.memory.cost import D2H
+from brats_swap.memory.cost import D2H, OpCostModel
 from brats_swap.memory.events import EventKind
+from brats_swap.memory.prediction import PolicyPrediction
 from brats_swap.memory.rulebook import select_swapped, transfer_bytes
-from brats_swap.memory.simulate import MemoryResult, rebuilt_at, resident_records
-from brats_swap.memory.trace import Trace
+from brats_swap.memory.simulate import MemoryResult, Schedule, rebuilt_at, resident_records
+from brats_swap.memory.trace_data import Trace
 
-if TYPE_CHECKING:
-    from brats_swap.memory.planner import Planner, PolicyPrediction
+
+class Planner(Protocol):
+    """What the search asks of the planner (`planner.Planner`, which searches with this module): a step
+    traced per recompute variant, replayed and priced under any policy."""
+
+    cost: OpCostModel
+
+    def trace(self, cfg: MemoryConfig | None = None) -> Trace: ...
+
+    def durations(self, cfg: MemoryConfig | None = None) -> list[float]: ...
+
+    def schedule(self, cfg: MemoryConfig, keep_lanes: bool = False) -> Schedule: ...
+
+    def memory(self, cfg: MemoryConfig, keep_timeline: bool = False) -> MemoryResult: ...
+
+    def predict(self, name: str, cfg: MemoryConfig, budget_bytes: float | None = None) -> PolicyPrediction: ...
 
 LOOKAHEADS = (0, 1, 2, 4, 8, 16, 32)
 # Step 5: reload distances for the middle of backward, how many markers its start keeps the plan's own

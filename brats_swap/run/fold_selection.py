@@ -34,6 +34,18 @@ def parse_fold_selection(selection: FoldSelection, option: str = "--folds") -> s
     return sorted(set(chosen))
 
 
+def resolve_folds(selection: FoldSelection, n_folds: int, option: str = "--fold") -> list[int]:
+    """The folds of a run with `n_folds` folds that `selection` names (`parse_fold_selection`; "all" is every
+    fold); ConfigError naming `option` for a fold the run does not have."""
+    chosen = parse_fold_selection(selection, option)
+    if chosen == ALL_FOLDS:
+        return list(range(n_folds))
+    for k in chosen:
+        if k >= n_folds:
+            raise ConfigError(f"{option} {k}: the run has folds 0..{n_folds - 1} (see splits.json)")
+    return chosen
+
+
 def compare_fold_selection(selection: str) -> str | int | list[int]:
     """`compare --folds`: as `parse_fold_selection`, except that a bare number K keeps the meaning it had
     before fold selection had one spelling, "the first K folds" (returned as the int K; `run_compare`
@@ -44,4 +56,4 @@ def compare_fold_selection(selection: str) -> str | int | list[int]:
     return parse_fold_selection(selection)
 
 
-__all__ = ["ALL_FOLDS", "FoldSelection", "compare_fold_selection", "parse_fold_selection"]
+__all__ = ["ALL_FOLDS", "FoldSelection", "compare_fold_selection", "parse_fold_selection", "resolve_folds"]

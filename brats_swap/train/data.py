@@ -101,7 +101,7 @@ def prepare_run_data(data_cfg: DataConfig, *, progress: bool = True) -> PrepareR
         warn(f"{data_cfg.cache}: skipped case {case_id} ({problem})")
     if report.prepared:
         console.print(f"{data_cfg.cache}: prepared {len(report.prepared)} case(s) from {data_cfg.root}, "
-                      f"{len(report.up_to_date)} already up to date", markup=False, highlight=False)
+                      f"{len(report.up_to_date)} already up to date")
     return report
 
 

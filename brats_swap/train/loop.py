@@ -36,11 +36,10 @@ loss raises `NumericalError` before the optimiser step, so the checkpoints on di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ import numpy as np
 import torch
 from rich.progress import TextColumn
 
+from brats_swap import stop_signals
 from brats_swap.atomic import atomic_write_json, atomic_write_text, remove_stale_temp_files
 from brats_swap.config import (
     Config,
@@ -61,7 +61,6 @@ from brats_swap.config import (
     diff_configs,
 )
 from brats_swap.config.networks import architecture_record
-from brats_swap.data.cache import list_prepared
 from brats_swap.distributed import (
     DistContext,
     all_reduce_max,
@@ -72,7 +71,7 @@ from brats_swap.distributed import (
     run_on_main,
     wrap_ddp,
 )
-from brats_swap.errors import ConfigError, DataError, NumericalError, TrainingInterrupted
+from brats_swap.errors import ConfigError, NumericalError, TrainingInterrupted
 from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions
@@ -90,7 +89,7 @@ from brats_swap.run.dice import dice_column, region_dice
 from brats_swap.run.environment import environment_record
 from brats_swap.run.folder import FoldFolder, RunFolder
 from brats_swap.run.inference import predict_cube
-from brats_swap.splits import fold_cases, load_or_create_splits
+from brats_swap.splits import fold_cases, load_run_splits, prepared_case_ids
 from brats_swap.train.data import TrainData, build_train_data, run_table
 from brats_swap.train.losses import SegmentationLoss, training_loss, weighted_dice_loss
 from brats_swap.train.optim import (
@@ -173,18 +172,16 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.requested: str | None = None
-        self.signals = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
-        self.previous: dict[int, Any] = {}
+        self._installed = contextlib.ExitStack()
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if self.requested == "SIGINT" and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self.requested is not None and signum != signal.SIGINT:
             return  # already stopping
-        self.requested = signal.Signals(signum).name
-        # os.write, not the console: a handler may run while the console holds its lock.
+        self.requested = stop_signals.name(signum)
         hint = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
-        os.write(2, f"{self.requested}: finishing this step and saving checkpoint_latest.pt{hint}\n".encode())
+        stop_signals.say(f"{self.requested}: finishing this step and saving checkpoint_latest.pt{hint}")
 
     @property
     def level(self) -> int:
@@ -197,14 +194,11 @@ class StopSignals:
         return int(all_reduce_max(self.level, ctx)) if ctx.is_distributed else self.level
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.signals:
-                self.previous[sig] = signal.signal(sig, self._handle)
+        self._installed.enter_context(stop_signals.handled(stop_signals.STOP_SIGNALS, self._handle))
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        self._installed.close()
 
 
 class _StopAtStep(Exception):
@@ -225,7 +219,7 @@ def train_fold(
         config: resolved configuration.
         run_dir: run folder (or its path); `config.yaml`, `env.json`, `splits.json` are written there,
             the fold's checkpoints and logs into its `fold_<fold>/`.
-        fold: which fold of `splits.json` (made from `list_prepared(data.cache)` if absent). The cache must
+        fold: which fold of `splits.json` (made from the cases prepared in data.cache if absent). The cache must
             be prepared (`brats-swap train` / `cv` first call `train.data.prepare_run_data`).
         resume: continue from `fold_<k>/checkpoint_latest.pt` (falling back to `checkpoint_prev.pt`);
             start fresh with a warning if there is none; return at once if the fold already finished.
@@ -384,10 +378,7 @@ class FoldRecipe:
     def _prepare_run_folder(self) -> tuple[list[str], list[str]]:
         """Rank 0 writes config.yaml (once), env.json and the fold folder; the splits; the data's edition."""
         cache = Path(self.config.data.cache)
-        case_ids = list_prepared(cache) if cache.exists() else []
-        if not case_ids:
-            raise DataError(f"{cache}: no prepared cases (data.cache); `brats-swap train` prepares data.root into "
-                            "it, or run `brats-swap data prepare`")
+        case_ids = prepared_case_ids(cache)
         # Outputs and regions follow the cases' label table; a bad model.regions stops here, before any write.
         self.edition = run_table(cache, case_ids, self.config.data)
         self.regions = run_regions(self.edition, self.config.model)
@@ -400,8 +391,7 @@ class FoldRecipe:
             if not self.run.config.exists():
                 atomic_write_text(self.run.config, config_to_yaml(self.config))
             atomic_write_json(self.run.env, {**environment_record(self.device), "world_size": self.ctx.world_size})
-        splits = run_on_main(self.ctx, load_or_create_splits, self.run, case_ids, self.config.cv.folds,
-                             self.config.seed)
+        splits = run_on_main(self.ctx, load_run_splits, self.config, self.run, case_ids)
         return fold_cases(splits, self.folder.fold)
 
     def _build(self, train_ids: list[str], val_ids: list[str], resumed: bool) -> None:
@@ -565,7 +555,7 @@ class FoldRecipe:
 
         line = self.log.epoch(record, memory_stats, train_cfg.max_epochs)
         if self.show_progress and not console.is_terminal:
-            console.print(line, markup=False, soft_wrap=True)
+            console.print(line)
         if record.get("best"):
             self.save(self.folder.best)
         self.save_latest()

@@ -16,9 +16,8 @@ import os
 from pathlib import Path
 
 import torch
-from rich.console import Console
 
-from brats_swap.atomic import atomic_path, atomic_write_json
+from brats_swap.atomic import atomic_write_json
 from brats_swap.config import Config, ConfigError, DataConfig, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
 from brats_swap.data.discovery import check_forced_convention, resolve_convention
@@ -31,11 +30,11 @@ from brats_swap.memory.rulebook import transfer_bytes
 from brats_swap.memory.stages import check_globs
 from brats_swap.model import build_model
 from brats_swap.model.targets import run_output_count
+from brats_swap.run.console import console
 from brats_swap.run.device import amp_dtype
+from brats_swap.run.figures import pyplot, savefig_deterministic
 from brats_swap.run.folder import FoldFolder
 from brats_swap.train.losses import training_loss, weighted_dice_loss
-
-console = Console(stderr=True, highlight=False)
 
 # `brats-swap plan --dtype`: the dtype activations are priced in (default: the one `train.amp` trains in).
 PLAN_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -120,7 +119,7 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
     chosen = effective_memory_config(chosen)
     atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
-    console.print(f"memory.mode=auto: planner chose mode={chosen.mode} (plan in {plan_path})", markup=False)
+    console.print(f"memory.mode=auto: planner chose mode={chosen.mode} (plan in {plan_path})")
     return chosen
 
 
@@ -226,11 +225,7 @@ def write_timeline_png(planner: Planner, cfg: MemoryConfig, path: str | Path, ti
     """The predicted timeline of one step under `cfg` as a PNG (written atomically): compute, device-to-host
     and host-to-device lanes plus device memory over time, the layout of the IBM data-swapping paper's
     Figure 2."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     timing = planner.time(cfg, keep_lanes=True)
     memory = planner.memory(cfg, keep_timeline=True)
     lanes, scale, gap = timing.lanes, 1e3, timing.step_s * 1e-4  # milliseconds
@@ -263,7 +258,6 @@ def write_timeline_png(planner: Planner, cfg: MemoryConfig, path: str | Path, ti
     ax_mem.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
+    savefig_deterministic(fig, path, dpi=120)
     plt.close(fig)
     return path

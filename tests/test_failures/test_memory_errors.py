@@ -44,7 +44,7 @@ def test_oom_during_validation_is_exit_3(prepared_cache, tmp_path, monkeypatch):
 
 
 def test_oom_during_evaluation_is_exit_3(run_copy, phantom_root, monkeypatch):
-    from brats_swap.evaluate import run as evaluate_run
+    from brats_swap.evaluate import predictions as evaluate_run
 
     monkeypatch.setattr(evaluate_run, "predict_cube", _raise_oom)
     result = invoke("evaluate", "--run", run_copy, "--fold", "0", "--data", phantom_root)
@@ -52,7 +52,7 @@ def test_oom_during_evaluation_is_exit_3(run_copy, phantom_root, monkeypatch):
 
 
 def test_host_memory_error_is_exit_3(run_copy, phantom_root, monkeypatch):
-    from brats_swap.evaluate import run as evaluate_run
+    from brats_swap.evaluate import predictions as evaluate_run
 
     def no_memory(*args, **kwargs):
         raise MemoryError

@@ -12,8 +12,8 @@ import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
+from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.cv.lock import describe_holder, fold_holder
-from brats_swap.cv.state import read_fold_state
 from brats_swap.errors import CheckpointError, DataError
 from brats_swap.run.checkpoint import load_latest
 from brats_swap.run.folder import RunFolder

@@ -44,8 +44,8 @@ from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.metrics import case_metrics, write_metrics_report
 from brats_swap.evaluate.official import case_official_metrics, merge_groups
-from brats_swap.evaluate.postprocess import PostprocessingPlan, describe_label_changes, load_plan
-from brats_swap.evaluate.postprocess import apply as apply_postprocessing
+from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, describe_label_changes, load_plan
+from brats_swap.evaluate.postprocessing_rules import apply as apply_postprocessing
 from brats_swap.model.targets import labels_from_probs, output_names
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
@@ -416,7 +416,7 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
     cases = discover_cases(input_path, config.data.edition, config.data.modalities, config.data.challenge)
     if plan is not None:
         _check_plan_fits(plan, cases, run.postprocessing)
-    say = (lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)) if progress else None
+    say = (lambda line: console.print(line)) if progress else None
     if say is not None:
         say(f"predict: fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint){', 8-mirror TTA' if tta else ''}"
             f"; postprocessing: {plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}")

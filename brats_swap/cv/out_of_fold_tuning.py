@@ -3,7 +3,7 @@
 Once every fold of the run is trained and evaluated, the out-of-fold predictions (`fold_<k>/predictions/
 <case>.nii.gz` of each fold's validation cases, saved by the evaluation when `evaluate.save_predictions`
 is on) are scored against the dataset's reference segmentations to choose the postprocessing
-(`brats_swap.evaluate.postprocess.tune_postprocessing`: per evaluation group a minimum component size,
+(`brats_swap.evaluate.postprocessing_rules.tune_postprocessing`: per evaluation group a minimum component size,
 and the small enhancing -> necrosis relabelling, each kept only when it clearly raises the mean official
 lesion-wise Dice: at least 10 out-of-fold cases, a relative gain of at least 1%, and improvement on a
 majority of the cases the rule changes and on at least 3 of them; see `KeepRule`). With fewer cases the plan
@@ -25,11 +25,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from brats_swap.config import Config
-from brats_swap.cv.state import read_fold_state
+from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.data.challenges import evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.errors import DataError
-from brats_swap.evaluate.postprocess import (
+from brats_swap.evaluate.postprocessing_rules import (
     KEEP_RULE,
     MIN_SIZE_GRID,
     PostprocessingPlan,

@@ -1,0 +1,62 @@
+"""The signals that ask a run to stop, and the one way this package handles them.
+
+- `SCHEDULER_SIGNALS`: a scheduler's warnings, SIGTERM (a plain kill, a preemption) and SIGUSR1 (SLURM's
+  `--signal=B:USR1@N`). A run answers them by saving its state and exiting 0; a requeued job resumes it.
+- `STOP_SIGNALS`: those and Ctrl-C (SIGINT), which stops with exit 130.
+
+`handled(signals, handler)` installs a handler for the length of a block and restores the previous ones
+after it; handlers can only be installed from the main thread, so elsewhere it installs nothing and the
+signals keep their previous meaning. A handler writes with `say` (os.write), not through the console:
+it may run while the console holds its lock. `ignore(signals)` is for child processes whose parent
+decides when to stop (cross-validation's fold workers and followers, DataLoader workers): the signals
+that reach the whole process group must not kill them under the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+SCHEDULER_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, *SCHEDULER_SIGNALS)
+
+Handler = Callable[[int, Any], None]
+
+
+def on_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def handled(signals: Iterable[int], handler: Handler) -> Iterator[bool]:
+    """While in the block, `handler` receives `signals`; the previous handlers come back after it. Yields
+    whether the handler was installed (False off the main thread, where Python cannot install one)."""
+    if not on_main_thread():
+        yield False
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield True
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+
+
+def ignore(signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """From now on `signals` do nothing to this process (its parent decides when to stop)."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def name(signum: int) -> str:
+    """`signal.SIGTERM` -> "SIGTERM"."""
+    return signal.Signals(signum).name
+
+
+def say(text: str) -> None:
+    """One line on stderr from inside a signal handler (os.write is safe there; the console may be locked)."""
+    os.write(2, f"{text}\n".encode())
