@@ -327,7 +327,7 @@ def test_container_writes_a_build_folder_and_the_brainlesion_entry(tasks, tmp_pa
     assert {"Dockerfile", ".dockerignore", "entrypoint.sh", "README.md", "model.zip", "requirements.txt",
             "brainlesion.yml", "src"} == {p.name for p in out.iterdir()}
     dockerfile = (out / "Dockerfile").read_text()
-    assert dockerfile.count("FROM nvidia/cuda:12.8") == 1 and "COPY model.zip" in dockerfile
+    assert "ARG BASE_IMAGE=nvidia/cuda:12.8" in dockerfile and dockerfile.count("FROM ") == 1 and "COPY model.zip" in dockerfile
     assert f"torch=={torch.__version__.split('+')[0]}" in dockerfile and 'ENTRYPOINT ["/opt/brats-swap/' in dockerfile
     entrypoint = (out / "entrypoint.sh").read_text()
     assert os.access(out / "entrypoint.sh", os.X_OK) and f"serve-challenge --model /opt/brats-swap/model.zip " \

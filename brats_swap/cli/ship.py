@@ -101,8 +101,8 @@ def serve_challenge(
     """
     from brats_swap.ship.challenge import parse_duration, writable_home
 
-    for variable, folder in writable_home().items():  # before torch or matplotlib could read them
-        _say(f"{variable}: not writable, using {folder}")
+    for variable, (folder, why) in writable_home().items():  # before matplotlib could read them
+        _say(f"{variable}: {why}, using {folder}")
     if mlcube_task not in (None, "infer"):
         raise ConfigError(f"serve-challenge: unknown task {mlcube_task!r}; the only MLCube task is infer")
     if parameters_file is not None:
@@ -132,9 +132,8 @@ def check_submission(
 
     Example: brats-swap check-submission out/ --input in/ --task met
     """
-    from brats_swap.ship.submission import check_submission as check
-
     from brats_swap.data.challenges import MODERN_CHALLENGES
+    from brats_swap.ship.submission import check_submission as check
 
     if task is not None and task not in MODERN_CHALLENGES:
         raise ConfigError(f"--task {task!r}: expected one of {', '.join(MODERN_CHALLENGES)}")

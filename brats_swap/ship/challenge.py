@@ -44,8 +44,9 @@ def _writable(folder: str | None) -> bool:
     return bool(folder) and os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
 
 
-def writable_home(environ: dict | None = None) -> dict[str, str]:
-    """Point HOME and the cache folders, when unset or not writable, under the temporary folder, in `environ` (default os.environ); returns the variables it set. Call it before importing
+def writable_home(environ: dict | None = None) -> dict[str, tuple[str, str]]:
+    """Point HOME and the cache folders, when unset or not writable, under the temporary folder, in
+    `environ` (default os.environ); returns variable -> (the folder it set, why). Call it before importing
     matplotlib: it reads MPLCONFIGDIR once, at import."""
     environ = os.environ if environ is None else environ
     base = Path(tempfile.gettempdir()) / f"brats-swap-{os.getuid()}"
@@ -55,7 +56,8 @@ def writable_home(environ: dict | None = None) -> dict[str, str]:
             continue
         folder = base / name
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        environ[variable] = changed[variable] = str(folder)
+        changed[variable] = (str(folder), "unset" if environ.get(variable) is None else "not writable")
+        environ[variable] = str(folder)
     return changed
 
 

@@ -155,7 +155,9 @@ def _dockerfile(bundle: Bundle, task: str, no_deps: list[str]) -> str:
 #
 # CUDA 12.8 base (NVIDIA driver 570 or newer): the cu128 torch build runs on the A10G (sm_86) the 2026
 # segmentation tasks give, and on newer cards (Ada, Hopper, Blackwell). torch brings its own CUDA libraries.
-FROM {BASE_IMAGE}
+# Both can be changed at build time: --build-arg BASE_IMAGE=... --build-arg TORCH_INDEX=...
+ARG BASE_IMAGE={BASE_IMAGE}
+FROM ${{BASE_IMAGE}}
 
 ARG TORCH_INDEX={TORCH_INDEX}
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
@@ -178,8 +180,8 @@ COPY model.zip {IMAGE_BUNDLE}
 RUN python -c "from brats_swap.ship.bundle import open_bundle; open_bundle('{IMAGE_BUNDLE}')"
 COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
 
-# Any uid, read-only root file system: every folder a library might write to is under /tmp.
-ENV HOME=/tmp/home TORCH_HOME=/tmp/torch MPLCONFIGDIR=/tmp/matplotlib XDG_CACHE_HOME=/tmp/cache
+# Any uid, read-only root file system: serve-challenge points HOME and the torch, matplotlib and cache
+# folders under /tmp when they are not writable, and writes nothing but /output and /tmp.
 WORKDIR /tmp
 ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
 """
