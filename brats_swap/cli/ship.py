@@ -74,9 +74,9 @@ def container(
 
 @handle_errors
 def serve_challenge(
+    model: Annotated[Path, typer.Option("--model", help="A bundle made by brats-swap export.")],
     mlcube_task: Annotated[str | None, typer.Argument(help="MLCube's task name, `infer` (the 2023-2024 form); "
                                                       "optional.", show_default=False)] = None,
-    model: Annotated[Path, typer.Option("--model", help="A bundle made by brats-swap export.")] = Path("model.zip"),
     input_dir: Annotated[Path, typer.Option("--input", "--data_path", "--data-path", help="One folder per case "
                                             "(read only).")] = Path("/input"),
     output_dir: Annotated[Path, typer.Option("--output", "--output_path", "--output-path", help="Flat output "

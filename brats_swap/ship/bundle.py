@@ -136,9 +136,10 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
     config = load_run_config(run)
     chosen = select_folds(run, folds, checkpoint)
     files: dict[str, bytes] = {CONFIG: config_to_yaml(config).encode("utf-8")}
-    records, editions = [], {}
+    records, editions, trained_configs = [], {}, {}
     for k in chosen:
         model, trained, state = load_trained_model(run, k, checkpoint)
+        trained_configs[k] = trained
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)
         files[fold_weights(k)] = buffer.getvalue()
@@ -151,7 +152,7 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
         raise ConfigError(f"{run.root}: folds {', '.join(map(str, chosen))} were trained on different label tables "
                           f"({', '.join(f'fold {k}: {e}' for k, e in editions.items())}); export one (--folds K)")
     challenge = editions[chosen[0]]
-    first = config_from_saved(yaml.safe_load(files[fold_config(chosen[0])]))
+    first = trained_configs[chosen[0]]
     labels = label_record(challenge, replace(config, model=first.model))
     files[LABELS] = _json_bytes(labels)
     for member, source in ((POSTPROCESSING, run.postprocessing), (CV_SUMMARY, run.cv_summary_json)):
@@ -296,8 +297,8 @@ def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postpr
     if challenge is not None:
         config = replace(config, data=replace(config.data, challenge=challenge, edition="auto"))
     target = resolve_device(config.train.device)
-    members = []
-    for k in choose_folds(bundle, folds):
+    chosen, members = choose_folds(bundle, folds), []
+    for k in chosen:
         trained = bundle.fold_config(k)
         model = build_model(trained.model, out_channels=run_output_count(bundle.challenge, trained.model))
         try:
@@ -307,6 +308,5 @@ def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postpr
                                   f"{trained.model.name} ({str(exc).splitlines()[0]})") from exc
         members.append((model.to(target).eval(), inference_config(trained, config)))
     plan = bundle.postprocessing() if postprocess else None
-    chosen = choose_folds(bundle, folds)
     return Predictor(config, members, target, plan, Path(f"{bundle.path}:{POSTPROCESSING}"),
                      f"{bundle.path.name}: fold(s) {', '.join(map(str, chosen))} ({bundle.checkpoint} checkpoint)")
