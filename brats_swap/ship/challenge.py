@@ -144,7 +144,7 @@ def serve(predictor, input_dir: Path, output_dir: Path, *, tta: bool = True, tim
     folders = case_folders(input_dir)
     _check_output(input_dir, output_dir)
     config = predictor.config
-    failures = CaseFailures(say=lambda line: say(f"failed: {line}"))
+    failures = CaseFailures(say=say)
     budget = TimeBudget(time_budget_s, len(folders)) if time_budget_s is not None else None
     folds, written, changes = len(predictor.members), [], []
     say(f"serve-challenge: {len(folders)} case(s) from {input_dir} to {output_dir}; {predictor.description}"
