@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from brats_swap.cli.main import app
 from brats_swap.data.discovery import discover_cases
 from brats_swap.ship.bundle import METADATA, export_bundle, fold_weights, open_bundle
-from brats_swap.ship.challenge import parse_duration
+from brats_swap.ship.challenge import parse_duration, writable_home
 from brats_swap.ship.submission import check_submission
 
 NON_ROOT = 4242
@@ -244,6 +244,24 @@ def test_a_tiny_time_budget_drops_tta_then_folds_and_says_so(tasks, tmp_path, mo
     assert "dropping test-time augmentation" in text and "dropping folds (2 -> 1)" in text
     assert f"{ids[0]}: " in text and "(2 fold(s), TTA)" in text and "(1 fold(s))" in text
     assert len(list((tmp_path / "out").iterdir())) == len(ids)
+
+
+def test_an_unwritable_home_and_unset_cache_folders_go_under_the_temporary_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    writable = tmp_path / "mine"
+    writable.mkdir()
+    environ = {"HOME": "/nonexistent-home", "XDG_CACHE_HOME": str(writable)}
+    changed = writable_home(environ)
+    base = tmp_path / f"brats-swap-{os.getuid()}"
+    assert changed["HOME"] == (str(base / "home"), "not writable") and environ["HOME"] == str(base / "home")
+    assert changed["MPLCONFIGDIR"] == (str(base / "matplotlib"), "unset") and (base / "matplotlib").is_dir()
+    assert "XDG_CACHE_HOME" not in changed and environ["XDG_CACHE_HOME"] == str(writable)
+
+
+def test_predict_takes_a_run_or_a_bundle(cv_bundle, tmp_path):
+    for sources in ((), ("--run", tmp_path, "--model", cv_bundle)):
+        result = invoke("predict", *sources, "--input", tmp_path, "--out", tmp_path / "out")
+        assert result.exit_code == 2 and "either --run" in result.output
 
 
 def test_durations():
