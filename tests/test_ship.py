@@ -360,3 +360,10 @@ def test_container_writes_a_build_folder_and_the_brainlesion_entry(tasks, tmp_pa
     assert entry["input_name_schema"] == schema and entry["subject_modality_separator"] == separator
     assert entry["cpu_compatible"] is True and entry["requires_root"] is False
     assert schema in result.output and "docker_image" in result.output
+
+
+def test_only_the_cli_imports_the_shipping_package():
+    from test_layering import MODULES, _area, _violations
+
+    below = {_area(m) for m in MODULES} - {"cli", "ship", "__main__"}
+    assert "ship" in {_area(m) for m in MODULES} and _violations(below, {"ship"}) == []
