@@ -15,6 +15,7 @@ from brats_swap.cli import config_cmd
 from brats_swap.cli import cv as cv_cmd
 from brats_swap.cli import data as data_cmd
 from brats_swap.cli import plan as plan_cmd
+from brats_swap.cli import ship as ship_cmd
 from brats_swap.cli import train as train_cmd
 from brats_swap.cli.common import DEBUG
 
@@ -42,13 +43,14 @@ def root(
     DEBUG["enabled"] = debug
 
 
-# Listed in --help in the order of a project's life: data, training, planning, cross-validation.
+# Listed in --help in the order of a project's life: data, training, planning, cross-validation, shipping.
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(config_cmd.app, name="config")
 train_cmd.register(app)  # train, evaluate, predict
 app.command("plan", context_settings=plan_cmd.CONTEXT)(plan_cmd.plan)
 app.command("cv")(cv_cmd.cv)
 app.command("compare")(cv_cmd.compare)
+ship_cmd.register(app)  # export, container, serve-challenge, check-submission
 
 
 def main() -> None:

@@ -211,9 +211,11 @@ def _print_official(report_dir: Path, title: str) -> None:
 
 @handle_errors
 def predict(
-    run: Annotated[Path, typer.Option("--run", help="Trained run folder.")],
     input_path: Annotated[Path, typer.Option("--input", "-i", help="A case folder or a dataset folder.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for <case id>.nii.gz.")],
+    run: Annotated[Path | None, typer.Option("--run", help="Trained run folder.", show_default=False)] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="A bundle made by brats-swap export (instead of "
+                                               "--run).", show_default=False)] = None,
     folds: FoldsOption = "all",
     checkpoint: CheckpointOption = "best",
     tta: Annotated[bool, flag("--tta/--no-tta", "Average the 8 mirrorings of each case (test-time augmentation; "
@@ -230,13 +232,24 @@ def predict(
     exits 1 naming every failed case.
 
     Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
+    (or --model model.zip, a bundle of brats-swap export: the same segmentations without the run folder)
     """
     from brats_swap.evaluate.failures import CaseFailures
-    from brats_swap.evaluate.predictions import predict as predict_cases
+    from brats_swap.evaluate.predictions import predict_with, run_predictor
 
+    if (run is None) == (model is None):
+        raise ConfigError("predict: give either --run DIR (a trained run) or --model FILE (a bundle), one of them")
+    if model is not None:
+        from brats_swap.ship.bundle import bundle_predictor, open_bundle
+
+        if checkpoint != "best":
+            raise ConfigError("predict --model: --checkpoint is chosen at export (brats-swap export --checkpoint)")
+        predictor = bundle_predictor(open_bundle(model), folds, postprocess=postprocessing)
+    else:
+        predictor = run_predictor(run, folds, checkpoint, postprocessing)
     failures = CaseFailures(say=warn)
-    written = predict_cases(run, input_path, out, folds, checkpoint, tta=tta, probabilities=save_probabilities,
-                            postprocess=postprocessing, failures=failures)
+    written = predict_with(predictor, input_path, out, tta=tta, probabilities=save_probabilities,
+                           postprocess=postprocessing, failures=failures)
     _say(f"wrote {len(written)} segmentation(s) to {out}")
     failures.raise_if_any(f"predict {input_path}", len(written) + len(failures))
 

@@ -391,6 +391,31 @@ def _case_progress(show: bool) -> Progress:
                         transient=True, disable=not show)
 
 
+@dataclass
+class Predictor:
+    """What `predict_with` segments with: the config the cases are preprocessed with, each fold's model with
+    the config it predicts with, the device, the postprocessing plan (and the file it came from, for messages),
+    and what to say about the models ("fold(s) 0, 1 (best checkpoint)")."""
+
+    config: Config
+    members: list[tuple[torch.nn.Module, Config]]
+    device: torch.device
+    plan: PostprocessingPlan | None
+    plan_source: Path | None
+    description: str
+
+
+def run_predictor(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, checkpoint: str = "best",
+                  postprocess: bool = True) -> Predictor:
+    """The run's folds (`select_folds`), each model loaded once, and its postprocessing.json when enabled."""
+    run = RunFolder.of(run_dir)
+    config = load_run_config(run)
+    chosen = select_folds(run, folds, checkpoint)
+    members, device = _load_ensemble(run, chosen, checkpoint, config)
+    return Predictor(config, members, device, _run_postprocessing(run, postprocess), run.postprocessing,
+                     f"fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint)")
+
+
 def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: FoldSelection = ALL_FOLDS,
             checkpoint: str = "best", *, tta: bool = False, probabilities: bool = False, postprocess: bool = True,
             progress: bool = True, failures: CaseFailures | None = None) -> list[Path]:
@@ -408,17 +433,21 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
     not predict) is skipped and the others are written: it is recorded in `failures`, or, without it, all
     such cases end in one DataError naming them after the good cases are written.
     """
-    run = RunFolder.of(run_dir)
-    config = load_run_config(run)
-    chosen = select_folds(run, folds, checkpoint)
-    members, device = _load_ensemble(run, chosen, checkpoint, config)
-    plan = _run_postprocessing(run, postprocess)
+    return predict_with(run_predictor(run_dir, folds, checkpoint, postprocess), input_path, out_dir, tta=tta,
+                        probabilities=probabilities, postprocess=postprocess, progress=progress, failures=failures)
+
+
+def predict_with(predictor: Predictor, input_path: Path, out_dir: Path, *, tta: bool = False,
+                 probabilities: bool = False, postprocess: bool = True, progress: bool = True,
+                 failures: CaseFailures | None = None) -> list[Path]:
+    """`predict` with models already loaded (from a run folder, or from a bundle: `brats_swap.ship`)."""
+    config, plan = predictor.config, predictor.plan
     cases = discover_cases(input_path, config.data.edition, config.data.modalities, config.data.challenge)
     if plan is not None:
-        _check_plan_fits(plan, cases, run.postprocessing)
+        _check_plan_fits(plan, cases, predictor.plan_source)
     say = (lambda line: console.print(line)) if progress else None
     if say is not None:
-        say(f"predict: fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint){', 8-mirror TTA' if tta else ''}"
+        say(f"predict: {predictor.description}{', 8-mirror TTA' if tta else ''}"
             f"; postprocessing: {plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}")
     failed = failures if failures is not None else CaseFailures(say=warn)
     already_failed = len(failed)
@@ -428,15 +457,15 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
         for case in cases:
             bar.update(task, case=case.case_id)
             with failed.case(case.case_id):
-                written.append(_predict_case(case, config, members, device, Path(out_dir), tta=tta, plan=plan,
-                                             probabilities=probabilities, say=say))
+                written.append(predict_case(case, config, predictor.members, predictor.device, Path(out_dir),
+                                            tta=tta, plan=plan, probabilities=probabilities, say=say))
             bar.advance(task)
     if failures is None and len(failed) > already_failed:
         failed.raise_if_any(f"predict {input_path}", len(cases))
     return written
 
 
-def _predict_case(case, config: Config, members: list, device: torch.device, out_dir: Path, *, tta: bool,
+def predict_case(case, config: Config, members: list, device: torch.device, out_dir: Path, *, tta: bool,
                   plan: PostprocessingPlan | None, probabilities: bool,
                   say: Callable[[str], None] | None) -> Path:
     """One case of `predict`: its labels (postprocessed) and, on request, its probabilities, written;

@@ -1,0 +1,156 @@
+"""`brats-swap export`, `container`, `serve-challenge` and `check-submission`: thin shells over brats_swap/ship/.
+
+Exit codes: 0 ok; 1 bad input (a damaged bundle, a failed case, a submission problem); 2 usage/config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from brats_swap.cli.common import FoldsOption, console, flag, handle_errors
+from brats_swap.errors import ConfigError, DataError
+from brats_swap.run.console import warn
+
+TaskOption = Annotated[str | None, typer.Option("--task", help="The challenge task, i.e. its label table: gli, "
+                                                "gli-post, met, men, men-rt, ped, ssa, goat (default: the "
+                                                "bundle's).", show_default=False)]
+
+
+def _say(line: str) -> None:
+    console.print(line)
+
+
+@handle_errors
+def export(
+    run: Annotated[Path, typer.Option("--run", help="Trained run folder.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The bundle to write, e.g. model.zip.")],
+    folds: FoldsOption = "all",
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="best or latest.")] = "best",
+) -> None:
+    """Write a self-contained bundle of a run: each fold's weights (state dicts), the resolved config, the
+    label table and modalities, postprocessing.json, the cv summary and metadata.json with versions and the
+    sha256 of every file. Optimizer state and splits stay in the run.
+
+    Example: brats-swap export --run runs/cv --out model.zip
+    """
+    from brats_swap.ship.bundle import export_bundle
+
+    exported = export_bundle(run, out, folds, checkpoint)
+    _say(f"wrote {exported.path} ({exported.size_bytes / 2**20:.1f} MiB): fold(s) "
+         f"{', '.join(map(str, exported.folds))} ({checkpoint} checkpoint), {exported.challenge} table, "
+         f"{len(exported.files)} files with their sha256")
+
+
+@handle_errors
+def container(
+    model: Annotated[Path, typer.Option("--model", help="A bundle made by brats-swap export.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="A new folder for the image's build files.")],
+    task: TaskOption = None,
+    image: Annotated[str | None, typer.Option("--image", help="Image name:tag (default brats-swap-<task>:latest).",
+                                              show_default=False)] = None,
+    time_budget: Annotated[str, typer.Option("--time-budget", help="The entrypoint's budget for the whole "
+                                             "test set.")] = "8h",
+) -> None:
+    """Write a BraTS challenge image's build folder: Dockerfile, .dockerignore, entrypoint.sh, the bundle,
+    pinned requirements, brats-swap's source and a README with the build, run and save commands; print the
+    entry for the BrainLesion brats package.
+
+    Example: brats-swap container --model model.zip --out image/ --task met
+    """
+    import yaml
+
+    from brats_swap.ship.bundle import open_bundle
+    from brats_swap.ship.container import write_container
+
+    written = write_container(open_bundle(model), out, task, image, time_budget)
+    _say(f"wrote {written.folder}: Dockerfile, .dockerignore, entrypoint.sh, README.md (task {written.task}); "
+         f"build with: docker build -t {written.image} {written.folder}")
+    _say("entry for the BrainLesion brats package (also in brainlesion.yml; add authors, paper, rank to meta):")
+    _say(yaml.safe_dump(written.entry, sort_keys=False).rstrip())
+
+
+@handle_errors
+def serve_challenge(
+    model: Annotated[Path, typer.Option("--model", help="A bundle made by brats-swap export.")],
+    mlcube_task: Annotated[str | None, typer.Argument(help="MLCube's task name, `infer` (the 2023-2024 form); "
+                                                      "optional.", show_default=False)] = None,
+    input_dir: Annotated[Path, typer.Option("--input", "--data_path", "--data-path", help="One folder per case "
+                                            "(read only).")] = Path("/input"),
+    output_dir: Annotated[Path, typer.Option("--output", "--output_path", "--output-path", help="Flat output "
+                                             "folder: <case id>.nii.gz.")] = Path("/output"),
+    parameters_file: Annotated[Path | None, typer.Option("--parameters_file", "--parameters-file", help="MLCube's "
+                                                         "parameters file: accepted and not read (the bundle "
+                                                         "holds every setting).", show_default=False)] = None,
+    task: TaskOption = None,
+    folds: FoldsOption = "all",
+    tta: Annotated[bool, flag("--tta/--no-tta", "Average the 8 mirrorings (dropped first when over the "
+                                                "time budget).")] = True,
+    time_budget: Annotated[str | None, typer.Option("--time-budget", help="The whole test set's time, e.g. 8h: "
+                                                    "when the cases so far project past it, drop TTA, then "
+                                                    "folds.", show_default=False)] = None,
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")] = "auto",
+) -> None:
+    """The BraTS challenge entrypoint (the image's; works without a container too): segment every case
+    folder of --input into a flat --output/<case id>.nii.gz, case by case, under any uid and with an
+    unwritable HOME. Exits 1 naming the cases that failed, after writing the others.
+
+    Example: brats-swap serve-challenge --model model.zip --input in/ --output out/ --time-budget 8h
+    """
+    from brats_swap.ship.challenge import parse_duration, writable_home
+
+    for variable, (folder, why) in writable_home().items():  # before matplotlib could read them
+        _say(f"{variable}: {why}, using {folder}")
+    if mlcube_task not in (None, "infer"):
+        raise ConfigError(f"serve-challenge: unknown task {mlcube_task!r}; the only MLCube task is infer")
+    if parameters_file is not None:
+        _say(f"--parameters_file {parameters_file}: not read, the bundle holds every setting")
+    budget = parse_duration(time_budget) if time_budget is not None else None
+    from brats_swap.ship.bundle import bundle_predictor, open_bundle
+    from brats_swap.ship.challenge import serve
+    from brats_swap.ship.container import resolve_task
+
+    bundle = open_bundle(model)
+    predictor = bundle_predictor(bundle, folds, device=device, challenge=resolve_task(bundle, task))
+    report = serve(predictor, input_dir, output_dir, tta=tta, time_budget_s=budget, say=_say)
+    _say(f"wrote {len(report.written)} of {report.cases} segmentation(s) to {output_dir}")
+    report.failures.raise_if_any(f"serve-challenge {input_dir}", report.cases)
+
+
+@handle_errors
+def check_submission(
+    output_dir: Annotated[Path, typer.Argument(help="The output folder to check.")],
+    input_dir: Annotated[Path, typer.Option("--input", help="The input folder (one folder per case).")],
+    task: Annotated[str | None, typer.Option("--task", help="Force the label table (default: each case's own, "
+                                             "from its id).", show_default=False)] = None,
+) -> None:
+    """The organisers' checks of an output folder: flat, one <case id>.nii.gz per input case, the name rule
+    (\\d{5}-\\d{3})\\.nii\\.gz$, every case present, the grid of the case's images, labels of the task's table;
+    warns on an all-zero segmentation. One line per problem; exit 1 if any.
+
+    Example: brats-swap check-submission out/ --input in/ --task met
+    """
+    from brats_swap.data.challenges import MODERN_CHALLENGES
+    from brats_swap.ship.submission import check_submission as check
+
+    if task is not None and task not in MODERN_CHALLENGES:
+        raise ConfigError(f"--task {task!r}: expected one of {', '.join(MODERN_CHALLENGES)}")
+    report = check(output_dir, input_dir, task)
+    for line in report.warnings:
+        warn(line)
+    for line in report.problems:
+        console.print(f"problem: {line}")
+    if report.problems:
+        raise DataError(f"{output_dir}: {len(report.problems)} problem(s) for {report.cases} input case(s); "
+                        "fix them before submitting")
+    _say(f"{output_dir}: ok, {report.checked} segmentation(s) for {report.cases} input case(s)")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the four commands to the top-level app (called from cli/main.py)."""
+    app.command("export")(export)
+    app.command("container")(container)
+    app.command("serve-challenge")(serve_challenge)
+    app.command("check-submission")(check_submission)

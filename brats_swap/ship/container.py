@@ -1,0 +1,247 @@
+"""The BraTS challenge image of a bundle (`brats-swap container`): a build folder to read, edit and build.
+
+```
+DIR/Dockerfile          CUDA 12.8 base (its torch build runs on the A10G, sm_86, and newer cards), a venv with
+                        the exact versions of this environment, brats-swap from source, the bundle copied in
+DIR/.dockerignore       only the files below go into the build context
+DIR/requirements.txt    name==version of every package brats-swap needs (torch comes from the CUDA index)
+DIR/entrypoint.sh       exec brats-swap serve-challenge --model /opt/brats-swap/model.zip --task ... "$@"
+DIR/model.zip           the bundle
+DIR/src/                brats-swap's source (pyproject.toml, README.md, brats_swap/)
+DIR/brainlesion.yml     the entry of the BrainLesion `brats` package for this image
+DIR/README.md           build, local run (--network none, any uid, read-only root), check, save and push
+```
+
+Everything is fetched at build time; at run time the image reads only /input and writes only /output and
+/tmp. The organisers' exact `docker run` line is not published; the README's is the one of the 2025
+template plus `--user`/`--read-only`, the stricter case.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from importlib import metadata as distributions
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+
+import brats_swap
+from brats_swap.atomic import atomic_write_text
+from brats_swap.data.challenges import MODERN_CHALLENGES, get_challenge
+from brats_swap.errors import ConfigError, DataError
+from brats_swap.ship.bundle import Bundle
+
+BASE_IMAGE = "nvidia/cuda:12.8.1-base-ubuntu24.04"
+TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
+IMAGE_ROOT = "/opt/brats-swap"
+IMAGE_BUNDLE = f"{IMAGE_ROOT}/model.zip"
+# Installed by the CUDA torch wheel itself (its own CUDA libraries), never pinned from this environment.
+_FROM_TORCH = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+# nnU-Net's network library is installed without its dependencies (they would pull another torch), as the
+# Makefile does; these are it and its one light import.
+NO_DEPS = ("dynamic-network-architectures", "einops")
+BUILD_FILES = ("Dockerfile", "requirements.txt", "entrypoint.sh", "model.zip", "src")
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned_requirements(root: str = "brats-swap") -> list[str]:
+    """`name==version` of every installed distribution `root` needs (its dependencies, recursively, with
+    markers evaluated for this interpreter), torch and its CUDA packages left out, sorted."""
+    seen: dict[str, str] = {}
+    todo = [root]
+    while todo:
+        name = _normal(todo.pop())
+        if name in seen:
+            continue
+        try:
+            dist = distributions.distribution(name)
+        except distributions.PackageNotFoundError:
+            continue
+        seen[name] = dist.version
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return sorted(f"{name}=={version}" for name, version in seen.items()
+                  if name != _normal(root) and not _FROM_TORCH.match(name))
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return distributions.version(name)
+    except distributions.PackageNotFoundError:
+        return None
+
+
+def torch_release() -> str:
+    """This torch's public version (`2.13.0` for `2.13.0+cpu`): the one the image installs, CUDA build."""
+    return distributions.version("torch").split("+")[0]
+
+
+def brainlesion_entry(task: str, image: str) -> dict:
+    """The `brats` package's algorithm entry for this image (2025+ images: /input, /output, no arguments)."""
+    spec = get_challenge(task)
+    schema = spec.id_format.replace("{index", "{id").replace("{number", "{id")
+    year = time.gmtime().tm_year
+    return {f"brats-swap-{task}": {
+        "meta": {"challenge": f"BraTS {year} {task.upper()}", "year": year},
+        "run_args": {"docker_image": image, "input_name_schema": schema, "parameters_file": False,
+                     "requires_root": False, "shm_size": "4gb", "cpu_compatible": True,
+                     "subject_modality_separator": spec.separator}}}
+
+
+def resolve_task(bundle: Bundle, task: str | None) -> str:
+    """`--task`, else the bundle's challenge; ConfigError for a legacy (2017-2021) table or an unknown task."""
+    chosen = task or bundle.challenge
+    if chosen not in MODERN_CHALLENGES:
+        raise ConfigError(f"--task {chosen!r}: expected a 2023+ task ({', '.join(MODERN_CHALLENGES)})"
+                          + ("" if task else f"; the bundle was trained on the {bundle.challenge} table"))
+    return chosen
+
+
+@dataclass
+class ContainerFolder:
+    folder: Path
+    task: str
+    image: str
+    entry: dict
+
+
+def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, image: str | None = None,
+                    time_budget: str = "8h") -> ContainerFolder:
+    """Write the build folder (see the module docstring) for `bundle` into `out_dir`."""
+    task = resolve_task(bundle, task)
+    image = image or f"brats-swap-{task}:latest"
+    source = Path(brats_swap.__file__).resolve().parent
+    project = source.parent
+    if not (project / "pyproject.toml").is_file():
+        raise DataError(f"{project}: no pyproject.toml next to the brats_swap package; brats-swap container needs "
+                        "brats-swap installed from its source checkout (pip install -e .)")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir}: not empty; give a new folder for the image's build files")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, out_dir / "src" / "brats_swap", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(project / name, out_dir / "src" / name)
+    shutil.copy2(bundle.path, out_dir / "model.zip")
+    requirements = [line for line in pinned_requirements() if line.split("==")[0] not in NO_DEPS]
+    atomic_write_text(out_dir / "requirements.txt", "\n".join(requirements) + "\n")
+    no_deps = [f"{name}=={_installed(name)}" for name in NO_DEPS if _installed(name)]
+    atomic_write_text(out_dir / "Dockerfile", _dockerfile(bundle, task, no_deps))
+    atomic_write_text(out_dir / ".dockerignore", "# The build context is this folder; only these go in.\n*\n"
+                      + "".join(f"!{name}\n" for name in BUILD_FILES) + "**/__pycache__\n")
+    entrypoint = out_dir / "entrypoint.sh"
+    atomic_write_text(entrypoint, _entrypoint(task, time_budget))
+    entrypoint.chmod(0o755)
+    entry = brainlesion_entry(task, image)
+    atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
+    atomic_write_text(out_dir / "README.md", _readme(bundle, task, image, out_dir))
+    return ContainerFolder(out_dir, task, image, entry)
+
+
+def _dockerfile(bundle: Bundle, task: str, no_deps: list[str]) -> str:
+    no_deps_line = (f"RUN pip install --no-deps {' '.join(no_deps)}\n" if no_deps else "")
+    return f"""\
+# BraTS challenge image: brats-swap bundle {bundle.metadata.get('name')} ({bundle.challenge} table), task {task}.
+# Written by `brats-swap container`; edit freely. Everything is fetched while building, nothing at run time.
+#
+# CUDA 12.8 base (NVIDIA driver 570 or newer): the cu128 torch build runs on the A10G (sm_86) the 2026
+# segmentation tasks give, and on newer cards (Ada, Hopper, Blackwell). torch brings its own CUDA libraries.
+# Both can be changed at build time: --build-arg BASE_IMAGE=... --build-arg TORCH_INDEX=...
+ARG BASE_IMAGE={BASE_IMAGE}
+FROM ${{BASE_IMAGE}}
+
+ARG TORCH_INDEX={TORCH_INDEX}
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \\
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# The exact versions of the environment this folder was written from (torch {torch_release()}, CUDA build).
+RUN pip install --index-url ${{TORCH_INDEX}} torch=={torch_release()}
+COPY requirements.txt {IMAGE_ROOT}/requirements.txt
+RUN pip install -r {IMAGE_ROOT}/requirements.txt
+# nnU-Net's network library without its dependencies (they would replace torch), as brats-swap's Makefile does.
+{no_deps_line}COPY src {IMAGE_ROOT}/src
+RUN pip install --no-deps {IMAGE_ROOT}/src
+
+COPY model.zip {IMAGE_BUNDLE}
+# A damaged copy of the bundle fails the build here (every member's sha256), not the organisers' run.
+RUN python -c "from brats_swap.ship.bundle import open_bundle; open_bundle('{IMAGE_BUNDLE}')"
+COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
+
+# Any uid, read-only root file system: serve-challenge points HOME and the torch, matplotlib and cache
+# folders under /tmp when they are not writable, and writes nothing but /output and /tmp.
+WORKDIR /tmp
+ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
+"""
+
+
+def _entrypoint(task: str, time_budget: str) -> str:
+    return f"""\
+#!/bin/sh
+# The image's entrypoint: segment /input/<case>/ into a flat /output/<case>.nii.gz with the bundle.
+# No arguments (BraTS 2025+), or MLCube's `infer --data_path=DIR --output_path=DIR` (2023-2024): passed on.
+# Change the budget or drop test-time augmentation (--no-tta) here.
+set -e
+exec brats-swap serve-challenge --model {IMAGE_BUNDLE} --task {task} --time-budget {time_budget} "$@"
+"""
+
+
+def _readme(bundle: Bundle, task: str, image: str, out_dir: Path) -> str:
+    spec = get_challenge(task)
+    example = spec.example_id(1)
+    return f"""\
+# BraTS {task.upper()} image of the brats-swap bundle `{bundle.metadata.get('name')}`
+
+Written by `brats-swap container`. The bundle ({', '.join(f'fold {k}' for k in bundle.folds)}, trained on the
+{bundle.challenge} table) is `model.zip`; the image runs `brats-swap serve-challenge` on it (`entrypoint.sh`).
+This Dockerfile was written by brats-swap and has not been built by its own tests; build and run it once,
+as below, before submitting.
+
+## Build
+
+    docker build -t {image} {out_dir}
+
+(podman: `podman build -t {image} {out_dir}`.) The build downloads the CUDA base image, torch
+{torch_release()} (CUDA 12.8 build) and the pinned packages of `requirements.txt`; Ubuntu 24.04's Python 3.12
+runs them.
+
+## Run locally as the organisers do: no network, your uid, read-only input
+
+    mkdir -p out
+    docker run --rm --network none --gpus all --user "$(id -u):$(id -g)" --read-only --tmpfs /tmp \\
+        --shm-size 4g -v "$PWD/in:/input:ro" -v "$PWD/out:/output:rw" {image}
+
+`in/` holds one folder per case, e.g. `in/{example}/{example}{spec.separator}t1c.nii.gz`. Without a GPU,
+leave out `--gpus all` (it runs on the CPU, slowly). The older MLCube form works too:
+
+    docker run --rm --network none --gpus all -v "$PWD/in:/data:ro" -v "$PWD/out:/results" {image} \\
+        infer --data_path=/data --output_path=/results
+
+## Check the output as the organisers will
+
+    brats-swap check-submission out --input in --task {task}
+
+## Save or push
+
+    docker save {image} | gzip > {image.replace(':', '_').replace('/', '_')}.tar.gz
+    docker login docker.synapse.org
+    docker tag {image} docker.synapse.org/<synapse project id>/{image}
+    docker push docker.synapse.org/<synapse project id>/{image}
+
+## BrainLesion `brats` package
+
+`brainlesion.yml` is this image's entry for the package's algorithm list (add `authors`, `paper` and
+`rank` to `meta` as its other entries have them).
+"""

@@ -1,0 +1,48 @@
+"""Tiny models and phantom challenge inputs for the shipping tests (bundle, challenge entrypoint, checks).
+
+`task_run` writes a run folder for one 2023+ task the way training leaves it (config.yaml, a checksummed
+`checkpoint_best.pt` per fold with the weights, config and label table), from an untrained 3-level U-Net
+with 2 base filters on a 16³ cube: what the shipping code reads is the same, at no training cost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from brats_swap.config import load_config
+from brats_swap.config.loader import config_to_dict, config_to_yaml
+from brats_swap.data.discovery import challenge_images, discover_cases
+from brats_swap.data.phantom import synthesize_dataset
+from brats_swap.model import build_model
+from brats_swap.model.targets import run_output_count
+from brats_swap.run.checkpoint import save_checkpoint
+from brats_swap.run.folder import RunFolder
+
+PHANTOM_SHAPE = (24, 24, 20)
+
+
+def task_run(base: Path, task: str, folds: int = 1) -> Path:
+    """A run folder with `folds` folds of an untrained tiny model for `task`'s label table."""
+    modalities = challenge_images(base, task)
+    config = load_config(None, [f"name=tiny-{task}", f"data.challenge={task}", f"data.modalities=[{','.join(modalities)}]",
+                                "data.cube=[16,16,16]", "model.base_filters=2", "model.depth=3",
+                                "model.segmentation_levels=2", "train.device=cpu", "evaluate.threshold=0.45"])
+    run = RunFolder(base / f"run-{task}")
+    run.root.mkdir(parents=True)
+    run.config.write_text(config_to_yaml(config), encoding="utf-8")
+    for k in range(folds):
+        torch.manual_seed(k)
+        model = build_model(config.model, out_channels=run_output_count(task, config.model))
+        save_checkpoint({"model": model.state_dict(), "config": config_to_dict(config), "edition": task, "epoch": 1,
+                         "optimizer": {"state": {}, "param_groups": []}}, run.fold(k).best)
+    return run.root
+
+
+def challenge_input(folder: Path, task: str, cases: int, seed: int = 0) -> list[str]:
+    """`folder/<case id>/<case id><sep><modality>.nii.gz` as the organisers mount /input (no segmentation)."""
+    ids = synthesize_dataset(folder, cases, seed=seed, edition=task, shape=PHANTOM_SHAPE)
+    for case in discover_cases(folder):
+        case.seg.unlink()
+    return ids
