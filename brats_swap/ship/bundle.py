@@ -40,7 +40,7 @@ from brats_swap.config.loader import config_to_yaml
 from brats_swap.config.networks import architecture_record
 from brats_swap.data.challenges import get_challenge
 from brats_swap.errors import CheckpointError, ConfigError
-from brats_swap.evaluate.postprocess import PostprocessingPlan
+from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan
 from brats_swap.evaluate.predictions import Predictor, select_folds
 from brats_swap.model import build_model
 from brats_swap.model.targets import output_names, run_output_count
