@@ -224,6 +224,9 @@ def predict(
                                              "channel names.")] = False,
     postprocessing: Annotated[bool, flag("--postprocessing/--no-postprocessing", "Apply the run's "
                                          "postprocessing.json (tuned by cv) when there is one.")] = True,
+    dataset_labels: Annotated[bool, flag("--dataset-labels/--table-labels", "Cases of an nnU-Net or Decathlon "
+                                         "folder: write their dataset.json's own label values (as nnU-Net "
+                                         "writes them) instead of the challenge's.")] = False,
 ) -> None:
     """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
     original grid and affine; a fold ensemble (--folds all averages every fold), optional mirroring TTA and
@@ -237,7 +240,7 @@ def predict(
 
     failures = CaseFailures(say=warn)
     written = predict_cases(run, input_path, out, folds, checkpoint, tta=tta, probabilities=save_probabilities,
-                            postprocess=postprocessing, failures=failures)
+                            postprocess=postprocessing, failures=failures, dataset_labels=dataset_labels)
     _say(f"wrote {len(written)} segmentation(s) to {out}")
     failures.raise_if_any(f"predict {input_path}", len(written) + len(failures))
 
