@@ -124,6 +124,9 @@ def evaluate(
                                            "gli-post, met, men, men-rt, ped, ssa, goat.")] = "auto",
     tta: Annotated[bool, flag("--tta/--no-tta", "--run: average the 8 mirrorings of each case (test-time "
                                                 "augmentation, as predict --tta).")] = False,
+    dataset_labels: Annotated[bool, flag("--dataset-labels/--table-labels", "--predictions for an nnU-Net or "
+                                         "Decathlon folder hold its dataset.json's label values (as nnU-Net's "
+                                         "own predictions do).")] = False,
     set_: SetOption = None,
 ) -> None:
     """Score a trained run's validation cases, or any tool's predictions, with the BraTS metrics.
@@ -147,7 +150,7 @@ def evaluate(
         if data is None:
             raise ConfigError("evaluate --predictions: --data DIR (the dataset with the ground truth) is required")
         _evaluate_predictions(predictions, data, out if out is not None else predictions, edition, challenge,
-                              missing, failures)
+                              missing, failures, dataset_labels)
         return
     if run is None:
         raise ConfigError("evaluate: give --run DIR (a trained run) or --predictions DIR --data DIR")
@@ -155,12 +158,12 @@ def evaluate(
 
 
 def _evaluate_predictions(predictions: Path, data: Path, out_dir: Path, edition: str, challenge: str, missing: str,
-                          failures) -> None:
+                          failures, dataset_labels: bool = False) -> None:
     from brats_swap.evaluate.metrics import print_summary
     from brats_swap.evaluate.run import evaluate_predictions
 
     report = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge, missing=missing,
-                                  failures=failures)
+                                  failures=failures, dataset_labels=dataset_labels)
     if report.summary:
         print_summary(report.summary, console, title=f"{predictions} vs {data}")
         _print_official(out_dir, f"{predictions} vs {data}: official BraTS metrics")

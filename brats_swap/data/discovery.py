@@ -19,6 +19,11 @@ Each case gets one key of the label-convention table (`brats_swap.data.challenge
 4. else (e.g. the TCIA release's `TCGA-02-0006`) the suffix family: a `gtv` file means men-rt, 2023-style
    suffixes gli, the older ones 2017 (all of 2017-2021 share one label table).
 
+A folder with a `dataset.json` next to `imagesTr/` (nnU-Net's raw layout, the Decathlon's Task01) is read by
+`brats_swap.data.layouts` instead: rules 1-3 still choose each case's table (nnU-Net's conversions keep the
+BraTS case ids), else the channel names do (2023+ spellings: gli, else 2017); the label values of its files
+are read by the meaning the dataset.json gives them (`Case.label_map`), never by which values occur.
+
 GLI pre-operative and post-treatment scans share their names; a pre-op case whose segmentation holds the
 resection cavity label 4 is refused by `load_case` with a message that names `data.challenge=gli-post`.
 """

@@ -12,7 +12,9 @@ so a flipped bit in the compressed stream would decode silently to different vox
 `DataError` ("damaged gzip data") and the file is never used.
 
 Labels. A segmentation may hold only the values of its case's table (`brats_swap.data.challenges`);
-anything else is refused with the values, the table checked and the config keys that choose another.
+anything else is refused with the values, the table checked and the config keys that choose another. A
+case of a dataset.json layout is first renumbered from its dataset's values (`Case.label_map`). A 4D image
+is read only where the dataset.json says a case is one (the Decathlon's), and split into its channels.
 
 Every problem is a `DataError` whose one-line message names the case, the file and what is wrong.
 """

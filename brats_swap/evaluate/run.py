@@ -250,8 +250,11 @@ def _name_cases(case_ids: Sequence[str], limit: int = 20) -> str:
 
 def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition: str = "auto",
                          *, challenge: str = "auto", hd95: bool = True, progress: bool = True,
-                         missing: str = "error", failures: CaseFailures | None = None) -> PredictionsReport:
+                         missing: str = "error", failures: CaseFailures | None = None,
+                         dataset_labels: bool = False) -> PredictionsReport:
     """Score `<case id>.nii.gz` segmentations from any tool against the dataset's ground truth.
+    `dataset_labels`: predictions for an nnU-Net or Decathlon folder's cases hold its dataset.json's values
+    (nnU-Net's own predictions do), not the label table's.
 
     `edition` (2017 ... 2021, 2023) and `challenge` (gli, gli-post, met, men, men-rt, ped, ssa, goat) force
     the label table as `data.edition` / `data.challenge` do (default: each case's own, from its id); a
@@ -291,7 +294,7 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
     with _progress(progress) as bar:
         task = bar.add_task("score predictions", total=len(cases))
         for case in cases:
-            _score_prediction_file(case, predictions.get(case.case_id), scores, report.failures)
+            _score_prediction_file(case, predictions.get(case.case_id), scores, report.failures, dataset_labels)
             bar.advance(task)
     notes = ([f"no prediction, scored as empty: {case_id}" for case_id in report.missing]
              + [f"failed: {line}" for line in report.failures.reasons.values()]
@@ -303,7 +306,8 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
     return report
 
 
-def _score_prediction_file(case, path: Path | None, scores: _Scores, failures: CaseFailures) -> None:
+def _score_prediction_file(case, path: Path | None, scores: _Scores, failures: CaseFailures,
+                           dataset_labels: bool = False) -> None:
     """Score one reference case: its prediction file, or an empty prediction when there is none or it is bad.
     An unreadable reference is a failure without a row (there is nothing to score against)."""
     with failures.case(case.case_id):
@@ -311,7 +315,7 @@ def _score_prediction_file(case, path: Path | None, scores: _Scores, failures: C
         prediction = np.zeros_like(truth)
         if path is not None:
             with failures.case(case.case_id):
-                read, _, _ = _read_label(case.case_id, path, case.edition)
+                read, _, _ = _read_label(case.case_id, path, case.edition, case if dataset_labels else None)
                 if read.shape != truth.shape:
                     raise DataError(f"case {case.case_id}: file {path.name}: shape {read.shape} differs from the "
                                     f"ground truth {truth.shape}")
