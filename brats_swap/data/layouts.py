@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from brats_swap.data.challenges import CANONICAL_MODALITIES, ChallengeSpec, label_map_from_names
+from brats_swap.data.challenges import ChallengeSpec, label_map_from_names
 from brats_swap.errors import DataError
 
 DATASET_JSON = "dataset.json"
@@ -84,20 +84,25 @@ def find_layout(folder: Path) -> Layout | None:
     names = meta.get("channel_names", meta.get("modality"))
     if not isinstance(names, dict) or not names:
         raise DataError(f"{description}: no channel_names (nnU-Net v2) or modality (Decathlon) entry")
-    modalities = _channel_modalities(description, names)
-    labels = _declared_labels(description, meta.get("labels"))
+    modalities = channel_modalities(description, names)
+    labels = declared_labels(description, meta.get("labels"))
     file_ending = str(meta.get("file_ending", ".nii.gz"))
-    modern = any(_squash(name) in MODERN_CHANNELS for name in names.values())
+    modern = modern_channel_names(names)
     cases = _cases(folder, description, meta, modalities, file_ending)
     kind = "msd" if any(case.channels for case in cases) else "nnunet"
     return Layout(kind, description, modalities, labels, file_ending, modern, cases)
+
+
+def modern_channel_names(names: dict) -> bool:
+    """Whether channel names are spelled as only the 2023+ releases spell them (t1n, t1c, t2f)."""
+    return any(_squash(name) in MODERN_CHANNELS for name in names.values())
 
 
 def _squash(name: str) -> str:
     return re.sub(r"[\s_\-]+", "", str(name).lower())
 
 
-def _channel_modalities(description: Path, names: dict) -> dict[int, str]:
+def channel_modalities(description: Path, names: dict) -> dict[int, str]:
     known = {spelling: modality for modality, spellings in CHANNEL_NAMES.items() for spelling in spellings}
     modalities: dict[int, str] = {}
     for index, name in sorted(names.items(), key=lambda item: int(item[0])):
@@ -111,7 +116,7 @@ def _channel_modalities(description: Path, names: dict) -> dict[int, str]:
     return modalities
 
 
-def _declared_labels(description: Path, labels) -> dict[str, tuple[int, ...]]:
+def declared_labels(description: Path, labels) -> dict[str, tuple[int, ...]]:
     """{name: values} from nnU-Net v2's {name: value | [values]} or the Decathlon's {"value": name}."""
     if not isinstance(labels, dict) or not labels:
         raise DataError(f"{description}: no labels entry, so the meaning of the label values cannot be known")
@@ -184,8 +189,3 @@ def _listed_case(folder: Path, description: Path, case_id: str, entry, modalitie
     images = {modalities[i]: (folder / p).resolve() for i, p in enumerate(entry["images"])}
     seg = entry.get("label")
     return LayoutCase(case_id, images, (folder / seg).resolve() if seg else None)
-
-
-def layout_modalities(layout: Layout) -> list[str]:
-    """The canonical modalities a layout's channels provide, in the canonical channel order."""
-    return [m for m in CANONICAL_MODALITIES if m in layout.modalities.values()]
