@@ -38,12 +38,13 @@ def main(out: Path) -> None:
     os.environ.update(nnUNet_n_proc_DA="1", nnUNet_compile="false")
     sys.path.insert(0, str(REPO))
     import torch
-    from nnunetv2.dataset_conversion.Dataset137_BraTS21 import copy_BraTS_segmentation_and_convert_labels_to_nnUNet
+    from nnunetv2.dataset_conversion.Dataset137_BraTS21 import (
+        copy_BraTS_segmentation_and_convert_labels_to_nnUNet,
+    )
     from nnunetv2.dataset_conversion.generate_dataset_json import generate_dataset_json
     from nnunetv2.experiment_planning.experiment_planners.default_experiment_planner import ExperimentPlanner
     from nnunetv2.experiment_planning.plan_and_preprocess_api import extract_fingerprints, preprocess
     from nnunetv2.training.nnUNetTrainer.nnUNetTrainer import nnUNetTrainer
-    from nnunetv2.utilities.dataset_name_id_conversion import maybe_convert_to_dataset_name  # noqa: F401
 
     from brats_swap.data.phantom import synthesize_dataset
 
