@@ -53,6 +53,7 @@ def test_nnunet_brats21_conversion_reads_as_the_original(originals, tmp_path):
     cases = discover_cases(converted)
     assert [c.edition for c in cases] == ["2021"] * 3
     assert cases[0].label_map == {1: 2, 2: 1, 3: 4}  # 1 edema, 2 necrosis, 3 enhancing (nnU-Net's renumbering)
+    assert cases[0].relabelled  # so readers of raw label files (cv's postprocessing tuning) must not use them
     original = _prepared(originals / "brats21", tmp_path / "cache-a")
     read = _prepared(converted, tmp_path / "cache-b")
     assert sorted(read) == sorted(original)
@@ -80,6 +81,7 @@ def test_a_2023_conversion_keeps_the_challenge_values(originals, tmp_path):
     cases = discover_cases(converted)
     assert {c.edition for c in cases} == {"gli"}
     assert cases[0].label_map == {1: 1, 2: 2, 3: 3, 4: None}  # RC: a class the pre-operative table lacks
+    assert not cases[0].relabelled
     original = _prepared(originals / "gli", tmp_path / "cache-a")
     read = _prepared(converted, tmp_path / "cache-b")
     for case_id, case in original.items():
@@ -125,6 +127,8 @@ def test_predictions_go_back_to_the_dataset_values():
 
 def test_unknown_meaning_is_a_one_line_error(originals, tmp_path):
     converted = to_nnunet_brats21(originals / "brats21", tmp_path / "Dataset137")
+    with pytest.raises(DataError, match="give that folder"):
+        discover_cases(converted / "imagesTr")
     (converted / "dataset.json").rename(tmp_path / "kept.json")
     with pytest.raises(DataError, match="imagesTr/ without a dataset.json: the channel order and the meaning"):
         discover_cases(converted)

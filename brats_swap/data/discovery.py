@@ -72,6 +72,12 @@ class Case:
             roles[SEG] = self.seg
         return roles
 
+    @property
+    def relabelled(self) -> bool:
+        """Whether its label files hold values other than the table's (a dataset.json that renumbers them):
+        read them with `load_case` / `to_table_values`, never as they are."""
+        return self.label_map is not None and any(v is not None and k != v for k, v in self.label_map.items())
+
     def expected_name(self, role: str) -> str:
         """The file name this case's convention uses for `role` (a canonical modality or "seg")."""
         if self.description is not None:

@@ -68,6 +68,9 @@ def find_layout(folder: Path) -> Layout | None:
     """The layout of `folder` when it holds a dataset.json next to imagesTr/ or imagesTs/; None for a
     BraTS-named folder. DataError when imagesTr/ or labelsTr/ is there without a dataset.json (channel order
     and label meaning unknown), or the dataset.json cannot be read."""
+    if folder.name in LAYOUT_FOLDERS and (folder.parent / DATASET_JSON).is_file():
+        raise DataError(f"{folder}: part of the dataset {folder.parent}; give that folder (the one with "
+                        f"{DATASET_JSON}), so the channels and labels are read by its meaning")
     has_folders = [name for name in LAYOUT_FOLDERS if (folder / name).is_dir()]
     description = folder / DATASET_JSON
     if not has_folders:
