@@ -96,3 +96,23 @@ def test_predict_evaluate_and_fine_tune_under_memory_auto(tmp_path):
     assert resumed.exit_code == 0, resumed.output
     assert load_checkpoint(fold / "checkpoint_latest.pt")["epoch"] == 2
     assert "resume fold 0 at epoch 2" in (fold / "train.log").read_text()
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda plans, dataset: dataset.pop("regions_class_order"), "trained on labels"),
+    (lambda plans, dataset: plans.update(image_reader_writer="NibabelIOWithReorient"), "reorients the images"),
+    (lambda plans, dataset: plans["configurations"]["3d_fullres"].update(normalization_schemes=["CTNormalization"] * 4),
+     "normalization"),
+])
+def test_what_cannot_be_imported_is_a_one_line_error(edit, message, tmp_path):
+    results = tmp_path / RESULTS.name
+    (results / "fold_0").mkdir(parents=True)
+    plans, dataset = (json.loads((RESULTS / name).read_text()) for name in ("plans.json", "dataset.json"))
+    edit(plans, dataset)
+    (results / "plans.json").write_text(json.dumps(plans))
+    (results / "dataset.json").write_text(json.dumps(dataset))
+    (results / "fold_0" / "checkpoint_final.pth").symlink_to(RESULTS / "fold_0" / "checkpoint_final.pth")
+    result = CliRunner().invoke(app, ["import-nnunet", str(results), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and message in result.output
+    assert not (tmp_path / "run" / "config.yaml").exists()
