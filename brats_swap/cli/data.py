@@ -40,11 +40,13 @@ StrictOption = Annotated[bool, flag("--strict/--no-strict", "Any bad case is an 
 def check(root: RootArgument = None, edition: EditionOption = None, challenge: ChallengeOption = None,
           strict: StrictOption = False, config: ConfigOption = None, set_: SetOption = None) -> None:
     """Find and validate every case: label table, shape, spacing, label counts and problems."""
-    from brats_swap.data.check import check_dataset
+    from brats_swap.data.check import check_dataset, convention_doubts
+    from brats_swap.data.preprocess import preprocess_settings
 
     cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
-    results = check_dataset(folder, cfg.data.edition, cfg.data.modalities, challenge=cfg.data.challenge)
+    results = check_dataset(folder, cfg.data.edition, cfg.data.modalities, challenge=cfg.data.challenge,
+                            fit_to=preprocess_settings(cfg.data))
 
     table = Table(title=f"{folder}: {len(results)} cases")
     for column in ("case", "table", "shape", "spacing (mm)"):
@@ -56,14 +58,21 @@ def check(root: RootArgument = None, edition: EditionOption = None, challenge: C
         spacing = "x".join(f"{s:g}" for s in r.spacing) if r.spacing else "-"
         labels = ", ".join(f"{k} {v}" for k, v in r.label_counts.items()) if r.label_counts else "no seg"
         notes = [f"[red]{r.problem}[/]"] if r.problem else []
-        notes += [f"[yellow]{n}[/]" for n in r.notes]
+        notes += [f"[yellow]{n}[/]" for n in (*r.notes, *([r.cropped] if r.cropped else []))]
         table.add_row(r.case_id, r.edition, shape, spacing, labels if r.ok else "-", "; ".join(notes) or "ok")
     console.print(table)
     console.print(_label_tables(sorted({r.edition for r in results})))
     bad = [r for r in results if not r.ok]
-    console.print(f"{len(results) - len(bad)} usable, {len(bad)} skipped")
+    cropped = [r for r in results if r.cropped]
+    console.print(f"{len(results) - len(bad)} usable, {len(bad)} skipped"
+                  + (f", {len(cropped)} lose tumour voxels to the cube" if cropped else ""))
+    doubts = convention_doubts({r.case_id: r.problem for r in bad}, {r.case_id: r.edition for r in results})
+    for line in doubts:
+        console.print(f"[yellow]warning:[/] {line}", highlight=False)
     if bad and strict:
         raise DataError(f"{bad[0].problem} ({len(bad)} bad cases, --strict)")
+    if cropped and strict:
+        raise DataError(f"{cropped[0].cropped} ({len(cropped)} cases lose tumour voxels, --strict)")
     if len(bad) == len(results):
         raise DataError(f"{folder}: no usable case ({bad[0].problem})")
 
@@ -84,6 +93,7 @@ def prepare(
 ) -> None:
     """Crop, normalize and fit every case to data.cube into an on-disk cache (incremental, atomic)."""
     from brats_swap.data.cache import prepare_dataset
+    from brats_swap.data.check import convention_doubts
 
     cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
@@ -91,6 +101,8 @@ def prepare(
     report = prepare_dataset(folder, cache, cfg.data, workers=workers, strict=strict)
     for case_id, problem in report.failed.items():
         console.print(f"[yellow]skipped {case_id}:[/] {problem}")
+    for line in [*report.cropped.values(), *convention_doubts(report.failed, report.editions)]:
+        console.print(f"[yellow]warning:[/] {line}")
     console.print(f"{cache}: {len(report.prepared)} prepared, {len(report.up_to_date)} up to date, "
                   f"{len(report.failed)} skipped in {report.seconds:.1f} s "
                   f"(cube {'x'.join(map(str, cfg.data.cube))}, fit {cfg.data.fit}, {cfg.data.cache_dtype})")

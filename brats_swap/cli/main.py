@@ -14,6 +14,7 @@ from brats_swap import __version__
 from brats_swap.cli import config_cmd
 from brats_swap.cli import cv as cv_cmd
 from brats_swap.cli import data as data_cmd
+from brats_swap.cli import nnunet as nnunet_cmd
 from brats_swap.cli import plan as plan_cmd
 from brats_swap.cli import ship as ship_cmd
 from brats_swap.cli import train as train_cmd
@@ -51,6 +52,7 @@ app.command("plan", context_settings=plan_cmd.CONTEXT)(plan_cmd.plan)
 app.command("cv")(cv_cmd.cv)
 app.command("compare")(cv_cmd.compare)
 ship_cmd.register(app)  # export, container, serve-challenge, check-submission
+app.command("import-nnunet")(nnunet_cmd.import_nnunet)
 
 
 def main() -> None:

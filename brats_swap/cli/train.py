@@ -123,6 +123,9 @@ def evaluate(
                                            "gli-post, met, men, men-rt, ped, ssa, goat.")] = "auto",
     tta: Annotated[bool, flag("--tta/--no-tta", "--run: average the 8 mirrorings of each case (test-time "
                                                 "augmentation, as predict --tta).")] = False,
+    dataset_labels: Annotated[bool, flag("--dataset-labels/--table-labels", "--predictions for an nnU-Net or "
+                                         "Decathlon folder hold its dataset.json's label values (as nnU-Net's "
+                                         "own predictions do).")] = False,
     set_: SetOption = None,
 ) -> None:
     """Score a trained run's validation cases, or any tool's predictions, with the BraTS metrics.
@@ -146,7 +149,7 @@ def evaluate(
         if data is None:
             raise ConfigError("evaluate --predictions: --data DIR (the dataset with the ground truth) is required")
         _evaluate_predictions(predictions, data, out if out is not None else predictions, edition, challenge,
-                              missing, failures)
+                              missing, failures, dataset_labels)
         return
     if run is None:
         raise ConfigError("evaluate: give --run DIR (a trained run) or --predictions DIR --data DIR")
@@ -154,12 +157,12 @@ def evaluate(
 
 
 def _evaluate_predictions(predictions: Path, data: Path, out_dir: Path, edition: str, challenge: str, missing: str,
-                          failures) -> None:
+                          failures, dataset_labels: bool = False) -> None:
     from brats_swap.evaluate.metrics import print_summary
     from brats_swap.evaluate.predictions import evaluate_predictions
 
     report = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge, missing=missing,
-                                  failures=failures)
+                                  failures=failures, dataset_labels=dataset_labels)
     if report.summary:
         print_summary(report.summary, console, title=f"{predictions} vs {data}")
         _print_official(out_dir, f"{predictions} vs {data}: official BraTS metrics")
@@ -225,6 +228,9 @@ def predict(
                                              "channel names.")] = False,
     postprocessing: Annotated[bool, flag("--postprocessing/--no-postprocessing", "Apply the run's "
                                          "postprocessing.json (tuned by cv) when there is one.")] = True,
+    dataset_labels: Annotated[bool, flag("--dataset-labels/--table-labels", "Cases of an nnU-Net or Decathlon "
+                                         "folder: write their dataset.json's own label values (as nnU-Net "
+                                         "writes them) instead of the challenge's.")] = False,
 ) -> None:
     """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
     original grid and affine; a fold ensemble (--folds all averages every fold), optional mirroring TTA and
@@ -249,7 +255,7 @@ def predict(
         predictor = run_predictor(run, folds, checkpoint, postprocessing)
     failures = CaseFailures(say=warn)
     written = predict_with(predictor, input_path, out, tta=tta, probabilities=save_probabilities,
-                           postprocess=postprocessing, failures=failures)
+                           postprocess=postprocessing, failures=failures, dataset_labels=dataset_labels)
     _say(f"wrote {len(written)} segmentation(s) to {out}")
     failures.raise_if_any(f"predict {input_path}", len(written) + len(failures))
 

@@ -146,6 +146,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch CPU threads; None = torch's default
     deterministic: bool = True
+    # Weights a fold starts from instead of a fresh initialisation: a brats-swap checkpoint file (what
+    # `import-nnunet` writes); None = initialise. A --resume continues from the fold's own checkpoint instead.
+    init_from: str | None = None
 
 
 @dataclass

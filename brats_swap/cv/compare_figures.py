@@ -10,6 +10,7 @@ import numpy as np
 from brats_swap.config import Config
 from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.data.challenges import get_challenge, isin
+from brats_swap.data.nifti import to_table_values
 from brats_swap.errors import DataError
 from brats_swap.run.dice import dice_column
 from brats_swap.run.figures import pyplot, savefig_deterministic
@@ -89,6 +90,9 @@ def _overlay_panels(config: Config, run: RunFolder, comparison: dict, n_cases: i
         if source is None or source.seg is None or not all(p.exists() for p in predictions.values()):
             continue
         truth = np.asarray(nib.load(source.seg).dataobj).astype(np.uint8)
+        if source.relabelled:  # an nnU-Net or Decathlon folder: its own label values, shown in the table's
+            truth = to_table_values(f"case {source.case_id}", truth, source.label_map, get_challenge(source.edition),
+                                    source.description)
         # Show the modality where the tumour is most visible: FLAIR (edema), else the first available.
         image_path = source.images.get("flair") or next(iter(source.images.values()))
         image = np.asarray(nib.load(image_path).dataobj, dtype=np.float32)

@@ -61,6 +61,9 @@ def out_of_fold_pairs(config: Config, run: RunFolder, splits: dict) -> tuple[lis
     unlabelled = [case for _, case in validation if case not in cases or cases[case].seg is None]
     if unlabelled:
         raise _NotTunable(f"{config.data.root}: case {unlabelled[0]} has no segmentation file there")
+    relabelled = [case for _, case in validation if cases[case].relabelled]
+    if relabelled:  # the tuning reads reference files as they are; these hold their dataset.json's values
+        raise _NotTunable(f"case {relabelled[0]}: its labels follow its dataset.json's numbering, not the table's")
     challenges = sorted({cases[case].edition for _, case in validation})
     if len(challenges) != 1:
         raise _NotTunable(f"the validation cases belong to several challenges ({', '.join(challenges)})")

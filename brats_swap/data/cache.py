@@ -36,7 +36,7 @@ from rich.progress import Progress
 from brats_swap.atomic import atomic_save_npy, atomic_write_json, remove_stale_temp_files
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
-from brats_swap.data.preprocess import preprocess_case, preprocess_settings
+from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
 from brats_swap.errors import DataError
 from brats_swap.progress import progress_bar
 
@@ -63,6 +63,8 @@ class PrepareReport:
     prepared: list[str] = field(default_factory=list)  # (re)written by this run
     up_to_date: list[str] = field(default_factory=list)  # unchanged sources and settings: skipped
     failed: dict[str, str] = field(default_factory=dict)  # case id -> one-line problem (skipped)
+    cropped: dict[str, str] = field(default_factory=dict)  # case id -> warning: tumour voxels lost to the cube
+    editions: dict[str, str] = field(default_factory=dict)  # case id -> label table, every case found
     removed_temp: int = 0  # stale temp folders of interrupted runs that were deleted
     seconds: float = 0.0
 
@@ -91,6 +93,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
     report.removed_temp = clean_stale_temp(cache_dir)
 
     todo: list[tuple[Case, dict]] = []
+    report.editions = {case.case_id: case.edition for case in cases}
     for case in cases:
         sources = source_fingerprints(case)
         if _is_up_to_date(cache_dir / case.case_id, sources, settings):
@@ -99,7 +102,11 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
             todo.append((case, sources))
     _check_free_space(cache_dir, len(todo), settings)
 
-    index_cases = {case_id: _index_entry(_read_meta(cache_dir / case_id)) for case_id in report.up_to_date}
+    index_cases = {}
+    for case_id in report.up_to_date:
+        meta = _read_meta(cache_dir / case_id)
+        index_cases[case_id] = _index_entry(meta)
+        _note_cropped(report, case_id, meta, settings)
     _write_index(cache_dir, root, settings, index_cases, report.failed)
     last_index_write = time.monotonic()
 
@@ -108,6 +115,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
         if problem is None:
             report.prepared.append(case_id)
             index_cases[case_id] = _index_entry(meta)
+            _note_cropped(report, case_id, meta, settings)
         else:
             report.failed[case_id] = problem
             _remove_entry(cache_dir / case_id)  # a stale entry of a case that is now bad must not be used
@@ -313,6 +321,12 @@ def _read_meta(folder: Path) -> dict | None:
         return json.loads((folder / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def _note_cropped(report: PrepareReport, case_id: str, meta: dict | None, settings: dict) -> None:
+    cropped = (meta or {}).get("cropped_labels")
+    if cropped:
+        report.cropped[case_id] = describe_cropped(case_id, cropped, settings)
 
 
 def _index_entry(meta: dict | None) -> dict:

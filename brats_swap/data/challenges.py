@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from brats_swap.errors import DataError
+
 # The canonical modality names used in configs and tensors, in the default channel order.
 CANONICAL_MODALITIES: tuple[str, ...] = ("t1", "t1ce", "t2", "flair")
 # The regions of the 2017–2021 (CaPTk) metrics, kept for the legacy reports.
@@ -199,6 +201,82 @@ def challenge_of_case_id(case_id: str) -> str | None:
         if spec.matches(case_id):
             return key
     return None
+
+
+# ---- what a label's name means (dataset.json files of nnU-Net and the Decathlon) ----------------------------
+
+# Names datasets give the tissues of `TISSUES`, after `normalize_label_name` (nnU-Net's BraTS conversions,
+# the Decathlon's Task01, the challenges' own abbreviations and their long forms).
+TISSUE_NAMES: dict[str, tuple[str, ...]] = {
+    "edema": ("edema", "peritumoral edema", "ed", "snfh", "surrounding non enhancing flair hyperintensity",
+              "edema/invaded tissue", "invaded tissue"),
+    "necrosis": ("necrosis", "necrotic", "ncr", "net", "ncr/net", "ncr net", "necrotic tumor core",
+                 "necrotic and non enhancing tumor core", "non enhancing tumor", "non enhancing tumor core",
+                 "netc", "necrotic core"),
+    "enhancing": ("enhancing tumor", "enhancing", "et", "enhancing tumor core"),
+    "cavity": ("resection cavity", "cavity", "rc"),
+    "cyst": ("cyst", "cystic component", "cc"),
+}
+# Long names of the evaluation groups (nnU-Net's BraTS conversions declare its regions by them).
+GROUP_NAMES: dict[str, str] = {"whole tumor": "WT", "tumor core": "TC", "enhancing tumor": "ET"}
+BACKGROUND_NAMES: tuple[str, ...] = ("background", "bg", "healthy", "healthy tissue")
+
+
+def normalize_label_name(name: str) -> str:
+    """`Non-Enhancing_Tumour` -> `non enhancing tumor`: how label names are compared."""
+    text = str(name).strip().lower().replace("tumour", "tumor").replace("oedema", "edema")
+    return " ".join(text.replace("-", " ").replace("_", " ").split())
+
+
+def label_name_meaning(spec: ChallengeSpec, name: str) -> tuple[int, ...] | None:
+    """The table values a dataset's label (or region) name stands for in `spec`: a group of the table
+    (`WT`, `tumor core`, ...), one of its label abbreviations (`SNFH`, `NCR/NET`), or a tissue name
+    (`edema`, `non-enhancing tumor`); () when the name is a tissue this table does not label (a cavity in
+    2021); None when the name means nothing known."""
+    key = normalize_label_name(name)
+    groups = {group.lower(): values for group, values in spec.groups.items()}
+    group = GROUP_NAMES.get(key, key).lower()
+    if group in groups:
+        return tuple(groups[group])
+    abbreviations = {abbreviation.lower(): value for value, abbreviation in spec.labels.items()}
+    if key in abbreviations:
+        return (abbreviations[key],)
+    for tissue, names in TISSUE_NAMES.items():
+        if key in names:
+            return (spec.tissues[tissue],) if tissue in spec.tissues else ()
+    return None
+
+
+def label_map_from_names(spec: ChallengeSpec, declared: dict[str, tuple[int, ...]], where: str) -> dict[int, int | None]:
+    """File value -> table value of `spec`, from a dataset's declared labels {name: file values} (a label is
+    one value; a region such as nnU-Net's `"whole tumor": [1, 2, 3]` several). A file value maps to the one
+    table value that is inside exactly the same declared names; a value that only names tissues this table
+    lacks maps to None (refused if it occurs). DataError naming `where` when a name means nothing known or
+    the names do not tell a value's class."""
+    meanings: list[tuple[str, frozenset[int], tuple[int, ...]]] = []
+    for name, values in declared.items():
+        if normalize_label_name(name) in BACKGROUND_NAMES:
+            continue
+        meaning = label_name_meaning(spec, name)
+        if meaning is None:
+            raise DataError(f"{where}: label {name!r} names no tumour class of the {spec.key} table "
+                            f"({spec.describe_labels()}); name it in the labels as one of "
+                            f"{', '.join(sorted({*GROUP_NAMES, *spec.groups, *TISSUE_NAMES}))}")
+        meanings.append((name, frozenset(int(v) for v in values), meaning))
+    mapping: dict[int, int | None] = {}
+    for value in sorted({v for _, values, _ in meanings for v in values} - {0}):
+        if all(not meaning for _, values, meaning in meanings if value in values):
+            mapping[value] = None
+            continue
+        fits = [u for u in spec.label_values
+                if all((value in values) == (u in meaning) for _, values, meaning in meanings if meaning)]
+        if len(fits) != 1:
+            names = ", ".join(name for name, values, _ in meanings if value in values)
+            options = " or ".join(spec.labels[u] for u in (fits or spec.label_values))
+            raise DataError(f"{where}: the labels do not tell which class of the {spec.key} table value {value} "
+                            f"is (declared in: {names}; it could be {options}); name each value in the labels")
+        mapping[value] = fits[0]
+    return mapping
 
 
 def region_masks(label, challenge: str | ChallengeSpec) -> dict[str, np.ndarray]:

@@ -10,7 +10,8 @@ from rich.progress import Progress
 
 from brats_swap.data.challenges import CANONICAL_MODALITIES, get_challenge
 from brats_swap.data.discovery import discover_cases
-from brats_swap.data.nifti import load_case
+from brats_swap.data.nifti import is_foreign_labels, load_case
+from brats_swap.data.preprocess import cropped_label_voxels, describe_cropped
 from brats_swap.errors import DataError
 
 
@@ -22,6 +23,7 @@ class CaseCheck:
     spacing: tuple[float, ...] | None = None
     label_counts: dict[str, int] | None = None  # label abbreviation -> voxels; None without a segmentation
     problem: str | None = None  # the one-line DataError that makes the case unusable
+    cropped: str | None = None  # the warning when fitting to the cube removes tumour voxels (pad_crop)
     notes: list[str] = field(default_factory=list)  # non-fatal: ignored files, seg affine differences
 
     @property
@@ -31,8 +33,11 @@ class CaseCheck:
 
 def check_dataset(root: str | os.PathLike, edition: str = "auto",
                   modalities: tuple[str, ...] | list[str] = CANONICAL_MODALITIES,
-                  progress: bool = True, challenge: str = "auto") -> list[CaseCheck]:
-    """One CaseCheck per discovered case. Folder-level problems (missing, empty, duplicates) raise."""
+                  progress: bool = True, challenge: str = "auto", fit_to: dict | None = None) -> list[CaseCheck]:
+    """One CaseCheck per discovered case. Folder-level problems (missing, empty, duplicates) raise.
+
+    `fit_to` ({"cube": [D, H, W], "fit": "pad_crop" | "resample"}, e.g. `preprocess_settings(cfg.data)`):
+    also say, per case, which tumour voxels fitting to that cube would remove."""
     cases = discover_cases(root, edition, tuple(modalities), challenge)
     results = []
     with Progress(disable=not progress, transient=True) as bar:
@@ -52,6 +57,28 @@ def check_dataset(root: str | os.PathLike, edition: str = "auto",
                     spec = get_challenge(case.edition)
                     counts = np.bincount(loaded.seg.ravel(), minlength=max(spec.label_values) + 1)
                     result.label_counts = {spec.labels[v]: int(counts[v]) for v in spec.label_values}
+                cropped = cropped_label_voxels(loaded, fit_to) if fit_to is not None else {}
+                if cropped:
+                    result.cropped = describe_cropped(case.case_id, cropped, fit_to)
             results.append(result)
             bar.advance(task)
     return results
+
+
+def convention_doubts(problems: dict[str, str | None], editions: dict[str, str]) -> list[str]:
+    """Warnings for label tables that some cases contradict: when cases read with one table are refused for
+    labels outside it, the folder's labels may follow another convention, and the cases of that table that
+    were accepted (they hold none of the foreign values) may be read with the wrong meaning."""
+    lines = []
+    for key in sorted(set(editions.values())):
+        cases = [case_id for case_id, edition in editions.items() if edition == key]
+        foreign = [case_id for case_id in cases if is_foreign_labels(problems.get(case_id))]
+        accepted = [case_id for case_id in cases if problems.get(case_id) is None]
+        if foreign and accepted:
+            lines.append(
+                f"{len(foreign)} of {len(cases)} cases read with the {key} table (e.g. {foreign[0]}) hold labels "
+                f"outside it: the folder's labels may follow another convention (nnU-Net's BraTS 2021 conversion "
+                f"renumbers them), so the {len(accepted)} accepted (e.g. {accepted[0]}) may be mislabelled; keep "
+                "the dataset.json of an nnU-Net or Decathlon folder next to imagesTr/, or set data.challenge / "
+                "data.edition")
+    return lines

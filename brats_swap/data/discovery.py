@@ -19,6 +19,11 @@ Each case gets one key of the label-convention table (`brats_swap.data.challenge
 4. else (e.g. the TCIA release's `TCGA-02-0006`) the suffix family: a `gtv` file means men-rt, 2023-style
    suffixes gli, the older ones 2017 (all of 2017-2021 share one label table).
 
+A folder with a `dataset.json` next to `imagesTr/` (nnU-Net's raw layout, the Decathlon's Task01) is read by
+`brats_swap.data.layouts` instead: rules 1-3 still choose each case's table (nnU-Net's conversions keep the
+BraTS case ids), else the channel names do (2023+ spellings: gli, else 2017); the label values of its files
+are read by the meaning the dataset.json gives them (`Case.label_map`), never by which values occur.
+
 GLI pre-operative and post-treatment scans share their names; a pre-op case whose segmentation holds the
 resection cavity label 4 is refused by `load_case` with a message that names `data.challenge=gli-post`.
 """
@@ -37,6 +42,7 @@ from brats_swap.data.challenges import (
     get_challenge,
 )
 from brats_swap.data.editions import EDITIONS
+from brats_swap.data.layouts import Layout, LayoutCase, find_layout
 from brats_swap.errors import DataError
 
 NIFTI_EXTENSIONS = (".nii.gz", ".nii")
@@ -52,6 +58,11 @@ class Case:
     images: dict[str, Path]  # canonical modality -> file; a missing modality is simply absent
     seg: Path | None  # None for validation/test cases that ship without labels
     ignored: list[Path] = field(default_factory=list)  # files of this case that no role claims
+    # A dataset.json layout (brats_swap.data.layouts): the dataset.json, the index of each modality in a 4D
+    # image (the Decathlon's), and file label value -> table value (None: a class the table lacks).
+    description: Path | None = None
+    channels: dict[str, int] = field(default_factory=dict)
+    label_map: dict[int, int | None] | None = None
 
     @property
     def files(self) -> dict[str, Path]:
@@ -61,8 +72,16 @@ class Case:
             roles[SEG] = self.seg
         return roles
 
+    @property
+    def relabelled(self) -> bool:
+        """Whether its label files hold values other than the table's (a dataset.json that renumbers them):
+        read them with `load_case` / `to_table_values`, never as they are."""
+        return self.label_map is not None and any(v is not None and k != v for k, v in self.label_map.items())
+
     def expected_name(self, role: str) -> str:
         """The file name this case's convention uses for `role` (a canonical modality or "seg")."""
+        if self.description is not None:
+            return f"a {role} channel declared in {self.description}"
         spec = get_challenge(self.edition)
         suffix = spec.seg_suffix if role == SEG else spec.modality_suffixes.get(role, role)
         return f"{self.case_id}{spec.separator}{suffix}.nii.gz"
@@ -90,6 +109,9 @@ def discover_cases(
     if unknown:
         raise DataError(f"unknown modality {unknown[0]!r} (known: {', '.join(CANONICAL_MODALITIES)})")
 
+    layout = find_layout(folder)
+    if layout is not None:
+        return [_layout_case(entry, layout, edition, challenge) for entry in layout.cases]
     nifti_files = _walk_nifti(folder)
     if not nifti_files:
         raise DataError(f"{folder}: empty folder (no .nii or .nii.gz files)")
@@ -115,6 +137,17 @@ def discover_cases(
         case_edition = resolve_convention(case_id, grouped[case_id], edition, challenge)
         cases.append(_assemble_case(case_id, case_edition, grouped[case_id], tuple(modalities)))
     return cases
+
+
+def _layout_case(entry: LayoutCase, layout: Layout, edition: str, challenge: str) -> Case:
+    """A case of a dataset.json layout: its table from the forced keys or its id (rule 1-3 above), else from
+    the channel names (2023+ spellings: gli, else 2017); its label values read by dataset.json's meaning."""
+    key = resolve_convention(entry.case_id, None, edition, challenge)
+    if challenge == "auto" and edition == "auto" and challenge_of_case_id(entry.case_id) is None:
+        key = "gli" if layout.modern_names else "2017"
+    return Case(case_id=entry.case_id, edition=key, images=dict(entry.images), seg=entry.seg,
+                description=layout.description, channels=dict(entry.channels),
+                label_map=layout.label_map(get_challenge(key)))
 
 
 def check_forced_convention(edition: str, challenge: str) -> None:

@@ -12,7 +12,9 @@ so a flipped bit in the compressed stream would decode silently to different vox
 `DataError` ("damaged gzip data") and the file is never used.
 
 Labels. A segmentation may hold only the values of its case's table (`brats_swap.data.challenges`);
-anything else is refused with the values, the table checked and the config keys that choose another.
+anything else is refused with the values, the table checked and the config keys that choose another. A
+case of a dataset.json layout is first renumbered from its dataset's values (`Case.label_map`). A 4D image
+is read only where the dataset.json says a case is one (the Decathlon's), and split into its channels.
 
 Every problem is a `DataError` whose one-line message names the case, the file and what is wrong.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -84,9 +87,16 @@ def load_case(case: Case, modalities: tuple[str, ...] | list[str] = CANONICAL_MO
     channels = []
     reference_path = case.images[modalities[0]]
     affine = header = None
+    four_d: dict[Path, tuple[np.ndarray, np.ndarray, nib.Nifti1Header]] = {}  # a 4D file is read once
     for modality in modalities:
         path = case.images[modality]
-        volume, volume_affine, volume_header = read_volume(case.case_id, path)
+        if modality in case.channels:
+            if path not in four_d:
+                four_d[path] = read_volume(case.case_id, path, channels=len(set(case.channels.values())))
+            stacked, volume_affine, volume_header = four_d[path]
+            volume = stacked[..., case.channels[modality]]
+        else:
+            volume, volume_affine, volume_header = read_volume(case.case_id, path)
         if affine is None:
             affine, header, shape = volume_affine, volume_header, volume.shape
         else:
@@ -104,7 +114,10 @@ def load_case(case: Case, modalities: tuple[str, ...] | list[str] = CANONICAL_MO
                 f"case {case.case_id}: file {case.seg.name}: segmentation shape {_fmt(raw.shape)} differs from "
                 f"{reference_path.name} {_fmt(shape)}"
             )
-        seg = labels_as_uint8(f"case {case.case_id}: file {case.seg.name}", raw, spec, case.case_id)
+        where = f"case {case.case_id}: file {case.seg.name}"
+        if case.label_map is not None:
+            raw = to_table_values(where, raw, case.label_map, spec, case.description)
+        seg = labels_as_uint8(where, raw, spec, case.case_id)
         difference = float(np.abs(seg_affine - affine).max())
         if difference > AFFINE_TOLERANCE:
             # Some releases write the truth with another origin (Ellis copied the image's origin onto it);
@@ -114,8 +127,11 @@ def load_case(case: Case, modalities: tuple[str, ...] | list[str] = CANONICAL_MO
     return LoadedCase(case.case_id, case.edition, image, seg, affine, header, modalities, warnings)
 
 
-def read_volume(case_id: str, path: Path, as_float: bool = True) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
+def read_volume(case_id: str, path: Path, as_float: bool = True,
+                channels: int | None = None) -> tuple[np.ndarray, np.ndarray, nib.Nifti1Header]:
     """One 3D volume (float32, or the stored dtype), its affine and header; DataError if unusable.
+    With `channels`, a 4D image of that many channels (X, Y, Z, C), as the Decathlon stores a case; a 4D
+    image is refused everywhere else.
 
     The file is read once; a `.nii.gz` must pass `gunzip_checked` (CRC-32 and length) before any voxel is
     looked at."""
@@ -132,7 +148,11 @@ def read_volume(case_id: str, path: Path, as_float: bool = True) -> tuple[np.nda
     shape = img.shape
     if len(shape) > 3 and all(s == 1 for s in shape[3:]):
         shape = shape[:3]
-    if len(shape) != 3:
+    if channels is not None:
+        if len(shape) != 4 or shape[3] != channels:
+            raise DataError(f"{where}: image of shape {_fmt(img.shape)}, expected a 4D image of {channels} "
+                            "channels (the dataset.json's channels)")
+    elif len(shape) != 3:
         raise DataError(f"{where}: {len(img.shape)}D image of shape {_fmt(img.shape)}, expected one 3D volume")
     _check_declared_size(where, len(payload), img)
     if np.issubdtype(img.get_data_dtype(), np.complexfloating):
@@ -268,11 +288,50 @@ def labels_as_uint8(where: str, raw: np.ndarray, spec: ChallengeSpec, case_id: s
     return raw.astype(np.uint8)
 
 
+def to_table_values(where: str, raw: np.ndarray, label_map: dict[int, int | None], spec: ChallengeSpec,
+                    description: Path | None) -> np.ndarray:
+    """A segmentation in a dataset's own label values -> uint8 in `spec`'s table values (`label_map`, from
+    its dataset.json); DataError for a value the dataset.json does not declare or whose class the table lacks."""
+    if np.issubdtype(raw.dtype, np.floating) and not (np.isfinite(raw).all() and np.array_equal(raw, np.round(raw))):
+        raise DataError(f"{where}: non-integer or non-finite values in the segmentation")
+    values = [int(v) for v in np.unique(raw).tolist() if v != 0]
+    source = description.name if description is not None else "the dataset's labels"
+    undeclared = [v for v in values if v not in label_map]
+    if undeclared:
+        raise DataError(f"{where}: label {undeclared[0]} is not declared in the labels of {source}")
+    absent = [v for v in values if label_map[v] is None]
+    if absent:
+        raise DataError(f"{where}: label {absent[0]} of {source} names a class the {spec.key} table lacks "
+                        f"({spec.describe_labels()}); set data.challenge to the challenge with that class")
+    lookup = np.zeros(max([*values, 0]) + 1, dtype=np.uint8)
+    for value in values:
+        lookup[value] = label_map[value]
+    return lookup[np.asarray(raw).astype(np.int64)]
+
+
+def from_table_values(label: np.ndarray, label_map: dict[int, int | None] | None) -> np.ndarray:
+    """A label map in table values back in a dataset's own values (the smallest file value of each class);
+    unchanged without a map."""
+    if label_map is None:
+        return label
+    lookup = np.arange(256, dtype=np.uint8)
+    for file_value, table_value in sorted(label_map.items(), reverse=True):
+        if table_value is not None:
+            lookup[table_value] = file_value
+    return lookup[np.asarray(label).astype(np.uint8)]
+
+
+def is_foreign_labels(problem: str | None) -> bool:
+    """Whether a case's one-line problem is `labels_as_uint8`'s refusal of values outside its table."""
+    return problem is not None and re.search(r": labels \{[\d, ]+\} not in the ", problem) is not None
+
+
 def _other_tables_hint(spec: ChallengeSpec, unexpected: list[int], case_id: str) -> str:
     """Which key forces another table, and which challenges' tables hold the unexpected values (the one
     whose case ids look like this case's first)."""
     if spec.legacy:
-        return "set data.edition or data.challenge to check it against another table"
+        return ("if the folder's labels were renumbered (as nnU-Net's BraTS conversion does), keep its dataset.json "
+                "next to imagesTr/ so they are read by their meaning, or set data.edition or data.challenge")
     fitting = [key for key in MODERN_CHALLENGES if set(unexpected) <= set(get_challenge(key).labels)]
     fitting.sort(key=lambda key: not get_challenge(key).matches(case_id))
     suggestion = f"set data.challenge={fitting[0]}" if fitting else "set data.challenge"
@@ -288,5 +347,5 @@ def _short(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:160] or type(exc).__name__
 
 
-__all__ = ["AFFINE_TOLERANCE", "SEG", "LoadedCase", "gunzip_checked", "labels_as_uint8", "load_case", "read_volume",
-           "save_label_nifti", "save_nifti"]
+__all__ = ["AFFINE_TOLERANCE", "SEG", "LoadedCase", "from_table_values", "gunzip_checked", "labels_as_uint8",
+           "load_case", "read_volume", "save_label_nifti", "save_nifti", "to_table_values"]

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from brats_swap.data.challenges import get_challenge
 from brats_swap.data.nifti import LoadedCase
 from brats_swap.errors import DataError
 
@@ -87,6 +88,8 @@ def preprocess_case(loaded: LoadedCase, settings: dict[str, Any]) -> tuple[np.nd
         image_cube = pad_crop(normalized, cube, offsets)
         label_cube = pad_crop(label_box, cube, offsets) if label_box is not None else None
         cube_spacing = list(loaded.spacing)
+    cropped = cropped_label_voxels(loaded, settings) if label_box is not None else {}
+    warnings = [*loaded.warnings, *([describe_cropped(loaded.case_id, cropped, settings)] if cropped else [])]
 
     meta = {
         "case_id": loaded.case_id,
@@ -105,10 +108,36 @@ def preprocess_case(loaded: LoadedCase, settings: dict[str, Any]) -> tuple[np.nd
         "normalization": stats,
         "has_label": label_cube is not None,
         "label_counts": _label_counts(loaded.seg) if loaded.seg is not None else None,
+        "cropped_labels": cropped,  # label abbreviation -> tumour voxels that fitting to the cube removed
         "settings": settings,
-        "warnings": list(loaded.warnings),
+        "warnings": warnings,
     }
     return image_cube.astype(settings["cache_dtype"], copy=False), label_cube, meta
+
+
+def cropped_label_voxels(loaded: LoadedCase, settings: dict[str, Any]) -> dict[str, int]:
+    """Label abbreviation -> voxels of that label that fitting the case to the cube removes: those of the
+    box that `pad_crop` cuts off (`resample` keeps the whole box); {} when nothing is lost."""
+    if loaded.seg is None or settings["fit"] != "pad_crop":
+        return {}
+    bbox = foreground_bbox(loaded.image, loaded.seg, margin=BBOX_MARGIN)
+    if bbox is None:
+        return {}
+    box = loaded.seg[bbox_slices(bbox)]
+    cube = tuple(int(s) for s in settings["cube"])
+    kept, _ = _overlap(box.shape, cube, pad_crop_offsets(box.shape, cube))
+    before, after = np.bincount(box.ravel(), minlength=256), np.bincount(box[kept].ravel(), minlength=256)
+    labels = get_challenge(loaded.edition).labels
+    return {labels.get(value, str(value)): int(before[value] - after[value])
+            for value in range(1, 256) if before[value] > after[value]}
+
+
+def describe_cropped(case_id: str, cropped: dict[str, int], settings: dict[str, Any]) -> str:
+    """The one-line warning for tumour voxels lost to `pad_crop`, with the settings that keep them."""
+    lost = ", ".join(f"{name} {count}" for name, count in cropped.items())
+    cube = "x".join(str(int(s)) for s in settings["cube"])
+    return (f"case {case_id}: fitting to the cube {cube} (pad_crop) removes tumour voxels: {lost} "
+            "(set a larger data.cube, or data.fit=resample)")
 
 
 def foreground_bbox(image: np.ndarray, seg: np.ndarray | None = None, margin: int = BBOX_MARGIN):

@@ -38,7 +38,7 @@ from brats_swap.data.cache import load_prepared
 from brats_swap.data.challenges import MODERN_CHALLENGES, evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.editions import get_edition
-from brats_swap.data.nifti import read_volume, save_label_nifti
+from brats_swap.data.nifti import from_table_values, read_volume, save_label_nifti, to_table_values
 from brats_swap.data.preprocess import header_from_meta, probabilities_to_original_grid
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.failures import CaseFailures
@@ -106,9 +106,13 @@ class _Scores:
                                     notes=notes)
 
 
-def _read_label(case_id: str, path: Path, edition: str) -> tuple[np.ndarray, np.ndarray, object]:
-    """A label NIfTI as uint8, checked against the edition's label values."""
+def _read_label(case_id: str, path: Path, edition: str, case=None) -> tuple[np.ndarray, np.ndarray, object]:
+    """A label NIfTI as uint8, checked against the edition's label values; a ground truth of a dataset.json
+    layout (`case.label_map`) is first read in the table's values."""
     data, affine, header = read_volume(case_id, path, as_float=False)
+    if case is not None and case.label_map is not None:
+        data = to_table_values(f"case {case_id}: file {path.name}", data, case.label_map, get_edition(edition),
+                               case.description)
     values = np.unique(data)
     allowed = {0, *get_edition(edition).label_values}
     unknown = [v for v in values.tolist() if v not in allowed]
@@ -164,7 +168,7 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
         task = bar.add_task(f"evaluate fold {fold}", total=len(val_ids))
         for case_id in val_ids:
             with failed.case(case_id):
-                _evaluate_cached_case(case_id, cases[case_id].seg, (model, predict_config, device), config,
+                _evaluate_cached_case(case_id, cases[case_id], (model, predict_config, device), config,
                                       folder, scores, tta)
             bar.advance(task)
     title = (f"{config.name} fold {fold} ({checkpoint} checkpoint, {config.evaluate.grid} grid"
@@ -177,14 +181,15 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
     return summary
 
 
-def _evaluate_cached_case(case_id: str, seg: Path, predictor: tuple, config: Config, folder, scores: _Scores,
+def _evaluate_cached_case(case_id: str, case, predictor: tuple, config: Config, folder, scores: _Scores,
                           tta: bool) -> None:
     """One validation case of `evaluate_fold`: segment it from the cache, save and score the prediction."""
     model, predict_config, device = predictor
     prepared = load_prepared(Path(config.data.cache), case_id, mmap=True)
     edition = prepared.meta["edition"]
     probs, prediction = _segment(model, prepared.image, prepared.meta, edition, predict_config, device, tta, case_id)
-    truth, truth_affine, truth_header = _read_label(case_id, seg, edition)
+    seg = case.seg
+    truth, truth_affine, truth_header = _read_label(case_id, seg, edition, case)
     # The prediction takes the image's grid (affine and header of the first modality, as prepared).
     if prediction.shape != truth.shape:
         raise DataError(f"case {case_id}: prediction mapped back to {prediction.shape} but {seg.name} is {truth.shape}")
@@ -245,8 +250,11 @@ def _name_cases(case_ids: Sequence[str], limit: int = 20) -> str:
 
 def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition: str = "auto",
                          *, challenge: str = "auto", hd95: bool = True, progress: bool = True,
-                         missing: str = "error", failures: CaseFailures | None = None) -> PredictionsReport:
+                         missing: str = "error", failures: CaseFailures | None = None,
+                         dataset_labels: bool = False) -> PredictionsReport:
     """Score `<case id>.nii.gz` segmentations from any tool against the dataset's ground truth.
+    `dataset_labels`: predictions for an nnU-Net or Decathlon folder's cases hold its dataset.json's values
+    (nnU-Net's own predictions do), not the label table's.
 
     `edition` (2017 ... 2021, 2023) and `challenge` (gli, gli-post, met, men, men-rt, ped, ssa, goat) force
     the label table as `data.edition` / `data.challenge` do (default: each case's own, from its id); a
@@ -286,7 +294,7 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
     with _progress(progress) as bar:
         task = bar.add_task("score predictions", total=len(cases))
         for case in cases:
-            _score_prediction_file(case, predictions.get(case.case_id), scores, report.failures)
+            _score_prediction_file(case, predictions.get(case.case_id), scores, report.failures, dataset_labels)
             bar.advance(task)
     notes = ([f"no prediction, scored as empty: {case_id}" for case_id in report.missing]
              + [f"failed: {line}" for line in report.failures.reasons.values()]
@@ -298,15 +306,16 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
     return report
 
 
-def _score_prediction_file(case, path: Path | None, scores: _Scores, failures: CaseFailures) -> None:
+def _score_prediction_file(case, path: Path | None, scores: _Scores, failures: CaseFailures,
+                           dataset_labels: bool = False) -> None:
     """Score one reference case: its prediction file, or an empty prediction when there is none or it is bad.
     An unreadable reference is a failure without a row (there is nothing to score against)."""
     with failures.case(case.case_id):
-        truth, _, truth_header = _read_label(case.case_id, case.seg, case.edition)
+        truth, _, truth_header = _read_label(case.case_id, case.seg, case.edition, case)
         prediction = np.zeros_like(truth)
         if path is not None:
             with failures.case(case.case_id):
-                read, _, _ = _read_label(case.case_id, path, case.edition)
+                read, _, _ = _read_label(case.case_id, path, case.edition, case if dataset_labels else None)
                 if read.shape != truth.shape:
                     raise DataError(f"case {case.case_id}: file {path.name}: shape {read.shape} differs from the "
                                     f"ground truth {truth.shape}")
@@ -418,8 +427,10 @@ def run_predictor(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, c
 
 def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: FoldSelection = ALL_FOLDS,
             checkpoint: str = "best", *, tta: bool = False, probabilities: bool = False, postprocess: bool = True,
-            progress: bool = True, failures: CaseFailures | None = None) -> list[Path]:
+            progress: bool = True, failures: CaseFailures | None = None, dataset_labels: bool = False) -> list[Path]:
     """Segment new cases; returns the written `<out_dir>/<case id>.nii.gz` paths.
+    `dataset_labels`: write the labels of a dataset.json layout's case in that dataset's own values (as
+    nnU-Net writes them) instead of the label table's.
 
     `input_path` is one case folder or a dataset folder; images are preprocessed on the fly with the
     run's data config (crop, normalisation, fit to the cube), no cache is needed. `folds` (`select_folds`):
@@ -434,12 +445,13 @@ def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: F
     such cases end in one DataError naming them after the good cases are written.
     """
     return predict_with(run_predictor(run_dir, folds, checkpoint, postprocess), input_path, out_dir, tta=tta,
-                        probabilities=probabilities, postprocess=postprocess, progress=progress, failures=failures)
+                        probabilities=probabilities, postprocess=postprocess, progress=progress, failures=failures,
+                        dataset_labels=dataset_labels)
 
 
 def predict_with(predictor: Predictor, input_path: Path, out_dir: Path, *, tta: bool = False,
                  probabilities: bool = False, postprocess: bool = True, progress: bool = True,
-                 failures: CaseFailures | None = None) -> list[Path]:
+                 failures: CaseFailures | None = None, dataset_labels: bool = False) -> list[Path]:
     """`predict` with models already loaded (from a run folder, or from a bundle: `brats_swap.ship`)."""
     config, plan = predictor.config, predictor.plan
     cases = discover_cases(input_path, config.data.edition, config.data.modalities, config.data.challenge)
@@ -458,7 +470,7 @@ def predict_with(predictor: Predictor, input_path: Path, out_dir: Path, *, tta: 
             bar.update(task, case=case.case_id)
             with failed.case(case.case_id):
                 written.append(predict_case(case, config, predictor.members, predictor.device, Path(out_dir),
-                                            tta=tta, plan=plan, probabilities=probabilities, say=say))
+                                            tta=tta, plan=plan, probabilities=probabilities, say=say, dataset_labels=dataset_labels))
             bar.advance(task)
     if failures is None and len(failed) > already_failed:
         failed.raise_if_any(f"predict {input_path}", len(cases))
@@ -467,7 +479,7 @@ def predict_with(predictor: Predictor, input_path: Path, out_dir: Path, *, tta: 
 
 def predict_case(case, config: Config, members: list, device: torch.device, out_dir: Path, *, tta: bool,
                   plan: PostprocessingPlan | None, probabilities: bool,
-                  say: Callable[[str], None] | None) -> Path:
+                  say: Callable[[str], None] | None, dataset_labels: bool = False) -> Path:
     """One case of `predict`: its labels (postprocessed) and, on request, its probabilities, written;
     returns the labels' path."""
     from brats_swap.data.nifti import load_case
@@ -484,7 +496,8 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
         if say is not None:
             say(f"{case.case_id}: postprocessing {describe_label_changes(label, processed)}")
         label = processed
-    path = save_label_nifti(label, loaded.affine, out_dir / f"{case.case_id}.nii.gz", header=loaded.header)
+    written = from_table_values(label, case.label_map) if dataset_labels else label
+    path = save_label_nifti(written, loaded.affine, out_dir / f"{case.case_id}.nii.gz", header=loaded.header)
     if probabilities:
         save_probabilities(out_dir / f"{case.case_id}.npz", probs,
                            output_names(loaded.edition, first.model.outputs, first.model.regions), first.model.outputs)

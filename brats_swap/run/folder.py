@@ -5,7 +5,7 @@ Like nnU-Net's output folder, the layout is a contract users script against:
 ```
 <run>/config.yaml  env.json  splits.json  .lock  cv.log  cv_summary.json  cv_summary.md
       postprocessing.json  compare.json  compare.md  figures/*.png
-      fold_<k>/checkpoint_latest.pt  checkpoint_prev.pt  checkpoint_best.pt
+      fold_<k>/checkpoint_latest.pt  checkpoint_prev.pt  checkpoint_best.pt  checkpoint_nnunet.pt
                train.log  tb/  state.json  memory_plan.json  cv_worker.log
                metrics.csv  summary.json  summary.md  dice_boxplot.png  predictions/<case>.nii.gz
                official.csv  official_summary.json      (the official BraTS lesion-wise metrics)
@@ -43,6 +43,7 @@ TRAINING_CURVES = "training_curves.png"
 LATEST = "checkpoint_latest.pt"
 PREVIOUS = "checkpoint_prev.pt"
 BEST = "checkpoint_best.pt"
+IMPORTED = "checkpoint_nnunet.pt"  # weights of an imported nnU-Net fold (`import-nnunet`), where fine-tuning starts
 TRAIN_LOG = "train.log"
 TENSORBOARD_DIR = "tb"
 STATE_FILE = "state.json"
@@ -91,6 +92,10 @@ class FoldFolder:
     @property
     def best(self) -> Path:
         return self.root / BEST
+
+    @property
+    def imported(self) -> Path:
+        return self.root / IMPORTED
 
     @property
     def train_log(self) -> Path:

@@ -76,7 +76,13 @@ from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions
 from brats_swap.progress import progress_bar
-from brats_swap.run.checkpoint import capture_rng_states, load_latest, restore_rng_states, save_checkpoint
+from brats_swap.run.checkpoint import (
+    capture_rng_states,
+    load_checkpoint,
+    load_latest,
+    restore_rng_states,
+    save_checkpoint,
+)
 from brats_swap.run.console import console, warn
 from brats_swap.run.device import (
     amp_dtype,
@@ -399,6 +405,8 @@ class FoldRecipe:
         config, train_cfg, device = self.config, self.config.train, self.device
         seed_everything(config.seed)
         self.model = build_model(config.model, out_channels=self.out_channels).to(device)
+        if train_cfg.init_from and not resumed:
+            self.model.load_state_dict(load_checkpoint(Path(train_cfg.init_from))["model"])
         # The weighted Dice looked up here, when the fold is built: the tests' seam for a faulty loss.
         self.loss = training_loss(train_cfg.loss, self.model, dice=weighted_dice_loss,
                                   distributed=self.ctx.is_distributed)
