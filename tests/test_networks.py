@@ -34,9 +34,9 @@ NETWORKS = {
 }
 POLICIES = ("none", "hybrid", "auto")
 # Every saved tensor of these tiny networks is large enough to swap; 2 epochs of 1 step, validated once on
-# one case (4 folds of the 4 phantoms).
+# one case (4 folds of the 4 phantoms); nnU-Net's augmentation on the device (the same draws under every policy).
 COMMON = ("memory.swap.min_bytes=0", "train.max_epochs=2", "train.steps_per_epoch=1", "train.val_every=2",
-          "cv.folds=4")
+          "cv.folds=4", "train.augment=nnunet")
 
 
 @pytest.fixture(scope="module")
