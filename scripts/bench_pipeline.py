@@ -84,10 +84,10 @@ def nnunet_transforms(patch_size: tuple[int, ...]):
     from batchgeneratorsv2.transforms.spatial.spatial import SpatialTransform
     from batchgeneratorsv2.transforms.utils.compose import ComposeTransforms
     from batchgeneratorsv2.transforms.utils.deep_supervision_downsampling import DownsampleSegForDSTransform
+    from batchgeneratorsv2.transforms.utils.nnunet_masking import MaskImageTransform
     from batchgeneratorsv2.transforms.utils.random import RandomTransform
     from batchgeneratorsv2.transforms.utils.remove_label import RemoveLabelTansform
     from batchgeneratorsv2.transforms.utils.seg_to_regions import ConvertSegmentationToRegionsTransform
-    from batchgeneratorsv2.transforms.utils.nnunet_masking import MaskImageTransform
 
     rotation = (-30.0 / 360 * 2.0 * math.pi, 30.0 / 360 * 2.0 * math.pi)
     regions = [(1, 2, 3), (2, 3), (3,)]  # nnU-Net's Dataset137_BraTS21: whole tumour, tumour core, enhancing

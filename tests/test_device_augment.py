@@ -100,3 +100,27 @@ def test_the_augmentation_buffers_grow_with_the_batch_and_the_enlarged_crop():
     assert plain >= 2 * 32**3 * (4 * 2 + 1)  # at least the float16 batch and its labels as they arrived
     assert augment_buffers("cube48", 4, 4, (32, 32, 32), 4, patch_mode=True) == 2 * plain
     assert augment_buffers("nnunet", 2, 4, (32, 32, 32), 4, patch_mode=True) > plain
+
+
+def test_the_plan_counts_the_augmentation_buffers_before_the_forward_not_on_top_of_its_peak():
+    from brats_swap.config import MemoryConfig, load_config
+    from brats_swap.memory.planner import Planner
+    from brats_swap.model import build_model
+    from brats_swap.train.losses import training_loss
+    from brats_swap.train.planning import augmentation_bytes, plan_for_config, training_input_shape
+
+    config = load_config(None, ["data.cube=[16,16,16]", "model.depth=4", "model.base_filters=2",
+                                "train.augment=nnunet", "train.batch_size=2"])
+    model = build_model(config.model)
+    shape, loss = training_input_shape(config), training_loss(config.train.loss, model)
+    buffers = augmentation_bytes(config)
+    assert buffers == augment_buffers("nnunet", 2, 4, (16, 16, 16), 4, patch_mode=False)
+    plain = Planner(model, shape, loss_fn=loss).memory(MemoryConfig())
+    counted = Planner(model, shape, loss_fn=loss, prelude_bytes=buffers).memory(MemoryConfig())
+    assert counted.peak_bytes == max(plain.peak_bytes, plain.persistent_bytes + buffers)
+    # freed before the forward: a prelude under the step's own peak leaves the peak as it was
+    small = Planner(model, shape, loss_fn=loss, prelude_bytes=1).memory(MemoryConfig())
+    assert small.peak_bytes == plain.peak_bytes
+    report, planner = plan_for_config(config, device="cpu")
+    assert planner.prelude_bytes == buffers and all(p.peak_bytes >= plain.persistent_bytes + buffers
+                                                    for p in report.policies)

@@ -26,7 +26,6 @@ from brats_swap.config.networks import (
 from brats_swap.config.schema import Config, DataConfig, MemoryConfig, ModelConfig
 from brats_swap.errors import ConfigError
 
-
 # Keys that older configs used, with what replaced them (a config that still sets one is told how to move).
 RETIRED_KEYS = {
     "train.monai_augment": "replaced by train.augment: the MONAI set is train.augment: mild (it no longer adds to "

@@ -39,10 +39,10 @@ Nothing fits -> `ConfigError` naming `memory.budget_gib` and the floor.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch

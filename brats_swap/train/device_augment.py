@@ -32,8 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from brats_swap.augment import (
+    OUTSIDE_LABEL,
+    augment_batch,
+    augment_buffer_bytes,
+    draw_sample_augment,
+    enlarged_crop_size,
+)
 from brats_swap.augment import RECIPES as NNUNET_RECIPES
-from brats_swap.augment import OUTSIDE_LABEL, augment_batch, augment_buffer_bytes, draw_sample_augment, enlarged_crop_size
 from brats_swap.data.challenges import get_challenge
 from brats_swap.model.targets import targets_from_labels
 
