@@ -8,6 +8,8 @@ SHELL  := /bin/bash
 QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 # nnU-Net's network library, installed without its dependencies (see the install rule).
 DNA    := dynamic-network-architectures==0.4.4
+# nnU-Net's augmentation library, the reference tests/test_augment_*.py compare brats_swap.augment with.
+BGV2   := batchgeneratorsv2==0.3.6
 # torch's own CPU threads; 2 matches the CI machine.
 export OMP_NUM_THREADS ?= 2
 
@@ -33,6 +35,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# record the torch it must leave in place (tests/test_install.py compares).
 	@$(BIN)/python -c "import torch; print(torch.__version__)" > $(VENV)/torch-version.txt
 	@$(BIN)/pip install --quiet --no-deps "$(DNA)" "einops>=0.7" $(QUIET_PIP)
+	@# batchgeneratorsv2 (tests only) asks for batchgenerators v1, whose own requirements (unittest2,
+	@# scikit-learn, ...) its transforms never import; the two they do import, pandas and scikit-image, are in
+	@# the dev extra.
+	@$(BIN)/pip install --quiet --no-deps "$(BGV2)" $(QUIET_PIP)
 	@touch $@
 
 test: install

@@ -2,6 +2,8 @@
 
 Arrows point one way: `config -> data -> model -> memory -> run -> train | evaluate -> cv -> cli`.
 - `memory/` works on any `nn.Module`: it imports torch, the standard library, `config` and itself only.
+- `augment/` (the device-side augmentation) is a leaf any layer may use (`train` does): it imports torch,
+  numpy, the standard library and itself only.
 - `train/` and `evaluate/` never import each other; what both need lives in `run/`.
 - `data/` knows nothing of the model, training, evaluation or memory; `model/` nothing of training,
   evaluation or memory.
@@ -25,6 +27,8 @@ LONG_FUNCTION_EXCEPTIONS: dict[str, str] = {}
 # Third-party imports memory/ may use besides torch and the standard library: numpy is the simulator's
 # array library (the planner replays traces as arrays), matplotlib is absent on purpose.
 MEMORY_THIRD_PARTY = {"torch", "numpy"}
+# The same for augment/: it works on tensors and draws with numpy.
+AUGMENT_THIRD_PARTY = {"torch", "numpy"}
 
 
 def _modules() -> dict[str, Path]:
@@ -85,22 +89,32 @@ def test_the_parser_sees_the_package():
     assert "brats_swap.memory.engine" in _package_imports("brats_swap.memory")
 
 
-def test_memory_imports_only_config_torch_and_itself():
+def _outside_imports(area: str, package_areas: set[str], third_party: set[str]) -> list[str]:
+    """Imports of `area`'s modules outside the given package areas, third-party packages and the stdlib."""
     import sys
 
     stdlib = set(sys.stdlib_module_names)
     bad = []
     for name, imported in IMPORTS.items():
-        if _area(name) != "memory":
+        if _area(name) != area:
             continue
         for module in imported:
             top = module.split(".")[0]
             if top == "brats_swap":
-                if module in MODULES and _area(module) not in {"memory", "config"}:
+                if module in MODULES and _area(module) not in package_areas:
                     bad.append(f"{name} imports {module}")
-            elif top and top not in stdlib and top not in MEMORY_THIRD_PARTY and top != "__future__":
+            elif top and top not in stdlib and top not in third_party and top != "__future__":
                 bad.append(f"{name} imports {module}")
-    assert bad == []
+    return bad
+
+
+def test_memory_imports_only_config_torch_and_itself():
+    assert _outside_imports("memory", {"memory", "config"}, MEMORY_THIRD_PARTY) == []
+
+
+def test_augment_is_a_leaf_of_torch_numpy_and_the_standard_library():
+    assert any(_area(name) == "augment" for name in MODULES)
+    assert _outside_imports("augment", {"augment"}, AUGMENT_THIRD_PARTY) == []
 
 
 def test_train_and_evaluate_do_not_import_each_other():

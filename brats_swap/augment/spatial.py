@@ -1,0 +1,136 @@
+"""The spatial transform, batched: rotation, scaling and elastic deformation as one sampling grid per sample,
+and one `grid_sample` for every sample of the batch that draws any of them (the others are only cropped).
+
+Semantics are batchgeneratorsv2's `SpatialTransform` with `random_crop=False` (nnU-Net's setting): the patch
+is centred on the input, the grid is the centred identity grid of the patch in voxels, displaced by the
+elastic offsets, then multiplied by the affine `Rz @ Ry @ Rx @ S`; with an elastic deformation the grid's mean
+is moved back to the centre. Images are sampled linearly with zero padding; each label is sampled linearly as
+an indicator and the label with the largest score wins (nnU-Net's `bg_style_seg_sampling=False` path); outside
+the input counts as label 0, as batchgeneratorsv2's zeros padding does for segmentations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from brats_swap.augment.recipes import SampleAugment, _rotation_matrix
+
+# The label that fills space outside the input (batchgeneratorsv2's border_mode_seg="zeros").
+PAD_LABEL = 0
+
+
+def affine_matrix(rotation: Sequence[float], scaling: Sequence[float]) -> torch.Tensor:
+    """batchgeneratorsv2's create_affine_matrix_3d: Rz @ Ry @ Rx @ diag(scaling), float64."""
+    rx, ry, rz = (torch.from_numpy(_rotation_matrix(a, axis)) for axis, a in enumerate(rotation))
+    return rz @ ry @ rx @ torch.diag(torch.tensor(list(scaling), dtype=torch.float64))
+
+
+def centred_grid(patch_size: Sequence[int], device: torch.device) -> torch.Tensor:
+    """(X, Y, Z, 3) voxel coordinates of the patch relative to its centre."""
+    axes = [torch.linspace((1 - s) / 2, (s - 1) / 2, s, device=device) for s in patch_size]
+    return torch.stack(torch.meshgrid(axes, indexing="ij"), -1)
+
+
+def _gaussian_transfer(size: int, sigma: float, device: torch.device) -> torch.Tensor:
+    # scipy.ndimage.fourier_gaussian's factor per frequency index k: exp(-2 pi^2 sigma^2 k^2 / n^2).
+    k = torch.fft.fftfreq(size, device=device, dtype=torch.float64)
+    return torch.exp(-2.0 * math.pi**2 * sigma**2 * k**2)
+
+
+def elastic_offsets(noise: torch.Tensor, sigmas: Sequence[float], magnitudes: Sequence[float]) -> torch.Tensor:
+    """The displacement field from standard normal `noise` (3, X, Y, Z): each axis's component smoothed with
+    a Gaussian of `sigmas[d]` voxels in the Fourier domain and scaled so its largest |value| is
+    `magnitudes[d]` voxels (batchgeneratorsv2's elastic branch). Returns (X, Y, Z, 3)."""
+    out = torch.empty_like(noise)
+    for d in range(3):
+        spectrum = torch.fft.fftn(noise[d].double())
+        for axis, size in enumerate(noise.shape[1:]):
+            shape = [1, 1, 1]
+            shape[axis] = size
+            spectrum = spectrum * _gaussian_transfer(size, sigmas[d], noise.device).view(shape)
+        smooth = torch.fft.ifftn(spectrum).real.to(noise.dtype)
+        largest = smooth.abs().max()
+        out[d] = smooth / (largest / max(magnitudes[d], 1e-8))
+    return out.permute(1, 2, 3, 0)
+
+
+def elastic_noise(seed: int, patch_size: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The standard normal field an elastic deformation smooths, drawn from the sample's seed."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn((3, *patch_size), generator=generator, device=device)
+
+
+# Offsets of the seeds of a sample's random fields, so each field has a stream of its own.
+NOISE_SEED_OFFSET = 1
+ELASTIC_SEED_OFFSET = 2
+
+
+def _field_seed(seed: int, offset: int) -> int:
+    return (seed + offset) % (2**63 - 1)
+
+
+def sampling_grid(params: Sequence[SampleAugment], patch_size: Sequence[int], input_size: Sequence[int],
+                  device: torch.device) -> torch.Tensor:
+    """(n, X, Y, Z, 3) grid_sample grid (align_corners=False) of the given samples, centred on the input."""
+    base = centred_grid(patch_size, device)
+    grids = []
+    for p in params:
+        grid = base
+        elastic = any(m != 0.0 for m in p.elastic_magnitudes)
+        if elastic:
+            noise = elastic_noise(_field_seed(p.seed, ELASTIC_SEED_OFFSET), patch_size, device)
+            grid = grid + elastic_offsets(noise, p.elastic_sigmas, p.elastic_magnitudes)
+        # Grid points are row vectors: multiplying by A^T applies A to each of them.
+        grid = grid @ affine_matrix(p.rotation, p.scaling).T.to(device=device, dtype=grid.dtype)
+        if elastic:
+            grid = grid - grid.mean(dim=(0, 1, 2))
+        grids.append(grid)
+    grid = torch.stack(grids)
+    half = torch.tensor([s / 2 for s in input_size], device=device, dtype=grid.dtype)
+    # grid_sample reads the last coordinate as the first spatial axis.
+    return (grid / half).flip(-1)
+
+
+def centre_crop(volume: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
+    """batchgeneratorsv2's crop_tensor at the input's centre (floor of half the size), padding with zeros
+    where the patch is larger than the input; `volume` is (..., X, Y, Z)."""
+    spatial = volume.shape[-3:]
+    slices, pads = [], []
+    for size, patch in zip(spatial, patch_size, strict=True):
+        start = size // 2 - patch // 2
+        lo, hi = max(start, 0), min(start + patch, size)
+        slices.append(slice(lo, hi))
+        pads.append((lo - start, patch - (hi - start)))
+    cropped = volume[(..., *slices)]
+    if any(a or b for a, b in pads):
+        cropped = F.pad(cropped, [v for pair in reversed(pads) for v in pair])
+    return cropped
+
+
+def resample(images: torch.Tensor, labels: torch.Tensor, chosen: Sequence[int], grid: torch.Tensor,
+             label_values: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample images (B, C, ...) and labels (B, ...) of the `chosen` samples at `grid` in one grid_sample.
+
+    Each label other than the padding label is sampled as a linear indicator next to the image channels,
+    in one stacked input built sample by sample (no second copy of the images); the padding label's score is
+    one minus the others' (grid_sample is linear and the indicators partition the padded volume, so that
+    equals sampling its indicator padded with ones). The highest score wins, the first label on a tie.
+    """
+    channels = images.shape[1]
+    others = [v for v in label_values if v != PAD_LABEL]
+    stacked = images.new_empty((len(chosen), channels + len(others), *images.shape[2:]))
+    for i, b in enumerate(chosen):
+        stacked[i, :channels] = images[b]
+        for j, value in enumerate(others):
+            torch.eq(labels[b], value, out=stacked[i, channels + j])
+    sampled = F.grid_sample(stacked, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    del stacked
+    scores = sampled[:, channels:]
+    pad_score = 1.0 - scores.sum(1, keepdim=True)
+    ordered = torch.tensor([PAD_LABEL, *others], device=labels.device, dtype=labels.dtype)
+    winner = torch.cat([pad_score, scores], 1).argmax(1)
+    return sampled[:, :channels], ordered[winner]
