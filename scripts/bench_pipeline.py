@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
@@ -44,7 +45,7 @@ from brats_swap.config import DataConfig, load_config
 from brats_swap.data.cache import list_prepared, load_prepared, prepare_dataset
 from brats_swap.data.phantom import synthesize_dataset
 from brats_swap.model import build_model
-from brats_swap.train.data import CubeDataset, SampleKey, collate_samples
+from brats_swap.train.data import CubeDataset, SampleKey, collate_samples, enlarged_window
 from brats_swap.train.losses import training_loss
 
 CUBE = (192, 192, 192)
@@ -73,7 +74,6 @@ def nnunet_transforms(patch_size: tuple[int, ...]):
     mirroring of the three axes, deep supervision at ResEnc L's scales), built from batchgeneratorsv2."""
     import math
 
-    from batchgeneratorsv2.helpers.scalar_type import RandomScalar  # noqa: F401 - the library's typing helper
     from batchgeneratorsv2.transforms.intensity.brightness import MultiplicativeBrightnessTransform
     from batchgeneratorsv2.transforms.intensity.contrast import BGContrast, ContrastTransform
     from batchgeneratorsv2.transforms.intensity.gamma import GammaTransform
@@ -131,11 +131,10 @@ def batchgenerators_seconds(cache: Path, size: tuple[int, ...], repeats: int) ->
     times = []
     for case_id in list_prepared(cache):
         prepared = load_prepared(cache, case_id, mmap=True)
-        corner = [(c - r) // 2 for c, r in zip(CUBE, read, strict=True)]
-        from brats_swap.train.data import read_window
-
-        image = torch.from_numpy(read_window(prepared.image, corner, read).astype(np.float32))
-        label = torch.from_numpy(read_window(prepared.label, corner, read).astype(np.int16))[None]
+        start = [(c - p) // 2 for c, p in zip(CUBE, size, strict=True)]  # the centre patch, its enlarged crop
+        window, pad = enlarged_window(start, size, read, CUBE)
+        image = F.pad(torch.from_numpy(np.array(prepared.image[(slice(None), *window)], dtype=np.float32)), pad)
+        label = F.pad(torch.from_numpy(np.array(prepared.label[window], dtype=np.int16)), pad)[None]
         label[:, (image == 0).all(dim=0)] = -1  # nnU-Net's loader marks the outside of the brain
         # BraTS 2021 labels 1, 2, 4 as nnU-Net's conversion numbers them (2 edema, 1 necrosis, 3 enhancing)
         label = torch.where(label == 4, 3, torch.where(label == 1, 2, torch.where(label == 2, 1, label)))

@@ -31,7 +31,8 @@ def loader_batch(recipe: str, size=SIZE, batch: int = 2, seed: int = 0) -> dict:
     images = rng.normal(size=(batch, 4, *size)).astype(np.float16) * brain
     labels = rng.choice(np.array([0, 1, 2, 4], np.uint8), size=(batch, *size)) * brain
     draws = [draw_params(recipe, rng, size, 4) for _ in range(batch)]
-    return {"image": torch.from_numpy(images), "label": torch.from_numpy(labels.astype(np.uint8)), "augment": draws}
+    return {"image": torch.from_numpy(images), "label": torch.from_numpy(labels.astype(np.uint8)), "augment": draws,
+            "pad": [None] * batch}
 
 
 def batches(recipe: str, outputs: str = "labels") -> DeviceBatches:

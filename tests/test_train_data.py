@@ -14,10 +14,10 @@ from brats_swap.train.data import (
     SampleKey,
     class_patch_start,
     collate_samples,
+    enlarged_window,
     loader_worker_count,
     nnunet_forced_foreground,
     random_patch_start,
-    read_window,
 )
 from brats_swap.train.device_augment import CUBE_SYMMETRIES, CubeSymmetry, allowed_symmetries, apply_symmetry
 
@@ -75,12 +75,25 @@ def test_nnunet_forces_foreground_in_the_last_third_of_every_batch():
     assert all(0 <= s <= 8 for s in class_patch_start(empty.shape, (8, 8, 8), empty, rng))
 
 
-def test_an_enlarged_crop_reads_around_the_patch_with_zeros_outside():
-    array = np.arange(2 * 6 * 6 * 6, dtype=np.float16).reshape(2, 6, 6, 6) + 1
-    window = read_window(array, (-2, 1, 3), (5, 4, 5))
-    assert window.shape == (2, 5, 4, 5) and window.dtype == np.float16
-    np.testing.assert_array_equal(window[:, 2:, :, :3], array[:, 0:3, 1:5, 3:6])
-    assert not window[:, :2].any() and not window[:, :, :, 3:].any()
+def test_an_enlarged_crop_is_read_inside_the_volume_and_restored_on_the_device():
+    """The worker reads at most the volume (a view of the memory map); the device pads it to the window
+    centred on the patch, zeros outside the volume, as reading that window with zero padding would give."""
+    from brats_swap.train.device_augment import restore_windows
+
+    array = torch.arange(1, 1 + 2 * 12 * 10 * 8, dtype=torch.float32).reshape(2, 12, 10, 8)
+    for start, patch, read in [((0, 3, 1), (4, 4, 4), (8, 14, 6)), ((8, 0, 4), (4, 6, 4), (7, 9, 9)),
+                               ((2, 2, 2), (4, 4, 4), (6, 6, 6))]:
+        window, pad = enlarged_window(start, patch, read, array.shape[1:])
+        block = array[(slice(None), *window)]
+        assert all(b <= d for b, d in zip(block.shape[1:], array.shape[1:], strict=True))
+        restored, _ = restore_windows(block[None], block[0][None].long(), [pad])
+        expected = torch.zeros((2, *read))
+        corner = [s - (r - p) // 2 for s, r, p in zip(start, read, patch, strict=True)]
+        for index in np.ndindex(*read):
+            source = [c + i for c, i in zip(corner, index, strict=True)]
+            if all(0 <= v < d for v, d in zip(source, array.shape[1:], strict=True)):
+                expected[(slice(None), *index)] = array[(slice(None), *source)]
+        assert torch.equal(restored[0], expected), (start, patch, read)
 
 
 def test_auto_loader_workers_follow_the_affinity_and_the_ranks_on_the_host(monkeypatch):
@@ -118,12 +131,12 @@ def test_samples_depend_only_on_their_key_not_on_workers(data):
     dataset = CubeDataset(cache, ids, crop=(16, 16, 16), patches_per_case=2, augment="cube48", seed=7)
     key = SampleKey(epoch=2, position=3, index=5)
     first, again = dataset[key], dataset[key]
-    assert torch.equal(first["image"], again["image"]) and first["augment"] == again["augment"]
-    assert torch.equal(first["label"], again["label"]) and first["case_id"] == ids[5 // 2]
+    assert np.array_equal(first["image"], again["image"]) and first["augment"] == again["augment"]
+    assert np.array_equal(first["label"], again["label"]) and first["case_id"] == ids[5 // 2]
     # the workers only read and crop: the cache's float16 and uint8 labels, the draw travels beside them
-    assert first["image"].shape == (4, 16, 16, 16) and first["image"].dtype == torch.float16
-    assert first["label"].dtype == torch.uint8 and isinstance(first["augment"], CubeSymmetry)
-    draws = {(dataset[SampleKey(epoch, 3, 5)]["augment"], dataset[SampleKey(epoch, 3, 5)]["image"].sum().item())
+    assert first["image"].shape == (4, 16, 16, 16) and first["image"].dtype == np.float16
+    assert first["label"].dtype == np.uint8 and isinstance(first["augment"], CubeSymmetry)
+    draws = {(dataset[SampleKey(epoch, 3, 5)]["augment"], float(dataset[SampleKey(epoch, 3, 5)]["image"].sum()))
              for epoch in range(8)}
     assert len(draws) > 4  # the patch and the symmetry change with the key
 

@@ -74,18 +74,23 @@ def class_patch_start(shape: Sequence[int], patch: Sequence[int], label: np.ndar
     return random_patch_start(shape, patch, None, rng, 0.0)
 
 
-def read_window(array: np.ndarray, start: Sequence[int], size: Sequence[int]) -> np.ndarray:
-    """`array[..., start : start + size]` over the last three axes, zero where the window leaves the array
-    (an enlarged crop around a patch near the border); a copy, in the array's dtype."""
-    lead = array.shape[:-3]
-    out = np.zeros((*lead, *size), dtype=array.dtype)
-    src, dst = [], []
-    for s, n, dim in zip(start, size, array.shape[-3:], strict=True):
-        lo, hi = max(s, 0), min(s + n, dim)
-        src.append(slice(lo, max(hi, lo)))
-        dst.append(slice(lo - s, lo - s + max(hi - lo, 0)))
-    out[(..., *dst)] = array[(..., *src)]
-    return out
+def enlarged_window(start: Sequence[int], patch: Sequence[int], read: Sequence[int], shape: Sequence[int]
+                    ) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """What a worker reads for the `read`-sized window centred on the patch at `start`, and how the device
+    restores that window from it: the slices (a window of at most the volume per axis, moved inside it, so
+    the read is a view of the memory map and no padding travels) and the `torch.nn.functional.pad` widths
+    (last axis first; negative widths crop) that turn the read block into the centred window, zeros outside.
+
+    nnU-Net's enlarged crop of a 160x192x160 patch is 275x289x257, larger than a 192³ cube: read whole, the
+    padding would be 2.9 times the data."""
+    slices, widths = [], []
+    for s, p, r, dim in zip(start, patch, read, shape, strict=True):
+        window = s - (r - p) // 2  # the centred window [window, window + r)
+        size = min(r, dim)
+        corner = min(max(window, 0), dim - size)
+        slices.append(slice(corner, corner + size))
+        widths.append((corner - window, window + r - corner - size))
+    return tuple(slices), tuple(w for pair in reversed(widths) for w in pair)
 
 
 def prepare_run_data(data_cfg: DataConfig, *, progress: bool = True) -> PrepareReport:
@@ -150,8 +155,10 @@ class CubeDataset(Dataset):
         batch_size, world_size: the per-rank batch and the ranks, where a sample sits in its batch ("nnunet").
         channels: the image channels (the nnU-Net recipes draw per-channel parameters).
 
-    Items are dicts: `image` in the cache's dtype (float16 by default; C, *crop), `label` uint8 (*crop),
-    `augment` the sample's parameters (None for a plain int key), `case_id` str.
+    Items are dicts: `image` a numpy array in the cache's dtype (float16 by default; C, *crop), `label` uint8
+    (*crop), both views of the memory maps (`collate_samples` reads them), `augment` the sample's parameters
+    (None for a plain int key), `pad` the widths that restore an enlarged crop from what was read (None: the
+    arrays are the sample, `enlarged_window`), `case_id` str.
     """
 
     def __init__(
@@ -185,16 +192,16 @@ class CubeDataset(Dataset):
             raise DataError(f"{self.cache / case_id}: prepared case has no label; it cannot be used for training")
         image, label = prepared.image, prepared.label
         if self.crop is None:
-            # A copy out of the memory map (read-only), in the cache's dtype: converted on the device.
+            # The memory maps themselves, in the cache's dtype: `collate_samples` copies them once into the
+            # batch (in the worker), the device converts them.
             params = draw_params(self.augment, rng, label.shape, self.channels) if rng is not None else None
-            return {"image": torch.from_numpy(np.array(image)), "label": torch.from_numpy(np.array(label)),
-                    "augment": params, "case_id": case_id}
+            return {"image": image, "label": label, "augment": params, "pad": None, "case_id": case_id}
         start = self.patch_start(key, label, rng)
         read = worker_crop_size(self.augment if rng is not None else "none", self.crop, patch_mode=True)
-        corner = [s - (r - p) // 2 for s, r, p in zip(start, read, self.crop, strict=True)]
+        window, pad = enlarged_window(start, self.crop, read, label.shape)
         params = draw_params(self.augment, rng, self.crop, self.channels) if rng is not None else None
-        return {"image": torch.from_numpy(read_window(image, corner, read)),
-                "label": torch.from_numpy(read_window(label, corner, read)), "augment": params, "case_id": case_id}
+        return {"image": image[(slice(None), *window)], "label": label[window], "augment": params,
+                "pad": pad if any(pad) else None, "case_id": case_id}
 
     def patch_start(self, key: SampleKey | int, label: np.ndarray, rng: np.random.Generator | None
                     ) -> tuple[int, int, int]:
@@ -256,10 +263,13 @@ def seed_worker(worker_id: int) -> None:
 
 
 def collate_samples(samples: list[dict]) -> dict:
+    """One batch of `CubeDataset` items: the arrays copied once out of the memory maps into two tensors
+    (numpy's stack: torch's CPU stack of float16 is several times slower)."""
     return {
-        "image": torch.stack([s["image"] for s in samples]),
-        "label": torch.stack([s["label"] for s in samples]),
+        "image": torch.from_numpy(np.stack([s["image"] for s in samples])),
+        "label": torch.from_numpy(np.stack([s["label"] for s in samples])),
         "augment": [s["augment"] for s in samples],
+        "pad": [s["pad"] for s in samples],
         "case_id": [s["case_id"] for s in samples],
     }
 

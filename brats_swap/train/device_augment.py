@@ -134,6 +134,17 @@ def augment_buffers(recipe: str, batch: int, channels: int, sample_size: Sequenc
     return arrived + batch * voxels * (channels * 4 + 8)
 
 
+def restore_windows(images: torch.Tensor, labels: torch.Tensor, pads: Sequence[tuple[int, ...] | None]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's enlarged crop from the block its worker read (`train.data.enlarged_window`): padded with
+    zeros (outside the volume: outside the brain) or cropped, sample by sample as the widths differ."""
+    import torch.nn.functional as F
+
+    padded = [(F.pad(image, pad), F.pad(label, pad)) if pad is not None else (image, label)
+              for image, label, pad in zip(images, labels, pads, strict=True)]
+    return torch.stack([image for image, _ in padded]), torch.stack([label for _, label in padded])
+
+
 class DeviceBatches:
     """Turns a loader batch (float16 images, uint8 labels, per-sample parameters) into the step's float32
     images and targets on `device`, augmented as `recipe` says."""
@@ -150,6 +161,8 @@ class DeviceBatches:
         """(images float32 (B, C, *sample), targets float32 (B, outputs, *sample)) on the device."""
         images = batch["image"].to(self.device, non_blocking=True).float()
         labels = batch["label"].to(self.device, non_blocking=True).long()
+        if any(pad is not None for pad in batch["pad"]):
+            images, labels = restore_windows(images, labels, batch["pad"])
         images, labels = self.augment(images, labels, batch["augment"])
         targets = targets_from_labels(labels, self.edition, self.outputs, self.regions).float()
         return images, targets
