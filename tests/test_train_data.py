@@ -148,3 +148,18 @@ def test_samples_depend_only_on_their_key_not_on_workers(data):
         batches[workers] = [b for b in loader]
     for a, b in zip(batches[0], batches[2], strict=True):
         assert torch.equal(a["image"], b["image"]) and a["augment"] == b["augment"]
+
+
+def test_two_ranks_never_draw_the_same_augmentation(data):
+    """Each rank loads its own global positions of the epoch, and a sample's draw is a function of its position."""
+    from brats_swap.distributed import DistContext, RankShardSampler
+
+    _, cache = data
+    dataset = CubeDataset(cache, list_prepared(cache), augment="nnunet", seed=7, batch_size=2, world_size=2)
+    draws = {}
+    for rank in (0, 1):
+        ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        sampler = RankShardSampler(EpochSampler(len(dataset), 8, seed=7), ctx)
+        draws[rank] = [dataset[key]["augment"] for key in sampler]
+    assert len(draws[0]) == len(draws[1]) == 4
+    assert not set(draws[0]) & set(draws[1]) and len(set(draws[0])) == 4

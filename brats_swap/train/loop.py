@@ -457,7 +457,8 @@ class FoldRecipe:
                 f" step {self.loop.step_in_epoch}: {len(self.data.train_dataset.case_ids)} train / "
                 f"{len(self.data.val_dataset.case_ids)} val cases, {self.data.steps_per_epoch} steps/epoch, "
                 f"mode {train_cfg.mode} {list(self.sample_shape)}, {n_params:,} parameters, device {self.device}, "
-                f"memory.mode {self.memory_cfg.mode}, amp {train_cfg.amp}")
+                f"memory.mode {self.memory_cfg.mode}, amp {train_cfg.amp}, augment {train_cfg.augment} on the device, "
+                f"{self.data.loader_workers} loader workers")
         if ctx.is_distributed:
             line += f", {ctx.world_size} ranks ({ctx.backend}), global batch {ctx.world_size * train_cfg.batch_size}"
         return line
