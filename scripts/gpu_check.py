@@ -99,15 +99,18 @@ class Sizes:
     augment_cube: int
     augment_steps: int
     augment_phantom: tuple[int, int, int]
+    augment_prepare_workers: int
 
 
 GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128, bitwise_steps=3,
                   peak_cube=192, peak_batches=(1, 2), cap_gib=16.0, time_cube=192, time_steps=3, delay_s=2e-3,
-                  min_bytes=None, emulate_gbs=None, augment_cube=192, augment_steps=8, augment_phantom=(240, 240, 155))
+                  min_bytes=None, emulate_gbs=None, augment_cube=192, augment_steps=8, augment_phantom=(240, 240, 155),
+                  augment_prepare_workers=2)
 DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4, bitwise_cube=16, bitwise_steps=2,
                   peak_cube=16,
                   peak_batches=(1,), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
-                  emulate_gbs=1.0, augment_cube=16, augment_steps=3, augment_phantom=(24, 24, 20))
+                  emulate_gbs=1.0, augment_cube=16, augment_steps=3, augment_phantom=(24, 24, 20),
+                  augment_prepare_workers=1)
 
 
 class Check:
@@ -543,7 +546,9 @@ def stage_augment(check: Check) -> dict:
     with tempfile.TemporaryDirectory(prefix="gpu_check_augment_") as tmp:
         root, cache = Path(tmp) / "raw", Path(tmp) / "cache"
         synthesize_dataset(root, cases=2, seed=0, edition="2021", shape=sizes.augment_phantom)
-        prepare_dataset(root, cache, DataConfig(cube=[cube] * 3, prepare_workers=2), workers=2, progress=False)
+        workers_prepare = sizes.augment_prepare_workers  # the dry run's pool would cost more than its cases
+        prepare_dataset(root, cache, DataConfig(cube=[cube] * 3, prepare_workers=workers_prepare),
+                        workers=workers_prepare, progress=False)
         dataset = CubeDataset(cache, list_prepared(cache), augment="nnunet", batch_size=batch, channels=4)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=EpochSampler(len(dataset), batch * steps, 0),
                                              num_workers=workers, collate_fn=collate_samples,
