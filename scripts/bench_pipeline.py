@@ -228,8 +228,11 @@ def main(argv: list[str] | None = None) -> dict:
     loader_192 = rows[0]["seconds_per_sample_per_core"]
     result = {
         "rows": rows, "augment_over_step": step["ratio"], "augment_over_step_detail": step, "goals": GOALS,
+        # The augment_over_step goal is for 192³ on the training GPU: a smaller size (a CPU run) is reported
+        # beside it, not judged against it.
         "meets_goals": {"loader": loader_192 <= GOALS["loader_seconds_per_sample_per_core_at_192"],
-                        "augment_over_step": step["ratio"] <= GOALS["augment_over_step"]},
+                        "augment_over_step": step["ratio"] <= GOALS["augment_over_step"]
+                        if args.step_size == CUBE[0] and step["device"].startswith("cuda") else None},
         "cases": args.cases, "repeats": args.repeats,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
