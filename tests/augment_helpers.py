@@ -135,7 +135,8 @@ def intensity_fields(name: str, params: dict, channels: int) -> dict:
         return {"blur_sigmas": per_channel(chosen, [tuple(map(float, s)) for s in params["sigmas"]],
                                            (0.0, 0.0, 0.0))}
     if name == "low_resolution":
-        return {name: per_channel(params["apply_to_channel"], params["scales"][:, 0].tolist(), 1.0)}
+        scales = params["scales"][:, 0].tolist() if len(params["apply_to_channel"]) else []
+        return {name: per_channel(params["apply_to_channel"], scales, 1.0)}
     if name == "additive_brightness":
         idx = params["apply_to_channel"]
         return {name: per_channel(idx, params["shift"][idx].tolist(), 0.0)}

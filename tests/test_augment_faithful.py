@@ -25,7 +25,7 @@ from batchgeneratorsv2.transforms.utils.remove_label import RemoveLabelTransform
 
 from brats_swap.augment import augment_batch
 from brats_swap.augment.recipes import NNUNET, NNUNET_BRATS2020
-from brats_swap.augment.spatial import ELASTIC_SEED_OFFSET, NOISE_SEED_OFFSET, _field_seed
+from brats_swap.augment.spatial import ELASTIC_SEED_OFFSET, NOISE_SEED_OFFSET, field_seed
 
 CHANNELS = 2
 PATCH = (32, 32, 32)
@@ -66,7 +66,7 @@ def _spatial_case(recipe, seed, size=40, **overrides):
                                   **overrides)
     image, _ = volume(CHANNELS, size, seed)
     np.random.seed(seed)
-    torch.manual_seed(_field_seed(seed, ELASTIC_SEED_OFFSET))  # the elastic noise field's stream
+    torch.manual_seed(field_seed(seed, ELASTIC_SEED_OFFSET))  # the elastic noise field's stream
     params = transform.get_parameters(image=image)
     return transform, params, recorded
 
@@ -106,15 +106,29 @@ def test_rotation_and_scaling_match(seed):
     assert not torch.allclose(ours[0], image[:, 4:36, 4:36, 4:36], atol=1e-2)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [3, 5, 6])  # deformation scales 0.17-0.22 of the patch, up to 2.6 voxels
 def test_elastic_deformation_with_per_axis_scaling_matches(seed):
     transform, params, recorded = _spatial_case(NNUNET_BRATS2020, seed, p_elastic_deform=1, p_rotation=1,
                                                 p_scaling=1, p_synchronize_scaling_across_axes=0)
-    assert params["elastic_offsets"] is not None
+    assert params["elastic_offsets"] is not None and recorded["scale"] > 0.15
     image, labels = volume(CHANNELS, 40, seed)
     reference = _reference(image, labels, [(transform, params, None)])
     ours = _ours(image, labels, _our_spatial(params, recorded, seed))
     _assert_spatial_match(reference, ours)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_whole_volume_patch_that_reaches_outside_is_padded_alike(seed):
+    """Input = patch (whole-volume training): a rotated, shrunk patch reaches past the volume, where
+    batchgeneratorsv2 samples the image as 0 and the labels as the padding label 0."""
+    transform, params, recorded = _spatial_case(NNUNET, seed, size=PATCH[0], p_rotation=1, p_scaling=1,
+                                                scaling=(1.3, 1.4))
+    image, labels = volume(CHANNELS, PATCH[0], seed)
+    labels[labels == -1] = 0  # a brain filling the volume: the padding is what differs from the input
+    reference = _reference(image, labels, [(transform, params, None)])
+    ours = _ours(image, labels, _our_spatial(params, recorded, seed))
+    _assert_spatial_match(reference, ours)
+    assert (reference["image"][:, 0, 0, 0] == 0).all() and reference["segmentation"][0, 0, 0, 0] == 0
 
 
 def test_a_sample_that_draws_no_spatial_transform_is_the_same_centre_crop():
@@ -151,7 +165,7 @@ def test_each_intensity_transform_matches(recipe, name):
         params = transform.get_parameters(image=image)
         if not _applies(name, params):
             continue
-        noise_seed = _field_seed(seed, NOISE_SEED_OFFSET)
+        noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
         reference = _reference(image, labels, [(transform, params, lambda s=noise_seed: torch.manual_seed(s))])
         ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, **intensity_fields(name, params, CHANNELS)))
         assert (ours - reference["image"]).abs().max() <= 1e-5
@@ -175,10 +189,10 @@ def test_mirroring_matches():
     assert torch.equal(out_labels, reference["segmentation"][0].long())
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_whole_pipeline_matches_when_every_transform_fires(seed):
-    """Spatial, the eight intensity transforms in order, mirroring, mask: one SampleAugment end to end."""
-    recipe = NNUNET_BRATS2020
+@pytest.mark.parametrize("recipe, seed", [(NNUNET, 0), (NNUNET, 1), (NNUNET_BRATS2020, 0), (NNUNET_BRATS2020, 1)],
+                         ids=["v2-0", "v2-1", "brats2020-0", "brats2020-1"])
+def test_the_whole_pipeline_matches_when_every_transform_fires(recipe, seed):
+    """Spatial, the intensity transforms in order, mirroring, mask: one SampleAugment end to end."""
     spatial_t, spatial_params, recorded = _spatial_case(recipe, seed, p_elastic_deform=0, p_rotation=1,
                                                         p_scaling=1)
     fields = dataclasses.asdict(_our_spatial(spatial_params, recorded, seed))
@@ -188,7 +202,7 @@ def test_the_whole_pipeline_matches_when_every_transform_fires(seed):
     torch.manual_seed(100 + seed)
     for name, (_, transform) in intensity_transforms(recipe).items():
         params = transform.get_parameters(image=patch_image)
-        noise_seed = _field_seed(seed, NOISE_SEED_OFFSET)
+        noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
         steps.append((transform, params, (lambda s=noise_seed: torch.manual_seed(s)) if name == "noise" else None))
         fields.update(intensity_fields(name, params, CHANNELS))
     mirror = MirrorTransform(allowed_axes=(0, 1, 2))

@@ -1,5 +1,6 @@
 """The install keeps the torch it found: dynamic-network-architectures goes in without its dependencies
-(its metadata pulls timm -> torchvision -> another torch build), and nnU-Net's networks need none of them."""
+(its metadata pulls timm -> torchvision -> another torch build), and nnU-Net's networks need none of them;
+batchgeneratorsv2, the tests' augmentation reference, goes in without its dependencies too."""
 
 from __future__ import annotations
 
@@ -24,3 +25,16 @@ def test_building_nnunet_networks_imports_neither_timm_nor_torchvision():
     for name in ("nnunet", "resenc_l"):
         build_model(load_config(None, [f"model.name={name}", "data.cube=[16,16,16]", "model.features=[2,4,8]"]).model)
     assert not {"timm", "torchvision"} & set(sys.modules)
+
+
+def test_batchgeneratorsv2_imports_its_transforms_with_the_installed_torch():
+    from importlib.metadata import version
+
+    from batchgeneratorsv2.transforms.intensity.gamma import GammaTransform  # noqa: F401
+    from batchgeneratorsv2.transforms.noise.gaussian_blur import GaussianBlurTransform  # noqa: F401
+    from batchgeneratorsv2.transforms.spatial.spatial import SpatialTransform  # noqa: F401
+
+    assert version("batchgeneratorsv2") == "0.3.6"
+    recorded = Path(sys.prefix) / "torch-version.txt"
+    if recorded.is_file():
+        assert torch.__version__ == recorded.read_text(encoding="utf-8").strip()

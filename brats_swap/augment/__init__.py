@@ -30,9 +30,12 @@ API (imports only torch, numpy and the standard library; `train` may import it, 
   label is -1 (MaskImageTransform), then -1 turned into 0. Deterministic given `params` on one device (noise
   fields come from a torch.Generator seeded from `seed` on the tensors' device, so CPU and CUDA draw
   different noise images from the same seed).
-- `augment_buffer_bytes(batch, channels, patch_size, num_labels, input_size) -> int`: a bound of the extra
-  device bytes augment_batch allocates at its peak (outputs included), for the memory planner; `num_labels`
-  counts the label values other than -1.
+- `augment_buffer_bytes(batch, channels, patch_size, num_labels, input_size, element_bytes=4,
+  label_bytes=8) -> int`: a bound of the extra device bytes augment_batch allocates at its peak (its outputs
+  included, its inputs not), for the memory planner; `num_labels` counts the label values other than -1
+  (BraTS: 4), `label_bytes` is the labels' element size. Dominated by the resampling: the image channels and
+  one indicator per label stacked at input size, and their sampled patch (2 x 4 x 192^3 whole volumes:
+  about 1.8 GB; 2 x 4 x 128^3 patches from 205^3 crops: 0.9 GB).
 """
 
 from brats_swap.augment.pipeline import OUTSIDE_LABEL, augment_batch, augment_buffer_bytes

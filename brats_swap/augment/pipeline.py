@@ -16,12 +16,10 @@ from brats_swap.augment.recipes import SampleAugment
 OUTSIDE_LABEL = -1
 
 
-def _table(params: Sequence[SampleAugment], field: str, device: torch.device) -> torch.Tensor:
-    return torch.tensor([list(getattr(p, field)) for p in params], dtype=torch.float32, device=device)
-
-
 def _check(images: torch.Tensor, labels: torch.Tensor, params: Sequence[SampleAugment],
            patch_size: Sequence[int], label_values: Sequence[int]) -> None:
+    if not images.is_floating_point():
+        raise ValueError(f"augment_batch: images are {images.dtype}, not floating point")
     if images.ndim != 5 or labels.shape != (images.shape[0], *images.shape[2:]):
         raise ValueError(f"augment_batch: images {tuple(images.shape)} and labels {tuple(labels.shape)} "
                          "must be (B, C, X, Y, Z) and (B, X, Y, Z)")
@@ -45,9 +43,10 @@ def _spatial(images: torch.Tensor, labels: torch.Tensor, params: Sequence[Sample
     out_images = images.new_empty((images.shape[0], images.shape[1], *patch_size))
     out_labels = labels.new_empty((labels.shape[0], *patch_size))
     if cropped:
-        out_images[cropped] = spatial.centre_crop(images[cropped], patch_size)
-        # centre_crop pads with zeros: label 0 is the padding label.
-        out_labels[cropped] = spatial.centre_crop(labels[cropped], patch_size)
+        # cropping first is a view of the batch: only the patches are gathered. centre_crop pads with zeros,
+        # and label 0 is the padding label.
+        out_images[cropped] = spatial.centre_crop(images, patch_size)[cropped]
+        out_labels[cropped] = spatial.centre_crop(labels, patch_size)[cropped]
     if resampled:
         grid = spatial.sampling_grid([params[b] for b in resampled], patch_size, images.shape[2:],
                                      images.device)
@@ -59,16 +58,15 @@ def _spatial(images: torch.Tensor, labels: torch.Tensor, params: Sequence[Sample
 
 def _intensity(images: torch.Tensor, params: Sequence[SampleAugment]) -> None:
     """The intensity transforms in nnU-Net's order, in place."""
-    device = images.device
     intensity.add_noise(images, [p.noise_std for p in params],
-                        [spatial._field_seed(p.seed, spatial.NOISE_SEED_OFFSET) for p in params])
-    intensity.blur(images, torch.tensor([list(map(list, p.blur_sigmas)) for p in params], device=device))
-    intensity.multiply(images, _table(params, "brightness", device))
-    intensity.contrast(images, _table(params, "contrast", device))
-    intensity.low_resolution(images, _table(params, "low_resolution", device))
-    intensity.gamma(images, _table(params, "gamma_inverted", device), invert=True)
-    intensity.add(images, _table(params, "additive_brightness", device))
-    intensity.gamma(images, _table(params, "gamma", device), invert=False)
+                        [spatial.field_seed(p.seed, spatial.NOISE_SEED_OFFSET) for p in params])
+    intensity.blur(images, *intensity.chosen_channels([p.blur_sigmas for p in params], (0.0, 0.0, 0.0)))
+    intensity.multiply(images, [p.brightness for p in params])
+    intensity.contrast(images, *intensity.chosen_channels([p.contrast for p in params], 1.0))
+    intensity.low_resolution(images, *intensity.chosen_channels([p.low_resolution for p in params], 1.0))
+    intensity.gamma(images, *intensity.chosen_channels([p.gamma_inverted for p in params], 1.0), invert=True)
+    intensity.add(images, [p.additive_brightness for p in params])
+    intensity.gamma(images, *intensity.chosen_channels([p.gamma for p in params], 1.0), invert=False)
 
 
 def _mirror(images: torch.Tensor, labels: torch.Tensor, params: Sequence[SampleAugment]) -> None:

@@ -8,6 +8,7 @@ distributions transform by transform (tests/test_augment_draws.py compares them 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -95,18 +96,14 @@ NNUNET = Recipe(
 #   brightness U(0.7, 1.3) p 0.15; contrast (0.65, 1.5) p 0.15 keeping the range; low resolution p 0.25, each
 #   channel 0.5, scale U(0.5, 1) (v1 upsampled cubic, v2 trilinear: v2's is used); inverted gamma p 0.15;
 #   additive brightness N(0, 0.2) per channel p 0.3; gamma p 0.3; both gammas in (0.5, 1.6) keeping mean and std.
-NNUNET_BRATS2020 = Recipe(
-    p_rotation=0.3, rotation=UniformRange(-_THIRTY_DEGREES, _THIRTY_DEGREES),
-    p_scaling=0.3, scaling=BGContrastRange(0.65, 1.6), p_synchronize_scaling_across_axes=0.7,
+NNUNET_BRATS2020 = dataclasses.replace(
+    NNUNET,
+    p_rotation=0.3, p_scaling=0.3, scaling=BGContrastRange(0.65, 1.6), p_synchronize_scaling_across_axes=0.7,
     p_elastic_deform=0.3, elastic_deform_scale=UniformRange(0.0, 0.25),
-    p_noise=0.15, noise_std=UniformRange(0.0, 0.1),
-    p_blur=0.2, p_blur_per_channel=0.5, blur_sigma=UniformRange(0.5, 1.5), blur_synchronize_axes=True,
-    p_brightness=0.15, brightness=UniformRange(0.7, 1.3),
-    p_contrast=0.15, contrast=BGContrastRange(0.65, 1.5),
-    p_low_resolution=0.25, p_low_resolution_per_channel=0.5, low_resolution_scale=UniformRange(0.5, 1.0),
-    p_gamma_inverted=0.15, p_gamma=0.3, gamma=BGContrastRange(0.5, 1.6),
+    p_noise=0.15, blur_sigma=UniformRange(0.5, 1.5), blur_synchronize_axes=True,
+    brightness=UniformRange(0.7, 1.3), contrast=BGContrastRange(0.65, 1.5),
+    p_gamma_inverted=0.15, gamma=BGContrastRange(0.5, 1.6),
     p_additive_brightness=0.3, additive_brightness_sigma=0.2,
-    p_mirror_per_axis=0.5,
 )
 
 RECIPE_TABLE: dict[str, Recipe] = {"nnunet": NNUNET, "nnunet_brats2020": NNUNET_BRATS2020}
@@ -238,7 +235,7 @@ def draw_from_recipe(r: Recipe, rng: np.random.Generator, patch_size: tuple[int,
                          additive_brightness=additive, gamma=gamma, mirror=mirror)
 
 
-def _rotation_matrix(angle: float, axis: int) -> np.ndarray:
+def rotation_matrix(angle: float, axis: int) -> np.ndarray:
     c, s = math.cos(angle), math.sin(angle)
     if axis == 0:
         return np.array([[1, 0, 0], [0, c, -s], [0, s, c]])
@@ -258,6 +255,6 @@ def enlarged_crop_size(recipe_name: str, patch_size: tuple[int, int, int]) -> tu
     shape = extent.copy()
     for axis in range(3):
         # batchgenerators' rotate_coords_3d multiplies the row vector by the rotation matrix.
-        shape = np.maximum(shape, np.abs(extent @ _rotation_matrix(angle, axis)))
+        shape = np.maximum(shape, np.abs(extent @ rotation_matrix(angle, axis)))
     shape = shape / _CROP_SCALE_MIN
     return tuple(int(s) for s in shape)
