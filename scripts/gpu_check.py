@@ -28,6 +28,10 @@ measurements at the deadline and lists what it skipped):
    per-block checkpointing (every block of `discover_blocks`), swap_all, hybrid and the auto plan.
 6. `pinned`: swap_all at 192³ batch 2 in the one arena sized from the plan: pinned host bytes against
    the step's swapped bytes (target <= 1.2x), and what PyTorch's own caching host allocator holds.
+7. `augment`: the training data path of `train.augment: nnunet` on the device: 2 phantom cases prepared to
+   192³ (float16), read by the training DataLoader (`data.loader_workers: auto`, pinned) and fed to U-Net
+   steps at batch 2; per step the data wait (the loader's `next`) and the device-side augmentation
+   (`DeviceBatches.prepare`, synchronised) beside the step's forward + backward.
 
 Every swapping engine borrows one host arena, pinned once from the largest plan and reused (so no
 step pins or unpins memory); every global setting the script changes is restored when it is done.
@@ -93,15 +97,21 @@ class Sizes:
     delay_s: float
     min_bytes: int | None  # None: the presets' default (1 MiB)
     emulate_gbs: float | None
+    augment_cube: int
+    augment_steps: int
+    augment_phantom: tuple[int, int, int]
+    augment_prepare_workers: int
 
 
 GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128, bitwise_steps=3,
                   peak_cube=192, peak_batches=(1, 2), cap_gib=16.0, time_cube=192, time_steps=3, delay_s=2e-3,
-                  min_bytes=None, emulate_gbs=None)
+                  min_bytes=None, emulate_gbs=None, augment_cube=192, augment_steps=8, augment_phantom=(240, 240, 155),
+                  augment_prepare_workers=2)
 DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4, bitwise_cube=16, bitwise_steps=2,
                   peak_cube=16,
                   peak_batches=(1,), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
-                  emulate_gbs=1.0)
+                  emulate_gbs=1.0, augment_cube=16, augment_steps=3, augment_phantom=(24, 24, 20),
+                  augment_prepare_workers=1)
 
 
 class Check:
@@ -513,8 +523,72 @@ def stage_pinned(check: Check) -> dict:
     return row
 
 
+def stage_augment(check: Check) -> dict:
+    """Data wait and device-side nnunet augmentation per training step, on prepared phantoms."""
+    import tempfile
+
+    from brats_swap.config import DataConfig
+    from brats_swap.data.cache import list_prepared, prepare_dataset
+    from brats_swap.data.phantom import synthesize_dataset
+    from brats_swap.train.data import (
+        CubeDataset,
+        EpochSampler,
+        collate_samples,
+        loader_worker_count,
+        seed_worker,
+    )
+    from brats_swap.train.device_augment import DeviceBatches
+
+    sizes, device = check.sizes, check.device
+    cube, batch, steps = sizes.augment_cube, 2, sizes.augment_steps
+    workers = loader_worker_count(DataConfig())
+    model = check.model()
+    waits, augments, computes = [], [], []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_augment_") as tmp:
+        root, cache = Path(tmp) / "raw", Path(tmp) / "cache"
+        synthesize_dataset(root, cases=2, seed=0, edition="2021", shape=sizes.augment_phantom)
+        workers_prepare = sizes.augment_prepare_workers  # the dry run's pool would cost more than its cases
+        prepare_dataset(root, cache, DataConfig(cube=[cube] * 3, prepare_workers=workers_prepare),
+                        workers=workers_prepare, progress=False)
+        dataset = CubeDataset(cache, list_prepared(cache), augment="nnunet", batch_size=batch, channels=4)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=EpochSampler(len(dataset), batch * steps, 0),
+                                             num_workers=workers, collate_fn=collate_samples,
+                                             pin_memory=device.type == "cuda", worker_init_fn=seed_worker)
+        to_device = DeviceBatches("nnunet", device, edition="2021", outputs="labels", regions=(),
+                                  sample_size=(cube,) * 3)
+        batches = iter(loader)
+        while True:
+            started = time.perf_counter()
+            loaded = next(batches, None)
+            if loaded is None:
+                break
+            waits.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            x, y = to_device.prepare(loaded)
+            _synchronize(device)
+            augments.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            weighted_dice_loss(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            _synchronize(device)
+            computes.append(time.perf_counter() - started)
+    steady = slice(1, None) if len(waits) > 1 else slice(None)  # the first batch waits for the workers to start
+    mean = lambda values: round(sum(values[steady]) / len(values[steady]), 4)  # noqa: E731
+    return {"cube": cube, "batch": batch, "steps": len(waits), "loader_workers": workers, "pinned": device.type == "cuda",
+            "data_wait_s": [round(v, 4) for v in waits], "augment_s": [round(v, 4) for v in augments],
+            "step_s": [round(v, 4) for v in computes], "mean_data_wait_s": mean(waits),
+            "mean_augment_s": mean(augments), "mean_step_s": mean(computes),
+            "augment_over_step": round(mean(augments) / mean(computes), 4) if mean(computes) else None,
+            "note": "the U-Net of the other stages (not ResEnc L); scripts/bench_pipeline.py has ResEnc L"}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 STAGES = {"environment": stage_environment, "bandwidth": stage_bandwidth, "bitwise": stage_bitwise,
-          "peak": stage_peak, "step_time": stage_step_time, "pinned": stage_pinned}
+          "peak": stage_peak, "step_time": stage_step_time, "pinned": stage_pinned, "augment": stage_augment}
 
 
 def summary(document: dict) -> tuple[str, int]:

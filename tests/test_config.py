@@ -61,3 +61,35 @@ def test_cli_config_show_and_errors(tmp_path):
     missing = runner.invoke(app, ["config", "show", "--config", str(tmp_path / "absent.yaml")])
     assert missing.exit_code == 2
     assert "absent.yaml" in missing.output
+
+
+def test_augmentation_recipes_and_the_nnunet_foreground_rule_are_config_values():
+    for recipe in ("cube48", "nnunet", "nnunet_brats2020", "mild", "none"):
+        assert load_config(None, [f"train.augment={recipe}"]).train.augment == recipe
+    assert load_config(None, ["train.patch_foreground=nnunet"]).train.patch_foreground == "nnunet"
+    assert load_config(None, ["train.patch_foreground=0.5"]).train.patch_foreground == 0.5
+    assert load_config(None, ["data.loader_workers=3"]).data.loader_workers == 3
+    assert load_config().data.loader_workers == "auto"
+    for bad, key in (("train.augment=strong", "train.augment"), ("train.patch_foreground=most", "train.patch_foreground"),
+                     ("train.patch_foreground=1.5", "train.patch_foreground"),
+                     ("data.loader_workers=many", "data.loader_workers")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [bad])
+    from pathlib import Path
+
+    for path in ("configs/resenc_l.yaml", "configs/resenc_l_whole.yaml"):
+        assert load_config(Path(__file__).parents[1] / path).train.augment == "nnunet", path
+    assert load_config(Path(__file__).parents[1] / "configs/default.yaml").train.augment == "cube48"
+
+
+def test_the_retired_monai_augment_key_says_what_replaced_it_and_old_runs_still_load(tmp_path):
+    from brats_swap.config import config_from_saved, config_to_dict
+
+    with pytest.raises(ConfigError, match=r"train\.monai_augment: replaced by train\.augment.*mild"):
+        load_config(None, ["train.monai_augment=true"])
+    saved = config_to_dict(load_config())
+    del saved["train"]["augment"]
+    old = {**saved, "train": {**saved["train"], "monai_augment": True}}
+    assert config_from_saved(old).train.augment == "mild"
+    old["train"]["monai_augment"] = False
+    assert config_from_saved(old).train.augment == "cube48"

@@ -66,6 +66,10 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
     assert pinned["arena_used_bytes"] == pinned["planned_arena_bytes"] <= pinned["arena_bytes"]
     assert pinned["swapped_bytes"] > 0 and pinned["arena_per_swapped_byte"] <= 1.2 and pinned["within_target"]
 
+    augment = stages["augment"]  # the training DataLoader and the device-side nnunet augmentation, per step
+    assert augment["steps"] == 3 and augment["loader_workers"] >= 1 and len(augment["data_wait_s"]) == 3
+    assert all(v > 0 for v in augment["augment_s"] + augment["step_s"]) and augment["augment_over_step"] > 0
+
 
 def test_a_failing_stage_exits_1_and_the_json_names_it(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--stages",

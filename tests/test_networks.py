@@ -6,6 +6,7 @@ one nnU-Net's planner rule derives at the 16³ cube (3 stages), SwinUNETR's at 6
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -122,6 +123,19 @@ def test_the_trained_network_evaluates_and_predicts_with_tta_from_its_checkpoint
     # Mirroring TTA is 8 forwards and does not depend on the network: one network predicts with it.
     written = predict(run, case.seg.parent, tmp_path / "out", folds="all", tta=name == "nnunet", progress=False)
     assert [path.name for path in written] == [f"{case.case_id}.nii.gz"]
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_the_network_trains_with_nnunets_augmentation(datasets, name, tmp_path):
+    """`train.augment: nnunet` on the device before each of the network's steps: its outputs (deep supervision
+    included) train on the augmented targets, and the validation that closes the run scores it. (Evaluation and
+    resume do not depend on the recipe: the tests above and tests/test_stop_resume.py cover them.)"""
+    config = network_config(name, datasets[name], "none", "train.augment=nnunet", "train.max_epochs=1",
+                            "train.val_every=1")
+    result = train_fold(config, tmp_path / "run", 0, progress=False)
+    losses = [record["train_loss"] for record in result.history]
+    assert result.finished and len(losses) == 1 and all(math.isfinite(loss) for loss in losses)
+    assert "val_loss" in result.history[-1]
 
 
 def test_resume_refuses_another_network_whose_weights_would_load(trained, datasets, tmp_path):

@@ -377,7 +377,8 @@ def test_fp16_training_is_priced_in_fp16(monkeypatch, tmp_path):
     # memory.mode=auto plans in it too.
     seen = []
 
-    def fake_choose_policy(model, memory_cfg, input_shape, dtype, device, *, loss_fn, optimizer_state_factor):
+    def fake_choose_policy(model, memory_cfg, input_shape, dtype, device, *, loss_fn, optimizer_state_factor,
+                           prelude_bytes):
         seen.append(dtype)
         raise ConfigError("stop here")
 

@@ -176,3 +176,32 @@ def test_train_nproc_2_forwards_sigusr1_and_both_ranks_stop_at_the_same_step(dat
     assert saved["world_size"] == 2 and saved["epoch"] == 0 and 0 < saved["step_in_epoch"] < 2000
     # Rank 0 writes the log; the ranks agreed on this step.
     assert f"SIGUSR1 at epoch 1 step {saved['step_in_epoch']}; state saved" in log.read_text()
+
+
+# Each augmentation recipe (cube48, the default, is the test above): trained straight through, and stopped by a
+# signal in the middle of the epoch and resumed; the resumed run ends bitwise where the straight one does, so
+# every draw of the device-side augmentation comes from the sample's seed. nnunet also runs in patch mode, with
+# nnU-Net's enlarged crops and foreground rule at batch 2.
+PRESETS = {
+    "nnunet-patch": ("train.augment=nnunet", "train.mode=patch", "train.patch=[8,8,8]", "model.depth=3",
+                     "model.segmentation_levels=2", "train.batch_size=2", "train.patch_foreground=nnunet"),
+    "nnunet_brats2020": ("train.augment=nnunet_brats2020",),
+    "mild": ("train.augment=mild",),
+    "none": ("train.augment=none",),
+}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_augmentation_recipe_resumes_bitwise_mid_epoch(data, tmp_path, monkeypatch, preset):
+    config = tiny_config(*data, *SMALL, "train.max_epochs=1", "train.steps_per_epoch=3", "model.base_filters=2",
+                         *PRESETS[preset])
+    straight = train_fold(config, tmp_path / "straight", 0, progress=False)
+    assert straight.finished
+    signal_during_step(monkeypatch, signal.SIGUSR1, 2)
+    stopped = train_fold(config, tmp_path / "run", 0, progress=False)
+    assert stopped.interrupted and load_checkpoint(tmp_path / "run" / "fold_0" / LATEST)["step_in_epoch"] == 2
+    monkeypatch.undo()
+    resumed = train_fold(config, tmp_path / "run", 0, resume=True, progress=False)
+    assert resumed.finished and resumed.history[-1]["train_loss"] == straight.history[-1]["train_loss"]
+    assert_same_training_state(load_checkpoint(tmp_path / "run" / "fold_0" / LATEST),
+                               load_checkpoint(straight.fold_dir / LATEST))

@@ -9,34 +9,42 @@ from train_helpers import prepared_dataset
 
 from brats_swap.data.cache import list_prepared
 from brats_swap.train.data import (
-    CUBE_SYMMETRIES,
     CubeDataset,
     EpochSampler,
     SampleKey,
-    allowed_symmetries,
-    apply_symmetry,
+    class_patch_start,
+    collate_samples,
+    enlarged_window,
+    loader_worker_count,
+    nnunet_forced_foreground,
     random_patch_start,
 )
+from brats_swap.train.device_augment import CUBE_SYMMETRIES, CubeSymmetry, allowed_symmetries, apply_symmetry
 
 
 def test_the_48_cube_symmetries_are_distinct_and_only_permute_equal_axes():
-    volume = np.arange(4 * 4 * 4).reshape(4, 4, 4)
-    images = {apply_symmetry(volume, perm, flips).tobytes() for perm, flips in CUBE_SYMMETRIES}
+    volume = torch.arange(4 * 4 * 4).reshape(4, 4, 4)
+    images = {apply_symmetry(volume, perm, flips).numpy().tobytes() for perm, flips in CUBE_SYMMETRIES}
     assert len(CUBE_SYMMETRIES) == 48 and len(images) == 48
     assert len(allowed_symmetries((8, 8, 8))) == 48
     assert len(allowed_symmetries((8, 8, 4))) == 16  # swap the first two axes or not, times 8 flips
     assert len(allowed_symmetries((8, 6, 4))) == 8  # flips only
     for perm, flips in allowed_symmetries((8, 8, 4)):
-        assert apply_symmetry(np.zeros((2, 8, 8, 4)), perm, flips).shape == (2, 8, 8, 4)
+        assert apply_symmetry(torch.zeros((2, 8, 8, 4)), perm, flips).shape == (2, 8, 8, 4)
+    # numpy's transpose + flip, the symmetry as the worker-side code applied it before it moved to the device
+    array = np.arange(2 * 4 * 4 * 4).reshape(2, 4, 4, 4)
+    for perm, flips in CUBE_SYMMETRIES:
+        expected = np.flip(np.transpose(array, (0, *(1 + p for p in perm))), axis=tuple(1 + i for i, f in enumerate(flips) if f))
+        np.testing.assert_array_equal(apply_symmetry(torch.from_numpy(array), perm, flips).numpy(), expected)
 
 
 def test_a_symmetry_moves_image_channels_and_label_together():
     rng = np.random.default_rng(0)
-    label = rng.integers(0, 3, size=(6, 6, 6)).astype(np.uint8)
-    image = np.stack([(label == k).astype(np.float32) for k in range(3)])  # channel k marks label k
+    label = torch.from_numpy(rng.integers(0, 3, size=(6, 6, 6)).astype(np.uint8))
+    image = torch.stack([(label == k).float() for k in range(3)])  # channel k marks label k
     for perm, flips in CUBE_SYMMETRIES:
         moved_image, moved_label = apply_symmetry(image, perm, flips), apply_symmetry(label, perm, flips)
-        np.testing.assert_array_equal(np.argmax(moved_image, axis=0), moved_label)
+        assert torch.equal(moved_image.argmax(dim=0).to(torch.uint8), moved_label)
 
 
 def test_foreground_patches_contain_tumour():
@@ -47,6 +55,58 @@ def test_foreground_patches_contain_tumour():
         start = random_patch_start(label.shape, (8, 8, 8), label, rng, foreground_fraction=1.0)
         window = tuple(slice(s, s + 8) for s in start)
         assert label[window].any() and all(0 <= s <= 24 for s in start)
+
+
+def test_nnunet_forces_foreground_in_the_last_third_of_every_batch():
+    forced = {batch: [nnunet_forced_foreground(i, batch) for i in range(batch)] for batch in (1, 2, 3, 4)}
+    assert forced == {1: [False], 2: [False, True], 3: [False, False, True], 4: [False, False, False, True]}
+    label = np.zeros((32, 32, 32), np.uint8)
+    label[2:4, 2:4, 2:4] = 1  # a small class far from a large one: drawn as often (class first, then a voxel)
+    label[16:32, 16:32, 16:32] = 2
+    rng = np.random.default_rng(0)
+    held = []
+    for _ in range(200):
+        start = class_patch_start(label.shape, (8, 8, 8), label, rng)
+        window = label[tuple(slice(s, s + 8) for s in start)]
+        held.append(1 in window)
+        assert window.any()
+    assert 0.35 < np.mean(held) < 0.65
+    empty = np.zeros((16, 16, 16), np.uint8)
+    assert all(0 <= s <= 8 for s in class_patch_start(empty.shape, (8, 8, 8), empty, rng))
+
+
+def test_an_enlarged_crop_is_read_inside_the_volume_and_restored_on_the_device():
+    """The worker reads at most the volume (a view of the memory map); the device pads it to the window
+    centred on the patch, zeros outside the volume, as reading that window with zero padding would give."""
+    from brats_swap.train.device_augment import restore_windows
+
+    array = torch.arange(1, 1 + 2 * 12 * 10 * 8, dtype=torch.float32).reshape(2, 12, 10, 8)
+    for start, patch, read in [((0, 3, 1), (4, 4, 4), (8, 14, 6)), ((8, 0, 4), (4, 6, 4), (7, 9, 9)),
+                               ((2, 2, 2), (4, 4, 4), (6, 6, 6))]:
+        window, pad = enlarged_window(start, patch, read, array.shape[1:])
+        block = array[(slice(None), *window)]
+        assert all(b <= d for b, d in zip(block.shape[1:], array.shape[1:], strict=True))
+        restored, _ = restore_windows(block[None], block[0][None].long(), [pad])
+        expected = torch.zeros((2, *read))
+        corner = [s - (r - p) // 2 for s, r, p in zip(start, read, patch, strict=True)]
+        for index in np.ndindex(*read):
+            source = [c + i for c, i in zip(corner, index, strict=True)]
+            if all(0 <= v < d for v, d in zip(source, array.shape[1:], strict=True)):
+                expected[(slice(None), *index)] = array[(slice(None), *source)]
+        assert torch.equal(restored[0], expected), (start, patch, read)
+
+
+def test_auto_loader_workers_follow_the_affinity_and_the_ranks_on_the_host(monkeypatch):
+    from brats_swap.config import DataConfig
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert loader_worker_count(DataConfig()) == 12  # nnU-Net's default caps it
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert loader_worker_count(DataConfig()) == 3  # 4 CPUs per GPU, one for the rank itself
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert loader_worker_count(DataConfig()) == 1
+    assert loader_worker_count(DataConfig(loader_workers=0)) == 0
 
 
 def test_sampler_is_a_seeded_shuffle_and_can_start_mid_epoch():
@@ -68,24 +128,38 @@ def data(tmp_path_factory):
 def test_samples_depend_only_on_their_key_not_on_workers(data):
     _, cache = data
     ids = list_prepared(cache)
-    dataset = CubeDataset(cache, ids, edition="2021", outputs="labels", crop=(16, 16, 16), patches_per_case=2,
-                          augment="cube48", monai_augment=True, seed=7)
+    dataset = CubeDataset(cache, ids, crop=(16, 16, 16), patches_per_case=2, augment="cube48", seed=7)
     key = SampleKey(epoch=2, position=3, index=5)
     first, again = dataset[key], dataset[key]
-    torch.testing.assert_close(first["image"], again["image"])
-    assert torch.equal(first["label"], again["label"]) and first["case_id"] == ids[5 // 2]
-    assert first["image"].shape == (4, 16, 16, 16) and first["target"].shape == (3, 16, 16, 16)
-    # targets are the one-hot labels 1, 2, 4 (model.outputs=labels)
-    for channel, value in enumerate((1, 2, 4)):
-        assert torch.equal(first["target"][channel].bool(), first["label"] == value)
-    other = dataset[SampleKey(epoch=3, position=3, index=5)]
-    assert not torch.equal(first["image"], other["image"])
+    assert np.array_equal(first["image"], again["image"]) and first["augment"] == again["augment"]
+    assert np.array_equal(first["label"], again["label"]) and first["case_id"] == ids[5 // 2]
+    # the workers only read and crop: the cache's float16 and uint8 labels, the draw travels beside them
+    assert first["image"].shape == (4, 16, 16, 16) and first["image"].dtype == np.float16
+    assert first["label"].dtype == np.uint8 and isinstance(first["augment"], CubeSymmetry)
+    draws = {(dataset[SampleKey(epoch, 3, 5)]["augment"], float(dataset[SampleKey(epoch, 3, 5)]["image"].sum()))
+             for epoch in range(8)}
+    assert len(draws) > 4  # the patch and the symmetry change with the key
 
     sampler = EpochSampler(len(dataset), 4, seed=7)
     batches = {}
     for workers in (0, 2):
         loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers,
-                                             collate_fn=lambda samples: torch.stack([s["image"] for s in samples]))
+                                             collate_fn=collate_samples)
         batches[workers] = [b for b in loader]
     for a, b in zip(batches[0], batches[2], strict=True):
-        torch.testing.assert_close(a, b)
+        assert torch.equal(a["image"], b["image"]) and a["augment"] == b["augment"]
+
+
+def test_two_ranks_never_draw_the_same_augmentation(data):
+    """Each rank loads its own global positions of the epoch, and a sample's draw is a function of its position."""
+    from brats_swap.distributed import DistContext, RankShardSampler
+
+    _, cache = data
+    dataset = CubeDataset(cache, list_prepared(cache), augment="nnunet", seed=7, batch_size=2, world_size=2)
+    draws = {}
+    for rank in (0, 1):
+        ctx = DistContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        sampler = RankShardSampler(EpochSampler(len(dataset), 8, seed=7), ctx)
+        draws[rank] = [dataset[key]["augment"] for key in sampler]
+    assert len(draws[0]) == len(draws[1]) == 4
+    assert not set(draws[0]) & set(draws[1]) and len(set(draws[0])) == 4

@@ -26,6 +26,12 @@ from brats_swap.config.networks import (
 from brats_swap.config.schema import Config, DataConfig, MemoryConfig, ModelConfig
 from brats_swap.errors import ConfigError
 
+# Keys that older configs used, with what replaced them (a config that still sets one is told how to move).
+RETIRED_KEYS = {
+    "train.monai_augment": "replaced by train.augment: the MONAI set is train.augment: mild (it no longer adds to "
+                           "cube48); the recipes are cube48, nnunet, nnunet_brats2020, mild, none",
+}
+
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 warn: typing.Callable[[str], None] | None = None,
@@ -139,6 +145,10 @@ def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
+    for name in unknown:
+        dotted = f"{prefix}.{name}" if prefix else name
+        if dotted in RETIRED_KEYS:
+            raise ConfigError(f"{dotted}: {RETIRED_KEYS[dotted]}")
     if unknown:
         name = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(f"unknown config key {name!r} (known: {', '.join(sorted(fields))})")
@@ -259,7 +269,7 @@ def validate_config(config: Config) -> None:
     require(len(data.clip_percentiles) == 2 and 0 <= data.clip_percentiles[0] < data.clip_percentiles[1] <= 100,
             "data.clip_percentiles", f"expected [low, high] within 0..100, got {data.clip_percentiles}")
     require(data.prepare_workers >= 1, "data.prepare_workers", "must be at least 1")
-    require(data.loader_workers >= 0, "data.loader_workers", "must be 0 or more")
+    require(data.loader_workers == "auto" or data.loader_workers >= 0, "data.loader_workers", "must be 0 or more, or auto")
     require(data.synth.cases >= 1, "data.synth.cases", "must be at least 1")
     require(len(data.synth.shape) == 3 and all(s >= 16 for s in data.synth.shape), "data.synth.shape",
             f"expected 3 sizes of at least 16, got {data.synth.shape}")
@@ -309,7 +319,8 @@ def validate_config(config: Config) -> None:
     require(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", train.device) is not None, "train.device",
             f"expected auto, cpu, cuda or cuda:N, got {train.device!r}")
     require(train.threads is None or train.threads >= 1, "train.threads", "must be at least 1")
-    require(0 <= train.patch_foreground <= 1, "train.patch_foreground", "must be between 0 and 1")
+    require(train.patch_foreground == "nnunet" or 0 <= train.patch_foreground <= 1, "train.patch_foreground",
+            "must be between 0 and 1, or nnunet")
     require(train.early_stop_patience >= 1, "train.early_stop_patience", "must be at least 1")
     require(train.plateau_patience >= 0, "train.plateau_patience", "must be 0 or more")
     require(train.adam_eps > 0, "train.adam_eps", "must be positive")
@@ -331,7 +342,14 @@ def config_to_yaml(config: Config) -> str:
 
 
 def config_from_saved(raw: dict[str, Any]) -> Config:
-    """Rebuild a config saved in a run folder or checkpoint (same strict checks)."""
+    """Rebuild a config saved in a run folder or checkpoint (same strict checks). A run saved before
+    `train.augment` named recipes stored `train.monai_augment`: true reads as the MONAI recipe (mild)."""
+    train = raw.get("train")
+    if isinstance(train, dict) and "monai_augment" in train:
+        train = dict(train)
+        if train.pop("monai_augment"):
+            train["augment"] = "mild"
+        raw = {**raw, "train": train}
     config = from_dict(Config, raw)
     validate_config(config)
     return config

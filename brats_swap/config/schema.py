@@ -37,7 +37,9 @@ class DataConfig:
     cache_dtype: Literal["float16", "float32"] = "float16"
     clip_percentiles: list[float] = field(default_factory=lambda: [0.5, 99.5])  # per modality, in the brain
     prepare_workers: int = 2
-    loader_workers: int = 2  # DataLoader workers during training
+    # DataLoader workers during training (they read, crop and pin; augmentation runs on the device). auto: the
+    # CPUs of this process's affinity shared by the GPUs (ranks) on the host, one left for the main process
+    loader_workers: int | Literal["auto"] = "auto"
     synth: SynthConfig = field(default_factory=SynthConfig)
 
 
@@ -119,7 +121,9 @@ class TrainConfig:
     mode: Literal["full", "patch"] = "full"
     patch: list[int] = field(default_factory=lambda: [128, 128, 128])
     patches_per_case: int = 1  # random patches drawn per case per epoch in patch mode
-    patch_foreground: float = 0.33  # share of patches centred on a tumour voxel (nnU-Net oversamples foreground)
+    # share of patches centred on a tumour voxel, or "nnunet": nnU-Net's rule, the last
+    # batch - round(0.67 * batch) samples of every batch hold a voxel of a tumour class present in the case
+    patch_foreground: float | Literal["nnunet"] = 0.33
     max_epochs: int = 500
     steps_per_epoch: int | None = None  # None = one pass over the training cases
     batch_size: int = 1
@@ -140,8 +144,10 @@ class TrainConfig:
     early_stop_patience: int = 50
     val_fraction: float = 0.2  # held-out fraction when not running cross-validation
     val_every: int = 1  # epochs between validations
-    augment: Literal["none", "cube48"] = "cube48"  # the 48 rotations/reflections of the cube
-    monai_augment: bool = False  # extra MONAI intensity/spatial augmentations
+    # The training augmentation, run on the device on the whole batch (docs/augmentation.md): cube48 = the 48
+    # rotations/reflections of the cube (the paper's); nnunet = nnU-Net v2's default transforms;
+    # nnunet_brats2020 = the stronger set of nnU-Net's BraTS 2020 entry; mild = a light MONAI set; none.
+    augment: Literal["cube48", "nnunet", "nnunet_brats2020", "mild", "none"] = "cube48"
     amp: Literal["none", "bf16", "fp16"] = "none"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch CPU threads; None = torch's default

@@ -39,6 +39,7 @@ Nothing fits -> `ConfigError` naming `memory.budget_gib` and the floor.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,7 @@ from brats_swap.memory.simulate import (
     Schedule,
     TimeResult,
     floor_bytes,
+    persistent_bytes,
     replay,
     simulate_memory,
 )
@@ -143,12 +145,17 @@ class Planner:
     `loss_fn(output, target)` is the training loss (part of the traced step); a model with another
     calling convention passes `step(model, x) -> loss` instead (see `recorder.trace_step`). `dtype` is the
     dtype the activations are computed and saved in (float32, or bfloat16 / float16 under autocast).
+    `prelude_bytes` are device bytes a step holds before its forward and frees when the forward starts (the
+    batch's augmentation on the device: sampling grids, label channels, the batch as it arrived); they sit on
+    top of the persistent bytes alone (the previous step's gradients are gone), so a peak is the larger of
+    the step's own and theirs.
     """
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], *, loss_fn: Callable | None = None,
                  dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
-                 optimizer_state_factor: int = 2, step: Callable | None = None):
+                 optimizer_state_factor: int = 2, step: Callable | None = None, prelude_bytes: int = 0):
         self.model = model
+        self.prelude_bytes = int(prelude_bytes)
         self.input_shape = tuple(int(v) for v in input_shape)
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.cost = cost or default_cost_model("cpu", self.dtype)
@@ -218,8 +225,12 @@ class Planner:
         return self._schedules[key]
 
     def memory(self, cfg: MemoryConfig, keep_timeline: bool = False) -> MemoryResult:
-        return simulate_memory(self.trace(cfg), schedule=self.schedule(cfg), keep_timeline=keep_timeline,
-                               optimizer_state_factor=self.optimizer_state_factor)
+        result = simulate_memory(self.trace(cfg), schedule=self.schedule(cfg), keep_timeline=keep_timeline,
+                                 optimizer_state_factor=self.optimizer_state_factor)
+        before_forward = result.persistent_bytes + self.prelude_bytes
+        if before_forward > result.peak_bytes:  # the augmentation's moment is the step's peak
+            result = dataclasses.replace(result, peak_bytes=before_forward, peak_op=0)
+        return result
 
     def time(self, cfg: MemoryConfig, keep_lanes: bool = False) -> TimeResult:
         return self.schedule(cfg, keep_lanes).timing
@@ -243,7 +254,8 @@ class Planner:
         )
 
     def floor_bytes(self) -> int:
-        return floor_bytes(self.trace(), optimizer_state_factor=self.optimizer_state_factor)
+        floor = floor_bytes(self.trace(), optimizer_state_factor=self.optimizer_state_factor)
+        return max(floor, persistent_bytes(self.trace(), self.optimizer_state_factor) + self.prelude_bytes)
 
     # ---- search --------------------------------------------------------------------------------------
     def auto(self, budget_bytes: float, base: MemoryConfig | None = None,
@@ -276,13 +288,14 @@ class Planner:
 
 def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int], *, loss_fn: Callable,
                 dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
-                optimizer_state_factor: int = 2) -> tuple[PlanReport, Planner]:
+                optimizer_state_factor: int = 2, prelude_bytes: int = 0) -> tuple[PlanReport, Planner]:
     """Price every named policy over `memory_cfg` and, with `memory_cfg.budget_gib`, auto-tune; never
-    raises when nothing fits. Peaks and the floor include `memory_cfg`'s device overhead."""
+    raises when nothing fits. Peaks and the floor include `memory_cfg`'s device overhead; `prelude_bytes`
+    as `Planner` takes them."""
     started = time.perf_counter()
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     planner = Planner(model, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn,
-                      optimizer_state_factor=optimizer_state_factor)
+                      optimizer_state_factor=optimizer_state_factor, prelude_bytes=prelude_bytes)
     budget_gib = memory_cfg.budget_gib
     planner.budget_gib = budget_gib
     budget_bytes = budget_gib * GIB if budget_gib is not None else None
@@ -315,7 +328,7 @@ def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequenc
 def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int],
                   dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                   *, loss_fn: Callable, cost: OpCostModel | None = None, optimizer_state_factor: int = 2,
-                  ) -> tuple[MemoryConfig, PlanReport]:
+                  prelude_bytes: int = 0) -> tuple[MemoryConfig, PlanReport]:
     """`memory.mode: auto`: the fastest concrete policy predicted to fit `memory.budget_gib`.
 
     `memory_cfg` is a validated memory section with a budget (the config loader requires one for mode
@@ -330,7 +343,7 @@ def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Seque
     if cost is None:
         cost = resolve_cost_model(model, device, dtype, loss_fn=loss_fn, bandwidth_gbs=memory_cfg.bandwidth_gbs)
     report, _ = plan_report(model, memory_cfg, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn,
-                            optimizer_state_factor=optimizer_state_factor)
+                            optimizer_state_factor=optimizer_state_factor, prelude_bytes=prelude_bytes)
     if report.chosen is None:
         raise ConfigError(report.reason)
     return copy.deepcopy(report.chosen.policy), report

@@ -1,8 +1,10 @@
-"""The training data pipeline: prepared cubes from the cache -> (patches) -> augmentation -> targets.
+"""The training data pipeline on the host: prepared cubes from the cache -> (patches) -> pinned batches.
 
-Every random choice (case order, patch position, which of the 48 cube symmetries, MONAI augmentations) is
-drawn from a generator seeded by `(seed, epoch, position in the epoch)`, not from a worker's global RNG
-state. So a sample is a pure function of where it sits in the run: the stream is identical with 0 or 4
+The workers only read the memory-mapped cache (float16), crop and pin; augmentation and targets are made
+on the training device from the batch (`train/device_augment.py`), which keeps a GPU fed with a core or two.
+
+Every random choice (case order, patch position, the augmentation's parameters) is drawn from a generator
+seeded by `(seed, epoch, position in the epoch)`, not from a worker's global RNG state. So a sample is a pure function of where it sits in the run: the stream is identical with 0 or 4
 DataLoader workers, and `--resume` in the middle of an epoch re-creates the exact batches that an
 uninterrupted run would have seen, without having to snapshot worker RNG states.
 
@@ -12,7 +14,7 @@ The sampler hands the dataset keys `(epoch, position, index)` instead of bare in
 
 from __future__ import annotations
 
-import itertools
+import os
 import random
 import signal
 from collections.abc import Iterator, Sequence
@@ -21,39 +23,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from brats_swap.config import Config, DataConfig
 from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
 from brats_swap.data.discovery import resolve_convention
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
-from brats_swap.model.targets import targets_from_labels
 from brats_swap.run.console import console, warn
+from brats_swap.train.device_augment import DeviceBatches, draw_params, worker_crop_size
 
-# The 48 symmetries of a cube (the full octahedral group with reflections): 6 axis permutations x 8 flips.
-# Ellis's `generate_permutation_keys` enumerates the same group as rotate/transpose/flip combinations.
-CUBE_SYMMETRIES: tuple[tuple[tuple[int, int, int], tuple[bool, bool, bool]], ...] = tuple(
-    (perm, flips)  # type: ignore[misc]
-    for perm in itertools.permutations(range(3))
-    for flips in itertools.product((False, True), repeat=3)
-)
-
-
-def allowed_symmetries(shape: Sequence[int]) -> list[tuple[tuple[int, int, int], tuple[bool, bool, bool]]]:
-    """Symmetries that keep the array shape: an axis permutation may only swap axes of equal size."""
-    return [(perm, flips) for perm, flips in CUBE_SYMMETRIES if all(shape[p] == shape[i] for i, p in enumerate(perm))]
-
-
-def apply_symmetry(array: np.ndarray, perm: Sequence[int], flips: Sequence[bool]) -> np.ndarray:
-    """Permute then flip the last three (spatial) axes of `array`; leading axes (channels) are kept."""
-    lead = array.ndim - 3
-    moved = np.transpose(array, tuple(range(lead)) + tuple(lead + p for p in perm))
-    flip_axes = tuple(lead + i for i, f in enumerate(flips) if f)
-    if flip_axes:
-        moved = np.flip(moved, axis=flip_axes)
-    return np.ascontiguousarray(moved)
-
+AUTO_LOADER_WORKERS_MAX = 12  # nnU-Net's default number of augmentation workers
 
 def random_patch_start(
     shape: Sequence[int], patch: Sequence[int], label: np.ndarray | None, rng: np.random.Generator,
@@ -64,32 +44,53 @@ def random_patch_start(
     nnU-Net oversamples foreground (a third of patches) so that small tumours are seen often enough;
     uniform patches of a 192³ cube miss enhancing tumour most of the time.
     """
-    limits = [s - p for s, p in zip(shape, patch, strict=True)]
     if label is not None and rng.random() < foreground_fraction:
         tumour = np.flatnonzero(np.asarray(label).reshape(-1))
         if tumour.size:
-            centre = np.unravel_index(int(tumour[rng.integers(tumour.size)]), tuple(shape))
-            return tuple(int(min(max(c - p // 2, 0), lim)) for c, p, lim in zip(centre, patch, limits, strict=True))  # type: ignore[return-value]
-    return tuple(int(rng.integers(lim + 1)) for lim in limits)  # type: ignore[return-value]
+            return patch_around(np.unravel_index(int(tumour[rng.integers(tumour.size)]), tuple(shape)), shape, patch)
+    return tuple(int(rng.integers(s - p + 1)) for s, p in zip(shape, patch, strict=True))  # type: ignore[return-value]
 
 
-def build_monai_augment():
-    """Mild intensity and spatial augmentations (MONAI dictionary transforms), applied jointly to image+label."""
-    from monai.transforms import (
-        Compose,
-        RandAffined,
-        RandGaussianNoised,
-        RandScaleIntensityd,
-        RandShiftIntensityd,
-    )
+def patch_around(centre: Sequence[int], shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
+    """Corner of the patch centred on `centre`, moved inside the volume."""
+    return tuple(int(min(max(c - p // 2, 0), s - p)) for c, p, s in zip(centre, patch, shape, strict=True))  # type: ignore[return-value]
 
-    return Compose([
-        RandAffined(keys=["image", "label"], prob=0.2, rotate_range=(0.26, 0.26, 0.26), scale_range=(0.1, 0.1, 0.1),
-                    mode=("bilinear", "nearest"), padding_mode="zeros"),
-        RandScaleIntensityd(keys="image", factors=0.1, prob=0.5),
-        RandShiftIntensityd(keys="image", offsets=0.1, prob=0.5),
-        RandGaussianNoised(keys="image", prob=0.15, std=0.1),
-    ])
+
+def nnunet_forced_foreground(position_in_batch: int, batch_size: int) -> bool:
+    """nnU-Net's rule (`oversample_foreground_percent` 0.33): the last `batch - round(batch * 0.67)` samples of
+    every batch are forced to hold foreground (1 of 2 at batch 2, 1 of 3 at batch 3, 0 of 1 at batch 1)."""
+    return position_in_batch >= round(batch_size * (1 - 0.33))
+
+
+def class_patch_start(shape: Sequence[int], patch: Sequence[int], label: np.ndarray,
+                      rng: np.random.Generator) -> tuple[int, int, int]:
+    """nnU-Net's forced-foreground patch: a tumour class present in the case drawn uniformly, then one of
+    its voxels, the patch centred on it; a case without tumour gets a uniform patch."""
+    values = np.asarray(label).reshape(-1)
+    present = [int(v) for v in np.flatnonzero(np.bincount(values)) if v != 0]  # one pass; np.unique sorts
+    if present:
+        voxels = np.flatnonzero(values == present[int(rng.integers(len(present)))])
+        return patch_around(np.unravel_index(int(voxels[rng.integers(voxels.size)]), tuple(shape)), shape, patch)
+    return random_patch_start(shape, patch, None, rng, 0.0)
+
+
+def enlarged_window(start: Sequence[int], patch: Sequence[int], read: Sequence[int], shape: Sequence[int]
+                    ) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """What a worker reads for the `read`-sized window centred on the patch at `start`, and how the device
+    restores that window from it: the slices (a window of at most the volume per axis, moved inside it, so
+    the read is a view of the memory map and no padding travels) and the `torch.nn.functional.pad` widths
+    (last axis first; negative widths crop) that turn the read block into the centred window, zeros outside.
+
+    nnU-Net's enlarged crop of a 160x192x160 patch is 275x289x257, larger than a 192³ cube: read whole, the
+    padding would be 2.9 times the data."""
+    slices, widths = [], []
+    for s, p, r, dim in zip(start, patch, read, shape, strict=True):
+        window = s - (r - p) // 2  # the centred window [window, window + r)
+        size = min(r, dim)
+        corner = min(max(window, 0), dim - size)
+        slices.append(slice(corner, corner + size))
+        widths.append((corner - window, window + r - corner - size))
+    return tuple(slices), tuple(w for pair in reversed(widths) for w in pair)
 
 
 def prepare_run_data(data_cfg: DataConfig, *, progress: bool = True) -> PrepareReport:
@@ -138,43 +139,43 @@ class SampleKey:
 
 
 class CubeDataset(Dataset):
-    """Prepared cases (memory-mapped) as training samples: whole cubes or random patches.
+    """Prepared cases (memory-mapped) as training samples: whole cubes or random patches, read and cropped.
 
     Args:
         cache: prepared-cache folder.
         case_ids: the cases of this split.
-        edition: label table of the cases ("2021", "gli-post", "ped", ...; targets and regions follow it).
-        outputs: `model.outputs` ("labels" or "regions"): which sigmoid channels the targets have.
-        regions: `model.regions` (the region targets with outputs "regions"; empty: the table's defaults).
         crop: patch size for patch mode, or None for the whole cube.
         patches_per_case: patches drawn per case per epoch (patch mode).
-        augment: "cube48" for the 48 cube symmetries, "none" for no symmetry augmentation.
-        monai_augment: add MONAI intensity/spatial augmentations.
+        augment: `train.augment`, the recipe whose per-sample parameters are drawn here (the augmentation
+            itself runs on the device, `train/device_augment.py`); the nnU-Net recipes in patch mode read
+            nnU-Net's enlarged patch around the patch.
         seed: base seed of every random choice.
-        foreground_fraction: share of patches centred on a tumour voxel (patch mode).
+        foreground: share of patches centred on a tumour voxel, or "nnunet" (nnU-Net's rule: the last third
+            of every batch holds a voxel of a tumour class present in the case).
+        batch_size, world_size: the per-rank batch and the ranks, where a sample sits in its batch ("nnunet").
+        channels: the image channels (the nnU-Net recipes draw per-channel parameters).
 
-    Items are dicts: `image` float32 (C, D, H, W), `target` float32 (outputs, D, H, W), `label` uint8 (D, H, W),
-    `case_id` str.
+    Items are dicts: `image` a numpy array in the cache's dtype (float16 by default; C, *crop), `label` uint8
+    (*crop), both views of the memory maps (`collate_samples` reads them), `augment` the sample's parameters
+    (None for a plain int key), `pad` the widths that restore an enlarged crop from what was read (None: the
+    arrays are the sample, `enlarged_window`), `case_id` str.
     """
 
     def __init__(
-        self, cache: Path, case_ids: Sequence[str], *, edition: str, outputs: str, regions: Sequence[str] = (),
-        crop: Sequence[int] | None = None, patches_per_case: int = 1, augment: str = "none",
-        monai_augment: bool = False, seed: int = 0, foreground_fraction: float = 0.33,
+        self, cache: Path, case_ids: Sequence[str], *, crop: Sequence[int] | None = None, patches_per_case: int = 1,
+        augment: str = "none", seed: int = 0, foreground: float | str = 0.33, batch_size: int = 1,
+        world_size: int = 1, channels: int = 4,
     ) -> None:
         if not case_ids:
             raise DataError(f"{cache}: no cases to load for this split")
         self.cache = Path(cache)
         self.case_ids = list(case_ids)
-        self.edition = edition
-        self.outputs = outputs
-        self.regions = tuple(regions)
         self.crop = tuple(crop) if crop is not None else None
         self.patches_per_case = patches_per_case if crop is not None else 1
         self.augment = augment
         self.seed = seed
-        self.foreground_fraction = foreground_fraction
-        self.monai = build_monai_augment() if monai_augment else None
+        self.foreground = foreground
+        self.batch_size, self.world_size, self.channels = batch_size, world_size, channels
 
     def __len__(self) -> int:
         return len(self.case_ids) * self.patches_per_case
@@ -190,34 +191,30 @@ class CubeDataset(Dataset):
         if prepared.label is None:
             raise DataError(f"{self.cache / case_id}: prepared case has no label; it cannot be used for training")
         image, label = prepared.image, prepared.label
+        if self.crop is None:
+            # The memory maps themselves, in the cache's dtype: `collate_samples` copies them once into the
+            # batch (in the worker), the device converts them.
+            params = draw_params(self.augment, rng, label.shape, self.channels) if rng is not None else None
+            return {"image": image, "label": label, "augment": params, "pad": None, "case_id": case_id}
+        start = self.patch_start(key, label, rng)
+        read = worker_crop_size(self.augment if rng is not None else "none", self.crop, patch_mode=True)
+        window, pad = enlarged_window(start, self.crop, read, label.shape)
+        params = draw_params(self.augment, rng, self.crop, self.channels) if rng is not None else None
+        return {"image": image[(slice(None), *window)], "label": label[window], "augment": params,
+                "pad": pad if any(pad) else None, "case_id": case_id}
 
-        if self.crop is not None:
-            if rng is None:  # deterministic access (validation): the centre patch
-                start = tuple((s - p) // 2 for s, p in zip(label.shape, self.crop, strict=True))
-            else:
-                start = random_patch_start(label.shape, self.crop, label, rng, self.foreground_fraction)
-            window = tuple(slice(s, s + p) for s, p in zip(start, self.crop, strict=True))
-            image, label = image[(slice(None), *window)], label[window]
-
-        # Copy out of the memory map into float32 (the cache stores float16).
-        image = np.asarray(image, dtype=np.float32)
-        label = np.array(label, dtype=np.uint8)  # a copy: the memory map is read-only
-
-        if rng is not None and self.augment == "cube48":
-            options = allowed_symmetries(label.shape)
-            perm, flips = options[int(rng.integers(len(options)))]
-            image, label = apply_symmetry(image, perm, flips), apply_symmetry(label, perm, flips)
-
-        if rng is not None and self.monai is not None:
-            self.monai.set_random_state(seed=int(rng.integers(2**31 - 1)))
-            out = self.monai({"image": torch.from_numpy(image), "label": torch.from_numpy(label[None].astype(np.float32))})
-            image = np.asarray(torch.as_tensor(out["image"]).float().numpy(), dtype=np.float32)
-            label = np.rint(torch.as_tensor(out["label"]).numpy()[0]).astype(np.uint8)
-
-        label_tensor = torch.from_numpy(np.ascontiguousarray(label))
-        target = targets_from_labels(label_tensor[None].long(), self.edition, self.outputs, self.regions)[0].float()
-        return {"image": torch.from_numpy(np.ascontiguousarray(image)), "target": target, "label": label_tensor,
-                "case_id": case_id}
+    def patch_start(self, key: SampleKey | int, label: np.ndarray, rng: np.random.Generator | None
+                    ) -> tuple[int, int, int]:
+        """The patch's corner: the centre patch for a plain int key (validation), else `train.patch_foreground`'s."""
+        if rng is None:
+            return tuple((s - p) // 2 for s, p in zip(label.shape, self.crop, strict=True))  # type: ignore[return-value]
+        if self.foreground != "nnunet":
+            return random_patch_start(label.shape, self.crop, label, rng, float(self.foreground))
+        global_batch = self.batch_size * self.world_size  # RankShardSampler deals positions round-robin
+        assert isinstance(key, SampleKey)
+        if nnunet_forced_foreground((key.position % global_batch) // self.world_size, self.batch_size):
+            return class_patch_start(label.shape, self.crop, label, rng)
+        return random_patch_start(label.shape, self.crop, None, rng, 0.0)
 
 
 class EpochSampler(Sampler):
@@ -265,13 +262,42 @@ def seed_worker(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def stacked(arrays: Sequence[np.ndarray]) -> torch.Tensor:
+    """The arrays stacked into one tensor, read once out of the memory maps. numpy stacks (torch's CPU stack of
+    float16 is several times slower); in a loader worker into shared memory, as torch's own collate does,
+    so the batch reaches the main process without another copy."""
+    shape = (len(arrays), *arrays[0].shape)
+    template = torch.from_numpy(np.empty(0, dtype=arrays[0].dtype))
+    if get_worker_info() is None:
+        out = torch.empty(shape, dtype=template.dtype)
+    else:
+        storage = template._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
+        out = template.new(storage).resize_(shape)
+    np.stack(arrays, out=out.numpy())
+    return out
+
+
 def collate_samples(samples: list[dict]) -> dict:
+    """One batch of `CubeDataset` items (`stacked`), with the per-sample draws and pads as lists."""
     return {
-        "image": torch.stack([s["image"] for s in samples]),
-        "target": torch.stack([s["target"] for s in samples]),
-        "label": torch.stack([s["label"] for s in samples]),
+        "image": stacked([s["image"] for s in samples]),
+        "label": stacked([s["label"] for s in samples]),
+        "augment": [s["augment"] for s in samples],
+        "pad": [s["pad"] for s in samples],
         "case_id": [s["case_id"] for s in samples],
     }
+
+
+def loader_worker_count(data_cfg: DataConfig) -> int:
+    """`data.loader_workers`, with auto resolved as nnU-Net sizes its augmentation workers from the machine:
+    the CPUs this process may run on (its affinity: a SLURM allocation or `taskset` narrows it) shared by the
+    ranks (GPUs) on this host, one of them left to the main process that drives the device, at most 12
+    (nnU-Net's default); at least 1."""
+    if data_cfg.loader_workers != "auto":
+        return int(data_cfg.loader_workers)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(AUTO_LOADER_WORKERS_MAX, cpus // ranks - 1))
 
 
 @dataclass
@@ -285,6 +311,8 @@ class TrainData:
     val_loader: DataLoader
     generator: torch.Generator
     steps_per_epoch: int
+    device_batches: DeviceBatches  # a loader batch -> the step's augmented images and targets on the device
+    loader_workers: int  # `data.loader_workers` resolved
 
 
 def build_train_data(
@@ -301,23 +329,21 @@ def build_train_data(
     cache = Path(config.data.cache)
     crop = train_cfg.patch if train_cfg.mode == "patch" else None
     seed = config.seed * 1000 + fold  # folds draw different streams from one config seed
-    train_dataset = CubeDataset(
-        cache, train_ids, edition=edition, outputs=config.model.outputs, regions=config.model.regions, crop=crop,
-        patches_per_case=train_cfg.patches_per_case, augment=train_cfg.augment,
-        monai_augment=train_cfg.monai_augment, seed=seed, foreground_fraction=train_cfg.patch_foreground,
-    )
-    # Validation sees whole cubes: the cube Dice is the model selection signal in both modes.
-    val_dataset = CubeDataset(cache, val_ids, edition=edition, outputs=config.model.outputs,
-                              regions=config.model.regions, seed=seed)
-
     world_size = ctx.world_size if ctx is not None else 1
+    train_dataset = CubeDataset(
+        cache, train_ids, crop=crop, patches_per_case=train_cfg.patches_per_case, augment=train_cfg.augment,
+        seed=seed, foreground=train_cfg.patch_foreground, batch_size=train_cfg.batch_size, world_size=world_size,
+        channels=config.model.in_channels,
+    )
+    # Validation sees whole cubes, not augmented: the cube Dice is the model selection signal in both modes.
+    val_dataset = CubeDataset(cache, val_ids, seed=seed)
     global_batch = train_cfg.batch_size * world_size
     batches = train_cfg.steps_per_epoch or max(1, len(train_dataset) // global_batch)
     sampler = EpochSampler(len(train_dataset), batches * global_batch, seed)
     if ctx is not None and ctx.is_distributed:
         sampler = RankShardSampler(sampler, ctx)
     generator = torch.Generator().manual_seed(seed)
-    workers = config.data.loader_workers
+    workers = loader_worker_count(config.data)
     pin = device.type == "cuda"
     train_loader = DataLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,
@@ -329,4 +355,7 @@ def build_train_data(
         sampler=make_sampler(val_dataset, ctx, shuffle=False) if ctx is not None else None,
         collate_fn=collate_samples, pin_memory=pin, worker_init_fn=seed_worker,
     )
-    return TrainData(train_dataset, val_dataset, sampler, train_loader, val_loader, generator, batches)
+    device_batches = DeviceBatches(train_cfg.augment, device, edition=edition, outputs=config.model.outputs,
+                                   regions=config.model.regions, sample_size=crop or config.data.cube)
+    return TrainData(train_dataset, val_dataset, sampler, train_loader, val_loader, generator, batches,
+                     device_batches, workers)

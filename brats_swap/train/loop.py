@@ -74,7 +74,7 @@ from brats_swap.distributed import (
 from brats_swap.errors import ConfigError, NumericalError, TrainingInterrupted
 from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
-from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions
+from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions, targets_from_labels
 from brats_swap.progress import progress_bar
 from brats_swap.run.checkpoint import (
     capture_rng_states,
@@ -139,6 +139,7 @@ class LoopState:
     global_step: int = 0
     epoch_loss_sum: float = 0.0  # sum of the running epoch's step losses
     epoch_elapsed: float = 0.0  # seconds of the running epoch's steps, waiting for data included
+    epoch_data_wait: float = 0.0  # seconds of the running epoch's steps spent waiting for their batches
     epoch_start_loader_state: torch.Tensor | None = None  # loader generator at the running epoch's start
     best_val_dice: float | None = None  # best mean val Dice (selects checkpoint_best.pt)
     best_epoch: int | None = None
@@ -205,6 +206,10 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         self._installed.close()
+
+
+# A data wait above this share of an epoch's steps is worth one warning (the GPU idles for its batches).
+DATA_WAIT_WARN_SHARE = 0.10
 
 
 class _StopAtStep(Exception):
@@ -340,6 +345,7 @@ class FoldRecipe:
         self.stop_reason: str | None = None  # the signal that ended this call (SIGTERM/SIGUSR1)
         self.train_seconds = 0.0
         self.epoch_seconds: list[float] = []
+        self.warned_data_wait = False
 
     def fit(self, state: dict[str, Any] | None, stop_requested: Callable[[], bool] | None) -> TrainResult:
         """The recipe, top to bottom. `state` is the checkpoint to resume from (None: start fresh)."""
@@ -414,7 +420,7 @@ class FoldRecipe:
         self.sample_shape = input_shape[2:]
         # The one resolved policy: what the engine runs, the checkpoint saves and train.log records.
         self.memory_cfg = run_on_main(self.ctx, plan_memory, config, self.model, self.folder, input_shape, device,
-                                      reuse=resumed)
+                                      reuse=resumed, table=self.edition)
         # The host arena sized from the plan and allocated now: a host that cannot hold one step's swapped
         # activations is a one-line error here, before the first epoch, not an out-of-memory kill mid-step.
         arena = run_on_main(self.ctx, swap_arena_bytes, self.model, self.memory_cfg, input_shape,
@@ -449,7 +455,8 @@ class FoldRecipe:
                 f" step {self.loop.step_in_epoch}: {len(self.data.train_dataset.case_ids)} train / "
                 f"{len(self.data.val_dataset.case_ids)} val cases, {self.data.steps_per_epoch} steps/epoch, "
                 f"mode {train_cfg.mode} {list(self.sample_shape)}, {n_params:,} parameters, device {self.device}, "
-                f"memory.mode {self.memory_cfg.mode}, amp {train_cfg.amp}")
+                f"memory.mode {self.memory_cfg.mode}, amp {train_cfg.amp}, augment {train_cfg.augment} on the device, "
+                f"{self.data.loader_workers} loader workers")
         if ctx.is_distributed:
             line += f", {ctx.world_size} ranks ({ctx.backend}), global batch {ctx.world_size * train_cfg.batch_size}"
         return line
@@ -476,8 +483,10 @@ class FoldRecipe:
         with progress:
             task = progress.add_task("train", total=self.data.steps_per_epoch, completed=loop.step_in_epoch, info="")
             last_step_end = time.perf_counter()
-            for batch in self.data.train_loader:
+            batches = iter(self.data.train_loader)
+            while (batch := next(batches, None)) is not None:
                 step_started = time.perf_counter()
+                loop.epoch_data_wait += step_started - last_step_end  # this step's wait for its batch
                 loss_value = self.train_step(batch)
                 stats = self.engine.last_stats()
                 if stats is not None:
@@ -496,15 +505,30 @@ class FoldRecipe:
                 self._stop_within_epoch()
         record = {"epoch": loop.epoch + 1, "train_loss": loop.epoch_loss_sum / max(loop.step_in_epoch, 1),
                   "lr": self.optimizer.param_groups[0]["lr"],
-                  "step_s": float(np.mean(step_times)) if step_times else 0.0}
+                  "step_s": float(np.mean(step_times)) if step_times else 0.0,
+                  "data_wait_s": loop.epoch_data_wait,
+                  "data_wait_share": loop.epoch_data_wait / loop.epoch_elapsed if loop.epoch_elapsed > 0 else 0.0}
+        self._warn_on_data_wait(record)
         return record, {k: v / max(len(step_times), 1) for k, v in memory_sums.items()}
+
+    def _warn_on_data_wait(self, record: dict[str, Any]) -> None:
+        """Once per call: the steps waited for their batches more than `DATA_WAIT_WARN_SHARE` of the epoch."""
+        if self.warned_data_wait or record["data_wait_share"] <= DATA_WAIT_WARN_SHARE:
+            return
+        self.warned_data_wait = True
+        message = (f"{self.folder.root}: epoch {record['epoch']} waited {record['data_wait_s']:.1f} s for data "
+                   f"({record['data_wait_share']:.0%} of its steps' time): the device is starved; raise "
+                   f"data.loader_workers (now {self.data.loader_workers}) or choose a lighter train.augment")
+        self.log.line(f"warning: {message}")
+        if self.ctx.is_main:
+            warn(message)
 
     def train_step(self, batch: dict[str, Any]) -> float:
         """Forward and loss under the memory engine (and AMP), backward, optimiser step; the global batch's loss."""
         where = f"{self.folder.root}: epoch {self.loop.epoch + 1} step {self.loop.step_in_epoch + 1}"
-        images = batch["image"].to(self.device, non_blocking=True)
-        targets = batch["target"].to(self.device, non_blocking=True)
         try:
+            # float16 batch -> float32, augmented and turned into targets on the device (train/device_augment.py)
+            images, targets = self.data.device_batches.prepare(batch)
             with autocast_context(self.device, self.config.train.amp), self.engine.step():
                 loss = self.loss(self.train_model(images), targets)
             # Backward is queued before the loss is read: reading it (and the all-reduce) waits for the device.
@@ -556,7 +580,7 @@ class FoldRecipe:
         record.update(epoch_s=epoch_seconds, peak_memory_gib=peak / 2**30)
         loop.history.append(record)
         loop.epoch += 1
-        loop.step_in_epoch, loop.epoch_loss_sum, loop.epoch_elapsed = 0, 0.0, 0.0
+        loop.step_in_epoch, loop.epoch_loss_sum, loop.epoch_elapsed, loop.epoch_data_wait = 0, 0.0, 0.0, 0.0
         loop.finished = loop.stopped_early or loop.epoch >= train_cfg.max_epochs
         step_after_epoch(self.scheduler)
         self.epoch_seconds.append(epoch_seconds)
@@ -645,12 +669,13 @@ def validation_scores(config: Config, model: torch.nn.Module, loader, edition: s
     regions = run_regions(edition, config.model)
     per_case: dict[str, tuple[float, ...]] = {}
     for batch in loader:
-        probs = predict_cube(model, batch["image"], config, device)
+        probs = predict_cube(model, batch["image"].float(), config, device)  # the cache's float16 -> float32
+        targets = targets_from_labels(batch["label"].long(), edition, config.model.outputs, config.model.regions)
         labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
                                    regions=config.model.regions).numpy()
         for i, (case_id, pred, true) in enumerate(zip(batch["case_id"], labels, batch["label"].numpy(), strict=True)):
             dice = region_dice(pred, true, edition, regions)
-            loss = float(weighted_dice_loss(probs[i:i + 1], batch["target"][i:i + 1]))
+            loss = float(weighted_dice_loss(probs[i:i + 1], targets[i:i + 1].float()))
             per_case[case_id] = (loss, *(float(dice[dice_column(r)]) for r in regions))
     model.train()
     if ctx is not None and ctx.is_distributed:

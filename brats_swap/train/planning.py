@@ -20,6 +20,7 @@ import torch
 from brats_swap.atomic import atomic_write_json
 from brats_swap.config import Config, ConfigError, DataConfig, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
+from brats_swap.data.challenges import get_challenge
 from brats_swap.data.discovery import check_forced_convention, resolve_convention
 from brats_swap.errors import DeviceOutOfMemoryError
 from brats_swap.memory.arena import arena_bytes, check_host_memory
@@ -34,6 +35,7 @@ from brats_swap.run.console import console
 from brats_swap.run.device import amp_dtype
 from brats_swap.run.figures import pyplot, savefig_deterministic
 from brats_swap.run.folder import FoldFolder
+from brats_swap.train.device_augment import augment_buffers
 from brats_swap.train.losses import training_loss, weighted_dice_loss
 
 # `brats-swap plan --dtype`: the dtype activations are priced in (default: the one `train.amp` trains in).
@@ -41,6 +43,7 @@ PLAN_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bf
                "fp16": torch.float16, "float16": torch.float16}
 # Device bytes of optimizer state per parameter byte: Adam keeps two moments, SGD with momentum one buffer.
 OPTIMIZER_STATE_FACTOR = {"adam": 2, "sgd": 1}
+GLIOMA_LABEL_VALUES = 4  # background and the three tumour labels of every glioma table (2017-2021, GLI)
 
 
 def optimizer_state_factor(config: Config) -> int:
@@ -52,6 +55,17 @@ def training_input_shape(config: Config) -> tuple[int, ...]:
     """(batch, channels, D, H, W) of one training step: the cube, or the patch in `train.mode: patch`."""
     sample = config.train.patch if config.train.mode == "patch" else config.data.cube
     return (config.train.batch_size, config.model.in_channels, *sample)
+
+
+def augmentation_bytes(config: Config, table: str | None = None) -> int:
+    """Device bytes the batch's augmentation holds before each forward (`train.augment` on the device, freed
+    when the forward starts): the planner's `prelude_bytes`. The label values are those of `table` (the
+    run's), else of the table the config forces, else of the glioma tables (0 and three tumour labels)."""
+    table = table or configured_table(config.data)
+    num_labels = 1 + len(get_challenge(table).label_values) if table else GLIOMA_LABEL_VALUES
+    batch, channels, *sample = training_input_shape(config)
+    return augment_buffers(config.train.augment, batch, channels, sample, num_labels,
+                           patch_mode=config.train.mode == "patch")
 
 
 def configured_table(data_cfg: DataConfig) -> str | None:
@@ -98,13 +112,14 @@ def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_sha
 
 
 def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, input_shape: tuple[int, ...],
-                device: torch.device, reuse: bool) -> MemoryConfig:
+                device: torch.device, reuse: bool, table: str | None = None) -> MemoryConfig:
     """The fold's memory policy, resolved once: what the engine runs, the checkpoint saves and the run records.
 
     `memory.mode: auto` asks the planner for the fastest policy that fits `memory.budget_gib` and
     records the plan in the fold's `memory_plan.json`; a resumed fold (`reuse`) reads it back instead of
     planning again. Every mode then goes through `effective_memory_config` (e.g. `recompute` with nothing
-    to recompute means norm_act), so the result is the concrete policy, never `auto`.
+    to recompute means norm_act), so the result is the concrete policy, never `auto`. The plan counts the
+    augmentation's device buffers (`augmentation_bytes`, labels of the run's `table`).
     """
     check_globs(model, config.memory)
     if config.memory.mode != "auto":
@@ -115,7 +130,8 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
         return effective_memory_config(from_dict(MemoryConfig, saved["memory"], "memory"))
     chosen, report = choose_policy(model, config.memory, input_shape, amp_dtype(config.train.amp), device,
                                    loss_fn=training_loss(config.train.loss, model),
-                                   optimizer_state_factor=optimizer_state_factor(config))
+                                   optimizer_state_factor=optimizer_state_factor(config),
+                                   prelude_bytes=augmentation_bytes(config, table))
     chosen = effective_memory_config(chosen)
     atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
@@ -144,7 +160,8 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
         cost = resolve_cost_model(model, "gpu" if device.type == "cuda" else "cpu", dtype, loss_fn=loss_fn,
                                   bandwidth_gbs=memory_cfg.bandwidth_gbs)
         planner = Planner(model, shape, dtype=dtype, loss_fn=loss_fn, cost=cost,
-                          optimizer_state_factor=optimizer_state_factor(config))
+                          optimizer_state_factor=optimizer_state_factor(config),
+                          prelude_bytes=augmentation_bytes(config))
         peak = planner.memory(memory_cfg).peak_bytes
         needs = f" the planner predicts it needs about {peak / GIB:.2f} GiB for input {list(shape)}"
         needs += f" on this {total:.0f} GiB device;" if total else ";"
@@ -202,8 +219,9 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     loss_fn = training_loss(config.train.loss, model)
     cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
+    prelude = augmentation_bytes(dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch)))
     return plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype, cost=cost,
-                       loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config))
+                       loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config), prelude_bytes=prelude)
 
 
 _TIMELINE_COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "recompute": "#55A868", "stall": "#C44E52",

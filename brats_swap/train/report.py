@@ -42,6 +42,7 @@ class TrainLog:
         self._scalar("lr", record["lr"], epoch)
         self._scalar("time/step_s", record["step_s"], epoch)
         self._scalar("time/epoch_s", record["epoch_s"], epoch)
+        self._scalar("time/data_wait_s", record["data_wait_s"], epoch)  # the epoch's steps waiting for batches
         self._scalar("memory/peak_gib", record["peak_memory_gib"], epoch)
         for key, value in memory_stats.items():
             self._scalar(f"memory/{key.removeprefix('memory/')}", value, epoch)
@@ -53,6 +54,7 @@ class TrainLog:
                 parts.append(f"{key} {record[key]:.4f}")
                 self._scalar(f"val/{key}", record[key], epoch)
         parts += [f"lr {record['lr']:.3g}", f"{record['step_s']:.2f} s/step", f"epoch {record['epoch_s']:.1f} s",
+                  f"data wait {record['data_wait_s']:.1f} s ({record['data_wait_share']:.0%})",
                   f"peak {record['peak_memory_gib']:.2f} GiB"]
         if record.get("best"):
             parts.append("best")
