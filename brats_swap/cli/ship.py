@@ -10,9 +10,9 @@ from typing import Annotated
 
 import typer
 
-from brats_swap.cli.common import FoldsOption, console, flag, handle_errors
+from brats_swap.cli.common import FoldsOption, flag, handle_errors
 from brats_swap.errors import ConfigError, DataError
-from brats_swap.run.console import warn
+from brats_swap.run.console import line_console, warn
 
 TaskOption = Annotated[str | None, typer.Option("--task", help="The challenge task, i.e. its label table: gli, "
                                                 "gli-post, met, men, men-rt, ped, ssa, goat (default: the "
@@ -20,7 +20,7 @@ TaskOption = Annotated[str | None, typer.Option("--task", help="The challenge ta
 
 
 def _say(line: str) -> None:
-    console.print(line)
+    line_console.print(line)
 
 
 @handle_errors
@@ -141,7 +141,7 @@ def check_submission(
     for line in report.warnings:
         warn(line)
     for line in report.problems:
-        console.print(f"problem: {line}")
+        line_console.print(f"problem: {line}")
     if report.problems:
         raise DataError(f"{output_dir}: {len(report.problems)} problem(s) for {report.cases} input case(s); "
                         "fix them before submitting")
