@@ -235,7 +235,8 @@ def validate_memory_config(memory: MemoryConfig) -> None:
     require(memory.swap.mid_from_marker >= 0, "memory.swap.mid_from_marker", "must be 0 or more")
     require(memory.swap.mid_until_block >= 0, "memory.swap.mid_until_block", "must be 0 or more")
     require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")
-    require(memory.swap.max_inflight_bytes > 0, "memory.swap.max_inflight_bytes", "must be positive")
+    require(memory.swap.max_inflight_bytes is None or memory.swap.max_inflight_bytes > 0,
+            "memory.swap.max_inflight_bytes", "must be positive, or null for a share of the budget or card")
     gbs = memory.swap.emulate_gbs
     require(gbs is None or (gbs > 0 and math.isfinite(gbs)), "memory.swap.emulate_gbs",
             f"must be a positive finite GB/s or null, got {gbs}")

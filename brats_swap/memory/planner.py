@@ -49,7 +49,14 @@ from torch import nn
 
 from brats_swap.config import ConfigError, MemoryConfig, RecomputeConfig
 from brats_swap.memory.arena import arena_bytes
-from brats_swap.memory.budget import BUDGET_HEADROOM, overhead_bytes, tensor_limit, with_overhead
+from brats_swap.memory.budget import (
+    BUDGET_HEADROOM,
+    inflight_window_bytes,
+    overhead_bytes,
+    tensor_limit,
+    with_inflight_window,
+    with_overhead,
+)
 from brats_swap.memory.cost import OpCostModel, default_cost_model, resolve_cost_model
 from brats_swap.memory.presets import named_policies, resolve_presets
 from brats_swap.memory.recorder import trace_step
@@ -101,7 +108,15 @@ class PolicyPrediction:
             "predicted_step_s": round(float(self.step_s), 5),
             "prefetch_misses": self.prefetch_misses,
             "fits": self.fits,
+            "max_inflight_bytes": self.inflight_bytes,
         }
+
+    @property
+    def inflight_bytes(self) -> int | None:
+        """The in-flight window this prediction assumes (rule 7); None for a policy that does not swap."""
+        if self.policy.mode not in SWAP_MODES:
+            return None
+        return inflight_window_bytes(self.policy)
 
 
 @dataclass
@@ -348,7 +363,7 @@ def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Seque
     the budget, bandwidth and device overhead (default: `device`'s) carried over from `memory_cfg`) and the
     report to save with the run. Raises ConfigError naming `memory.budget_gib` and the floor when nothing fits.
     """
-    memory_cfg = with_overhead(memory_cfg, device)
+    memory_cfg = with_inflight_window(with_overhead(memory_cfg, device), device)
     if memory_cfg.budget_gib is None:
         raise ValueError("choose_policy needs memory_cfg.budget_gib (a validated config with mode auto has one)")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -40,6 +40,9 @@ CUBE_SYMMETRIES: tuple[tuple[tuple[int, int, int], tuple[bool, bool, bool]], ...
 )
 
 
+# Batches each DataLoader worker loads ahead (pinned on CUDA): the host memory `plan` reports counts them.
+LOADER_PREFETCH_FACTOR = 2
+
 def allowed_symmetries(shape: Sequence[int]) -> list[tuple[tuple[int, int, int], tuple[bool, bool, bool]]]:
     """Symmetries that keep the array shape: an axis permutation may only swap axes of equal size."""
     return [(perm, flips) for perm, flips in CUBE_SYMMETRIES if all(shape[p] == shape[i] for i, p in enumerate(perm))]
@@ -322,7 +325,7 @@ def build_train_data(
     train_loader = DataLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_samples, pin_memory=pin, drop_last=True, worker_init_fn=seed_worker, generator=generator,
-        persistent_workers=False, prefetch_factor=2 if workers else None,
+        persistent_workers=False, prefetch_factor=LOADER_PREFETCH_FACTOR if workers else None,
     )
     val_loader = DataLoader(
         val_dataset, batch_size=train_cfg.val_batch_size, shuffle=False, num_workers=min(workers, 1),
