@@ -21,7 +21,7 @@ For each cube and policy (none, the presets of `brats_swap.memory.presets`, and 
   byte counts match exactly. `--delays` delays every copy by a random time (`memory.swap.copy_delay_s`):
   where storages are released does not depend on copy timing, so the peaks must not move.
   `--inflight-mib` sets `swap.max_inflight_bytes` of every policy (default on the CPU: 8 MiB, sized
-  to these small cubes; the config default, 4 GiB, is sized to a GPU at 192³).
+  to these small cubes; on a GPU the config's default, a share of the budget or the card).
   A shared CPU's speed drifts with other processes' load, so the policies run interleaved (one step of
   each per round, each on its own copy of the model) and the planner's profile (`profile_device`) is
   taken once per round too. Other processes only ever slow a step down, so on the CPU the measured step

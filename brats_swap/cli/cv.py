@@ -163,6 +163,11 @@ def cv(
     else:
         outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
                          parallel_folds=parallel_folds, console=console)
+    _report(outcome, run_dir)
+
+
+def _report(outcome, run_dir) -> None:
+    """What the call did, and its exit code (module docstring)."""
     if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
         return
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
