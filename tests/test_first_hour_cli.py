@@ -17,7 +17,14 @@ from brats_swap.cli.main import app
 from brats_swap.cli.plan import priced_recipe
 from brats_swap.config import config_to_yaml, load_config
 from brats_swap.cv import slurm
-from brats_swap.cv.slurm import PROCESS_BYTES, SUMMARY_TIME, WORKER_BYTES, SlurmOptions, cv_script, summary_script
+from brats_swap.cv.slurm import (
+    PROCESS_BYTES,
+    SUMMARY_TIME,
+    WORKER_BYTES,
+    SlurmOptions,
+    cv_script,
+    summary_script,
+)
 from brats_swap.cv.status import run_status
 from brats_swap.run.checkpoint import save_checkpoint
 from brats_swap.run.folder import RunFolder

@@ -3,7 +3,8 @@
 Exit codes: 0 = the run is consistent (complete, or stopped by --max-hours at an epoch boundary or by
 SIGTERM/SIGUSR1 at a step, and continued by the next invocation); 75 = another process holds the fold (or the
 whole run folder), nothing changed;
-1 / 2 = bad data / bad config (one line on stderr).
+1 / 2 = bad data / bad config or options that cannot go together, e.g. --status with --submit (one line on
+stderr).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from brats_swap.cli.common import ConfigOption, SetOption, console, handle_error
 from brats_swap.config import Config, MemoryConfig
 from brats_swap.config.loader import diff_configs
 from brats_swap.errors import ConfigError
+from brats_swap.memory.budget import INFLIGHT_SHARE
 from brats_swap.memory.planner import GIB, PlanReport
 from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES
 from brats_swap.run.device import amp_dtype
@@ -64,8 +65,8 @@ def plan(
     with console.status("planning: tracing one step on the meta device and pricing every policy ..."):
         report, planner = plan_for_config(resolved, batch=batch, budget_gib=budget, dtype=dtype,
                                           bandwidth_gbs=bandwidth, device=device, profile=saved_profile)
-    print_report(report)
     _say(priced_recipe(resolved, config, set_, batch=batch, dtype=dtype))
+    print_report(report)
     shown = report.chosen or next(p for p in report.policies if p.name == "none")
     _print_host_memory(host_memory(resolved, planner.arena_bytes(shown.policy)))
     if json_out is not None:
@@ -169,8 +170,8 @@ def print_report(report: PlanReport) -> None:
                       f"{policy.recompute_flops / 1e9:.1f}", f"{policy.step_s:.3f}", overhead, fits)
     console.print(table)
     _say("window: memory.swap.max_inflight_bytes, the in-flight window: how many bytes may be saved after a "
-         "swapped tensor before the step waits for its copy (unset: 1/16 of what the budget, or the card, leaves "
-         "for tensors)")
+         f"swapped tensor before the step waits for its copy (unset: 1/{round(1 / INFLIGHT_SHARE)} of what the "
+         "budget, or the card, leaves for tensors)")
     _say("floor: the least any keep/swap/recompute policy could need (parameters, optimizer state and the "
          "step's largest working set with every saved tensor off the device until read); no plan goes below it")
     _say(f"time model: {report.cost_model.get('name', '?')}; planned in {report.plan_seconds:.1f} s")
