@@ -110,7 +110,7 @@ def cv(
     gpus_per_fold: Annotated[int | None, _submit_option("--gpus-per-fold", help="GPUs per fold task (default 1, "
                                                         "0 when train.device is cpu); N > 1 runs under torchrun.")] = None,
     cpus_per_fold: Annotated[int | None, _submit_option("--cpus-per-fold", help="CPUs per fold task (default: "
-                                                        "data.loader_workers + 1 per GPU).")] = None,
+                                                        "data.loader_workers + train.threads, else 1, per GPU).")] = None,
     mem: Annotated[str | None, _submit_option("--mem", help="Memory per fold task, e.g. 64G (default: from the "
                                               "config and the plan, as the script's comment says).")] = None,
     account: Annotated[str | None, _submit_option("--account", help="SLURM account.")] = None,

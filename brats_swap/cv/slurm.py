@@ -16,8 +16,8 @@ Two plain job scripts are written into `RUN/slurm/` (users read and edit them; r
   short time limit (`--summary-time`, default `SUMMARY_TIME`).
 
 Unless given, each fold task's `--cpus-per-task` and `--mem` follow the config and the plan
-(`fold_resources`): a CPU for each rank and for each of its `data.loader_workers`, and host memory for
-each rank's process, its loader workers, the batches they hold ahead and its pinned swap arena.
+(`fold_resources`): per rank a CPU for each of its `data.loader_workers` and its compute threads, and host
+memory for each rank's process, its loader workers, the batches they hold ahead and its pinned swap arena.
 
 Folds of one run may train on different nodes at once: each holds its own fold lock (cv/lock.py), so the
 run folder must be on a file system shared by the nodes, with working `flock`.
@@ -98,17 +98,19 @@ def brats_swap_command() -> str:
 
 def fold_resources(config: Config, gpus: int) -> tuple[int, str, str]:
     """(`--cpus-per-task`, `--mem`, how they were derived) of one fold task: `gpus` ranks (one without a
-    GPU), each a process with `data.loader_workers` workers, the batches they hold ahead and the pinned swap
-    arena of the config's memory policy (for `memory.mode: auto`, that of swapping everything it could)."""
+    GPU), each a process with its compute threads (`train.threads`, default 1), `data.loader_workers`
+    workers, the batches they hold ahead and the pinned swap arena of the config's memory policy (for
+    `memory.mode: auto`, that of swapping everything it could)."""
     ranks = max(gpus, 1)
     workers = config.data.loader_workers
+    threads = config.train.threads or 1
     host = host_memory(config, arena_bound_bytes(config))
     per_rank = PROCESS_BYTES + workers * WORKER_BYTES + host.total_bytes
     mem_gib = math.ceil(ranks * per_rank / GIB)
-    how = (f"{ranks} rank(s) x ({workers} loader workers + 1) CPUs; {ranks} x ({PROCESS_BYTES / GIB:g} GiB process "
-           f"+ {workers} x {WORKER_BYTES / GIB:g} GiB workers + {host.loader_bytes / GIB:.2f} GiB loader batches + "
-           f"{host.arena_bytes / GIB:.2f} GiB swap arena)")
-    return ranks * (workers + 1), f"{mem_gib}G", how
+    how = (f"{ranks} rank(s) x ({workers} loader workers + {threads} compute thread(s)) CPUs; {ranks} x "
+           f"({PROCESS_BYTES / GIB:g} GiB process + {workers} x {WORKER_BYTES / GIB:g} GiB workers + "
+           f"{host.loader_bytes / GIB:.2f} GiB loader batches + {host.arena_bytes / GIB:.2f} GiB swap arena)")
+    return ranks * (workers + threads), f"{mem_gib}G", how
 
 
 def _directives(config: Config, options: SlurmOptions) -> list[str]:
