@@ -61,6 +61,7 @@ import torch
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config.schema import MemoryConfig, ModelConfig
+from brats_swap.memory.budget import with_inflight_window
 from brats_swap.memory.cost import OpCostModel, default_cost_model, profile_device
 from brats_swap.memory.engine import MemoryEngine
 from brats_swap.memory.link import EmulatedLink
@@ -524,6 +525,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     inflight_mib = args.inflight_mib if args.inflight_mib is not None else (8 if device.type == "cpu" else None)
     if inflight_mib is not None:
         base.swap.max_inflight_bytes = int(inflight_mib * 2**20)
+    base = with_inflight_window(base, device)  # the planner prices the window the engine runs on this card
     torch.manual_seed(0)
     model = build_model(ModelConfig(base_filters=base_filters)).to(device)
     rates = cpu_rates() if device.type == "cpu" else None

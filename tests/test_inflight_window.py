@@ -85,3 +85,27 @@ def test_default_window_follows_the_budget_the_card_and_the_cpu():
     explicit.swap.max_inflight_bytes = 123
     assert with_inflight_window(explicit, "gpu") is explicit
     assert with_inflight_window(MemoryConfig(), "cpu").swap.max_inflight_bytes == CPU_INFLIGHT_BYTES
+
+
+def test_the_planner_prices_the_window_the_engine_runs():
+    """With the window unset, the planner (no device: a CPU) predicts the engine's peak on the emulated link
+    exactly, and `auto` prices the presets with the window of the card it plans for."""
+    from brats_swap.memory.cost import default_cost_model
+    from brats_swap.memory.planner import Planner
+
+    net = _three_layer_net()
+    x = torch.randn(1, 2, 40, 40, 40)
+    policy = MemoryConfig()
+    policy.mode = "swap"
+    policy.swap.emulate_gbs = 4.0
+    cost = default_cost_model("cpu")
+    cost.sync_copies = False  # the emulated link copies asynchronously, as the engine's does
+    planner = Planner(net, x.shape, loss_fn=lambda out, _: out.square().mean(), cost=cost)
+    stats, cfg, _ = _step(copy.deepcopy(net), x, policy)
+    predicted = planner.predict("swap", policy)
+    assert predicted.inflight_bytes == cfg.swap.max_inflight_bytes == CPU_INFLIGHT_BYTES
+    assert predicted.peak_resident_saved_bytes == stats.peak_resident_saved_bytes
+    _, fitting = planner.auto(0.5 * GIB, MemoryConfig())
+    budget = MemoryConfig(budget_gib=0.5)
+    presets = [p for p in fitting if p.name in ("swap_all", "hybrid")]
+    assert presets and all(p.inflight_bytes == inflight_window_bytes(budget) for p in presets)

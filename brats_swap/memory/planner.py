@@ -42,7 +42,7 @@ import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -292,6 +292,8 @@ class Planner:
         and every fitting policy priced on the way (module docstring). Recompute variants are tried
         cheapest first; one whose compute alone is no faster than the best plan so far is skipped."""
         base = copy.deepcopy(base or MemoryConfig())
+        if base.swap.max_inflight_bytes is None:  # unset: the window of the card planned for (memory.budget)
+            base.swap.max_inflight_bytes = inflight_window_bytes(replace(base, budget_gib=budget_bytes / GIB))
         if allow_compress is None:
             allow_compress = base.swap.compress == "bf16"
         limit = tensor_limit(budget_bytes, base)
