@@ -66,6 +66,7 @@ from validate_plan import SAVE_ON_CPU, measure, relative_error, torch_threads  #
 from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
 from brats_swap.memory.arena import HostArena  # noqa: E402
+from brats_swap.memory.budget import with_inflight_window  # noqa: E402
 from brats_swap.memory.cost import bytes_per_second  # noqa: E402
 from brats_swap.memory.device_profile import resolve_cost_model  # noqa: E402
 from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from  # noqa: E402
@@ -169,7 +170,7 @@ class Check:
         if self.sizes.min_bytes is not None:
             base.swap.min_bytes = self.sizes.min_bytes
         base.swap.emulate_gbs = self.sizes.emulate_gbs
-        return base
+        return with_inflight_window(base, self.device)  # the planner prices the window the engine runs here
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(0)

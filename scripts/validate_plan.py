@@ -21,7 +21,7 @@ For each cube and policy (none, the presets of `brats_swap.memory.presets`, and 
   byte counts match exactly. `--delays` delays every copy by a random time (`memory.swap.copy_delay_s`):
   where storages are released does not depend on copy timing, so the peaks must not move.
   `--inflight-mib` sets `swap.max_inflight_bytes` of every policy (default on the CPU: 8 MiB, sized
-  to these small cubes; the config default, 4 GiB, is sized to a GPU at 192³).
+  to these small cubes; on a GPU the config's default, a share of the budget or the card).
   A shared CPU's speed drifts with other processes' load, so the policies run interleaved (one step of
   each per round, each on its own copy of the model) and the planner's profile (`profile_device`) is
   taken once per round too. Other processes only ever slow a step down, so on the CPU the measured step
@@ -61,6 +61,7 @@ import torch
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config.schema import MemoryConfig, ModelConfig
+from brats_swap.memory.budget import with_inflight_window
 from brats_swap.memory.cost import OpCostModel, default_cost_model
 from brats_swap.memory.device_profile import profile_device
 from brats_swap.memory.engine import MemoryEngine
@@ -525,6 +526,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     inflight_mib = args.inflight_mib if args.inflight_mib is not None else (8 if device.type == "cpu" else None)
     if inflight_mib is not None:
         base.swap.max_inflight_bytes = int(inflight_mib * 2**20)
+    base = with_inflight_window(base, device)  # the planner prices the window the engine runs on this card
     torch.manual_seed(0)
     model = build_model(ModelConfig(base_filters=base_filters)).to(device)
     rates = cpu_rates() if device.type == "cpu" else None

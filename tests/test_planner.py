@@ -273,7 +273,7 @@ def test_plan_cli_writes_json_and_timeline(tmp_path):
                          "recompute", "norm_act", "hybrid"]
     for row in report["policies"]:
         assert set(row) == {"name", "predicted_peak_gib", "swapped_gib", "recompute_gflop", "predicted_step_s",
-                            "prefetch_misses", "fits"}
+                            "prefetch_misses", "fits", "max_inflight_bytes"}
     assert report["chosen"]["fits"] is True
     assert report["chosen"]["predicted_peak_gib"] <= 0.25
     # Every peak is on the card: the step's tensors and the device overhead, reported on its own too.

@@ -3,7 +3,8 @@
 Exit codes: 0 = the run is consistent (complete, or stopped by --max-hours at an epoch boundary or by
 SIGTERM/SIGUSR1 at a step, and continued by the next invocation); 75 = another process holds the fold (or the
 whole run folder), nothing changed;
-1 / 2 = bad data / bad config (one line on stderr).
+1 / 2 = bad data / bad config or options that cannot go together, e.g. --status with --submit (one line on
+stderr).
 """
 
 from __future__ import annotations
@@ -41,8 +42,53 @@ def _submit_option(*names: str, help: str, **kwargs):  # noqa: A002 - typer's ke
     return typer.Option(*names, help=help, rich_help_panel=SUBMIT_PANEL, show_default=False, **kwargs)
 
 
+# `cv` does one of five things; each reads only some options. A given option another mode would read is a
+# usage error (exit 2), never silently ignored (e.g. --parallel-folds with --submit) or outranked (--status
+# with --submit). The mode options themselves exclude each other.
+MODE_OPTIONS = ("status", "summary", "submit", "nproc")
+_SUBMIT_KNOBS = frozenset({"partition", "time_limit", "gpus_per_fold", "cpus_per_fold", "mem", "account", "qos",
+                           "grace", "sbatch_arg", "dry_run", "summary_partition", "summary_time"})
+_RUN = frozenset({"config", "set_", "run"})
+MODE_READS: dict[str, frozenset[str]] = {
+    "status": frozenset({"run"}),
+    "summary": _RUN,
+    "submit": _RUN | _SUBMIT_KNOBS,
+    "nproc": _RUN | {"folds", "max_hours"},
+    "train": _RUN | {"folds", "max_hours", "parallel_folds"},
+}
+
+
+def check_option_combination(ctx: typer.Context) -> str:
+    """The mode the given options select (one of `MODE_OPTIONS`, else "train"); ConfigError (exit 2), one line,
+    for two modes at once or an option the mode does not read."""
+    sources = {param.name: ctx.get_parameter_source(param.name) for param in ctx.command.params}
+    # Typer's click keeps ParameterSource private; its member names are the interface.
+    given = [param for param in ctx.command.params
+             if sources[param.name] is not None and sources[param.name].name not in ("DEFAULT", "DEFAULT_MAP")]
+    spelled = {param.name: param.opts[0] for param in given}
+    modes = [name for name in MODE_OPTIONS if name in spelled]
+    if len(modes) > 1:
+        raise ConfigError(f"cv: {spelled[modes[0]]} and {spelled[modes[1]]} cannot go together; choose one")
+    mode = modes[0] if modes else "train"
+    for name, option in spelled.items():
+        if name != mode and name not in MODE_READS[mode]:
+            doing = f"with {spelled[mode]}" if modes else "without --submit"
+            raise ConfigError(f"cv: {option} does not apply {doing}; {_MODE_READS_TEXT[mode]}")
+    return mode
+
+
+_MODE_READS_TEXT = {
+    "status": "--status reads the run folder alone (give only --run)",
+    "summary": "--summary trains nothing (give --config/--set/--run only)",
+    "submit": "the job scripts run every unfinished fold as its own task (size them with the submit options)",
+    "nproc": "--nproc trains one fold at a time on all ranks (no --parallel-folds)",
+    "train": "the submit options size the SLURM jobs of --submit slurm",
+}
+
+
 @handle_errors
 def cv(
+    ctx: typer.Context,
     config: ConfigOption = None,
     set_: SetOption = None,
     run: RunOption = None,
@@ -59,12 +105,14 @@ def cv(
                                           )] = False,
     submit: Annotated[str | None, _submit_option("--submit", help="'slurm': write RUN/slurm/cv.sbatch (one array "
                                                  "task per unfinished fold) and summary.sbatch, and sbatch them.")] = None,
-    partition: Annotated[str | None, _submit_option("--partition", help="SLURM partition.")] = None,
+    partition: Annotated[str | None, _submit_option("--partition", help="SLURM partition of the fold tasks.")] = None,
     time_limit: Annotated[str | None, _submit_option("--time", help="Time limit per fold task, e.g. 24:00:00.")] = None,
     gpus_per_fold: Annotated[int | None, _submit_option("--gpus-per-fold", help="GPUs per fold task (default 1, "
                                                         "0 when train.device is cpu); N > 1 runs under torchrun.")] = None,
-    cpus_per_fold: Annotated[int | None, _submit_option("--cpus-per-fold", help="CPUs per fold task.")] = None,
-    mem: Annotated[str | None, _submit_option("--mem", help="Memory per fold task, e.g. 64G.")] = None,
+    cpus_per_fold: Annotated[int | None, _submit_option("--cpus-per-fold", help="CPUs per fold task (default: "
+                                                        "data.loader_workers + train.threads, else 1, per GPU).")] = None,
+    mem: Annotated[str | None, _submit_option("--mem", help="Memory per fold task, e.g. 64G (default: from the "
+                                              "config and the plan, as the script's comment says).")] = None,
     account: Annotated[str | None, _submit_option("--account", help="SLURM account.")] = None,
     qos: Annotated[str | None, _submit_option("--qos", help="SLURM quality of service.")] = None,
     grace: Annotated[int, _submit_option("--grace", help="Seconds of warning (SIGUSR1) before the time limit: "
@@ -73,6 +121,11 @@ def cv(
                                                            "through (repeatable), e.g. --sbatch-arg=--exclusive.")] = None,
     dry_run: Annotated[bool, _submit_option("--dry-run", help="With --submit: write and print the scripts, "
                                             "submit nothing.")] = False,
+    summary_partition: Annotated[str | None, _submit_option("--summary-partition", help="SLURM partition of the "
+                                                            "summary job, which needs no GPU (default: the "
+                                                            "cluster's default partition).")] = None,
+    summary_time: Annotated[str | None, _submit_option("--summary-time", help="Time limit of the summary job "
+                                                       "(default one hour).")] = None,
 ) -> None:
     """Train and evaluate the folds of a cross-validation run, continuing where the last call stopped.
 
@@ -84,6 +137,7 @@ def cv(
     """
     from brats_swap.cv import run_cv
 
+    check_option_combination(ctx)
     if status:
         return _print_status(run)
     resolved, run_dir = _run_and_config(config, set_, run)
@@ -91,7 +145,8 @@ def cv(
         from brats_swap.cv.slurm import SlurmOptions
 
         options = SlurmOptions(partition=partition, time=time_limit, gpus_per_fold=gpus_per_fold,
-                               cpus_per_fold=cpus_per_fold, mem=mem, account=account, qos=qos, grace=grace,
+                               cpus_per_fold=cpus_per_fold, mem=mem, account=account, qos=qos,
+                               summary_partition=summary_partition, summary_time=summary_time, grace=grace,
                                sbatch_args=list(sbatch_arg or []))
         return _submit(submit, resolved, run_dir, options, dry_run)
     if summary:
@@ -109,6 +164,11 @@ def cv(
     else:
         outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
                          parallel_folds=parallel_folds, console=line_console)
+    _report(outcome, run_dir)
+
+
+def _report(outcome, run_dir) -> None:
+    """What the call did, and its exit code (module docstring)."""
     if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
         return
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")

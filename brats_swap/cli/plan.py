@@ -12,9 +12,14 @@ from rich.table import Table
 
 from brats_swap.atomic import atomic_write_json
 from brats_swap.cli.common import ConfigOption, SetOption, console, handle_errors, resolve_config
+from brats_swap.config import Config, MemoryConfig
+from brats_swap.config.loader import diff_configs
 from brats_swap.errors import ConfigError
+from brats_swap.memory.budget import INFLIGHT_SHARE
 from brats_swap.memory.planner import GIB, PlanReport
-from brats_swap.train.planning import plan_for_config, write_timeline_png
+from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES
+from brats_swap.run.device import amp_dtype
+from brats_swap.train.planning import HostMemory, host_memory, plan_for_config, write_timeline_png
 
 # `--size 160 192 160`: click gives an option one value; the two edges after it arrive as extra arguments.
 CONTEXT = {"allow_extra_args": True}
@@ -60,7 +65,10 @@ def plan(
     with console.status("planning: tracing one step on the meta device and pricing every policy ..."):
         report, planner = plan_for_config(resolved, batch=batch, budget_gib=budget, dtype=dtype,
                                           bandwidth_gbs=bandwidth, device=device, profile=saved_profile)
+    _say(priced_recipe(resolved, config, set_, batch=batch, dtype=dtype))
     print_report(report)
+    shown = report.chosen or next(p for p in report.policies if p.name == "none")
+    _print_host_memory(host_memory(resolved, planner.arena_bytes(shown.policy)))
     if json_out is not None:
         atomic_write_json(json_out, report.as_dict())
         console.print(f"wrote {json_out}")
@@ -68,7 +76,6 @@ def plan(
         atomic_write_json(save_profile, report.cost_model)
         console.print(f"wrote {save_profile}")
     if timeline is not None:
-        shown = report.chosen or next(p for p in report.policies if p.name == "none")
         write_timeline_png(planner, shown.policy, timeline,
                            title=f"{shown.name}: predicted {shown.step_s * 1e3:.1f} ms/step, "
                                  f"peak {shown.peak_bytes / GIB:.2f} GiB")
@@ -85,11 +92,62 @@ def size_option(size: str | None, extra: list[str]) -> list[int] | None:
     return [int(edge) for edge in edges] * (3 if len(edges) == 1 else 1)
 
 
-def _short(names: list[str], shown: int = 3) -> str:
-    """A list of module globs for one line: the first few, then how many more (--json has them all)."""
-    if len(names) <= shown:
-        return str(names)
-    return str(names[:shown])[:-1] + f", ... {len(names) - shown} more]"
+def _say(text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def priced_recipe(config: Config, config_file: Path | None, overrides: list[str] | None, *,
+                  batch: int | None, dtype: str | None) -> str:
+    """One line: which config's batch, dtype and optimizer the plan priced (a `--set model.name=X` alone
+    keeps the recipe of the config it is laid over, not that of configs/X.yaml)."""
+    source = str(config_file) if config_file is not None else "the built-in defaults (no --config)"
+    batch_text = f"batch {batch} (--batch)" if batch is not None else f"batch {config.train.batch_size} (train.batch_size)"
+    dtype_text = f"{dtype} (--dtype)" if dtype is not None else f"{str(amp_dtype(config.train.amp)).split('.')[-1]} " \
+                                                                f"(train.amp: {config.train.amp})"
+    line = (f"priced: {config.model.name} with the recipe of {source}: {batch_text}, {dtype_text}, optimizer "
+            f"{config.train.optimizer} (train.optimizer)")
+    named = [item.split("=", 1)[1] for item in overrides or [] if item.replace(" ", "").startswith("model.name=")]
+    own = Path("configs") / f"{named[-1]}.yaml" if named else None
+    if own is not None and own.is_file() and (config_file is None or Path(config_file).resolve() != own.resolve()):
+        line += f"; {own} has that network's own recipe: plan --config {own}"
+    return line
+
+
+def _print_host_memory(host: HostMemory) -> None:
+    _say(host.line())
+    if host.exceeds_machine:
+        console.print(f"[bold yellow]warning:[/] the run needs {host.total_bytes / GIB:.2f} GiB of host memory, "
+                      f"more than the {host.available_bytes / GIB:.2f} GiB this machine has available: lower "
+                      "data.loader_workers or train.batch_size, or swap less", highlight=False)
+
+
+# The knobs that say which device and link a plan assumed, not which policy it is.
+_NOT_POLICY = {"memory.budget_gib", "memory.bandwidth_gbs", "memory.device_overhead_gib"}
+
+
+def policy_lines(policy: MemoryConfig) -> list[str]:
+    """The `memory.*` keys of `policy` that differ from the defaults, whole, as config lines."""
+    unread = {"swap": policy.mode not in SWAP_MODES, "recompute": policy.mode not in RECOMPUTE_MODES}
+    lines = []
+    for key in diff_configs(MemoryConfig(), policy, "memory."):
+        parts = key.split(".")[1:]
+        if key in _NOT_POLICY or unread.get(parts[0], False):
+            continue
+        value = policy
+        for part in parts:
+            value = getattr(value, part)
+        lines.append(f"{key}: {value if isinstance(value, str) else json.dumps(value)}")
+    return lines or ["memory.mode: none"]
+
+
+def selecting_lines(report: PlanReport) -> list[str]:
+    """The config lines that make training run the chosen plan: `memory.mode: auto` with the budget (the
+    fold plans the same at its start on the same device and link), else the chosen policy itself."""
+    if report.chosen is None:
+        return []
+    if report.budget_gib is not None:
+        return ["memory.mode: auto", f"memory.budget_gib: {report.budget_gib:g}"]
+    return policy_lines(report.chosen.policy)
 
 
 def print_report(report: PlanReport) -> None:
@@ -98,31 +156,33 @@ def print_report(report: PlanReport) -> None:
     budget += f" (device overhead {report.device_overhead_gib:g} GiB)"
     table = Table(title=f"memory plan: {shape}, batch {report.batch}, {report.dtype}, budget {budget}, "
                         f"floor {report.floor_gib:.2f} GiB, link {report.bandwidth_gbs:g} GB/s",
-                  box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("policy", "peak\nGiB", "swapped\nGiB", "recompute\nGFLOP", "step\ns", "vs\nnone", "fits"):
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    # Short headers: the table fits 80 columns (a SLURM log, a pipe), where rich would cut the numbers.
+    for column in ("policy", "peak\nGiB", "window\nMiB", "swapped\nGiB", "recomp\nGFLOP", "step\ns",
+                   "vs\nnone", "fits"):
         table.add_column(column, justify="left" if column == "policy" else "right", no_wrap=True)
     baseline = report.baseline_step_s()
     for policy in report.policies:
         overhead = f"{(policy.step_s / baseline - 1) * 100:+.0f}%" if baseline else "-"
         fits = "-" if report.budget_gib is None else ("yes" if policy.fits else "no")
-        table.add_row(policy.name, f"{policy.peak_bytes / GIB:.2f}", f"{policy.swapped_bytes / GIB:.2f}",
+        inflight = "-" if policy.inflight_bytes is None else f"{policy.inflight_bytes / 2**20:.0f}"
+        table.add_row(policy.name, f"{policy.peak_bytes / GIB:.2f}", inflight, f"{policy.swapped_bytes / GIB:.2f}",
                       f"{policy.recompute_flops / 1e9:.1f}", f"{policy.step_s:.3f}", overhead, fits)
     console.print(table)
-    console.print(f"time model: {report.cost_model.get('name', '?')}; planned in {report.plan_seconds:.1f} s")
-    if report.chosen is not None:
-        cfg = report.chosen.policy
-        knobs = f"mode={cfg.mode}"
-        if cfg.mode in ("swap", "hybrid"):
-            knobs += (f" swap.tensors={cfg.swap.tensors} swap.include={_short(cfg.swap.include)}"
-                      f" swap.exclude={_short(cfg.swap.exclude)} swap.lookahead={cfg.swap.lookahead}"
-                      f" swap.max_inflight_bytes={cfg.swap.max_inflight_bytes} swap.compress={cfg.swap.compress}")
-            if cfg.swap.mid_lookahead >= 1:
-                knobs += (f" swap.mid_lookahead={cfg.swap.mid_lookahead} swap.mid_from_marker="
-                          f"{cfg.swap.mid_from_marker} swap.mid_until_block={cfg.swap.mid_until_block}")
-        if cfg.mode in ("recompute", "hybrid"):
-            knobs += (f" recompute.norm_act={cfg.recompute.norm_act}"
-                      f" recompute.norm_act_exclude={_short(cfg.recompute.norm_act_exclude)}"
-                      f" recompute.modules={_short(cfg.recompute.modules)}")
-        console.print(f"chosen: {report.chosen.name} ({knobs}): {report.reason}")
-    else:
+    _say("window: memory.swap.max_inflight_bytes, the in-flight window: how many bytes may be saved after a "
+         f"swapped tensor before the step waits for its copy (unset: 1/{round(1 / INFLIGHT_SHARE)} of what the "
+         "budget, or the card, leaves for tensors)")
+    _say("floor: the least any keep/swap/recompute policy could need (parameters, optimizer state and the "
+         "step's largest working set with every saved tensor off the device until read); no plan goes below it")
+    _say(f"time model: {report.cost_model.get('name', '?')}; planned in {report.plan_seconds:.1f} s")
+    if report.chosen is None:
         console.print(f"[bold red]{report.reason}[/]")
+        return
+    _say(f"chosen: {report.chosen.name} (mode {report.chosen.policy.mode}): {report.reason}")
+    if report.budget_gib is not None:
+        _say("the chosen policy, whole (to fix it instead of planning at the fold's start):")
+        for line in policy_lines(report.chosen.policy):
+            _say(f"  {line}")
+    _say("to train with it, put in the config (or --set each):")
+    for line in selecting_lines(report):
+        _say(f"  {line}")

@@ -24,9 +24,11 @@ from brats_swap.cli.common import (
 )
 from brats_swap.errors import ConfigError, TrainingInterrupted
 from brats_swap.run.console import line_console, warn
+from brats_swap.run.fold_selection import ALL_FOLDS, parse_fold_selection
 from brats_swap.run.folder import RunFolder
 
-FoldOption = Annotated[int | None, typer.Option("--fold", "-f", help="Fold of splits.json (default 0).",
+FoldOption = Annotated[str | None, typer.Option("--fold", "--folds", "-f", help="The fold of splits.json to "
+                                                "train (default 0); the spelling of --folds elsewhere, one fold.",
                                                 show_default=False)]
 CheckpointOption = Annotated[str, typer.Option("--checkpoint", help="best, latest, or a checkpoint file.")]
 
@@ -53,6 +55,7 @@ def train(
     from brats_swap.distributed import is_main_process
     from brats_swap.train.data import prepare_run_data
 
+    fold_k = one_fold(fold)
     if run is not None and resume:  # the run's config.yaml, a --set recorded there (brats_swap/cv/run_config.py)
         from brats_swap.cv.run_config import run_config
 
@@ -70,10 +73,10 @@ def train(
     from brats_swap.train.summary import summary_panel
 
     run_dir = default_run_dir(resolved, run)
-    with _fold_lock_of_this_rank(run_dir, fold or 0):  # a second train/cv of this fold exits 75 at once
+    with _fold_lock_of_this_rank(run_dir, fold_k):  # a second train/cv of this fold exits 75 at once
         if _first_process():  # under torchrun the other ranks wait for rank 0 in the process group's set-up
             prepare_run_data(resolved.data)
-        result = train_fold(resolved, run_dir, fold or 0, resume=resume)
+        result = train_fold(resolved, run_dir, fold_k, resume=resume)
     if is_main_process():  # under torchrun every rank runs this command; one summary is enough
         console.print(summary_panel(result, resolved))
     if result.stop_reason is not None:  # a scheduler's SIGTERM/SIGUSR1: a planned stop, state saved (exit 0)
@@ -81,6 +84,18 @@ def train(
             line_console.print(f"{run_dir}: {result.stop_reason}: stopped with the state saved; continue with --resume")
     elif result.interrupted:
         raise TrainingInterrupted(f"{run_dir}: stopped at an epoch boundary; continue with --resume")
+
+
+def one_fold(selection: str | None) -> int:
+    """`train --fold/--folds`: one fold in the one spelling of fold selection (run/fold_selection.py);
+    default 0. `all` or several folds is a usage error pointing to `cv`, which trains several."""
+    if selection is None:
+        return 0
+    chosen = parse_fold_selection(selection, option="train --folds")
+    if chosen == ALL_FOLDS or len(chosen) != 1:
+        raise ConfigError(f"train --folds {selection}: train trains one fold; for several, "
+                          f"brats-swap cv --folds {selection}")
+    return chosen[0]
 
 
 def _first_process() -> bool:

@@ -46,9 +46,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         raw = read_yaml_mapping(path)
         raw.setdefault("name", Path(path).stem)
+    file_network = _network_of(raw)
+    named = False
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
+        named = named or key == "name"
+    if not named:
+        raw["name"] = name_for_network(str(raw.get("name", Config.name)), file_network, _network_of(raw))
     config = from_dict(Config, raw)
     _take_challenge_images(config, raw, images_of)
     _derive_unset(config, raw)
@@ -61,6 +66,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if ignored and warn is not None:
         warn(f"{', '.join('model.' + k for k in ignored)}: not read by model.name={config.model.name}; ignored")
     return config
+
+
+def _network_of(raw: dict[str, Any]) -> Any:
+    model_raw = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    return model_raw.get("name", ModelConfig.name)
+
+
+def name_for_network(name: str, file_network: Any, network: Any) -> str:
+    """The config's name (its titles and default run folder, runs/<name>) when `--set model.name` trains
+    another network than the file's: the file's network in the name becomes the one trained
+    (resenc_l_whole -> resenc_m_whole), else the network is appended (quickstart -> quickstart-segresnet),
+    so the run folder and the titles never name a network that was not trained. An explicit `name` wins."""
+    if network == file_network or not isinstance(network, str) or not isinstance(file_network, str):
+        return name
+    if file_network in name:
+        return name.replace(file_network, network, 1)
+    return f"{name}-{network}"
 
 
 def _take_challenge_images(config: Config, raw: dict[str, Any],
@@ -245,7 +267,8 @@ def validate_memory_config(memory: MemoryConfig) -> None:
     require(memory.swap.mid_from_marker >= 0, "memory.swap.mid_from_marker", "must be 0 or more")
     require(memory.swap.mid_until_block >= 0, "memory.swap.mid_until_block", "must be 0 or more")
     require(memory.swap.min_bytes >= 0, "memory.swap.min_bytes", "must be 0 or more")
-    require(memory.swap.max_inflight_bytes > 0, "memory.swap.max_inflight_bytes", "must be positive")
+    require(memory.swap.max_inflight_bytes is None or memory.swap.max_inflight_bytes > 0,
+            "memory.swap.max_inflight_bytes", "must be positive, or null for a share of the budget or card")
     gbs = memory.swap.emulate_gbs
     require(gbs is None or (gbs > 0 and math.isfinite(gbs)), "memory.swap.emulate_gbs",
             f"must be a positive finite GB/s or null, got {gbs}")

@@ -90,7 +90,9 @@ class SwapConfig:
     min_bytes: int = 1 << 20  # smaller saved tensors are never swapped
     compress: Literal["none", "bf16"] = "none"  # bf16 is lossy; off by default
     sync: bool = False  # debug: synchronize after every copy
-    max_inflight_bytes: int = 4 << 30  # a swapped tensor is released (waiting for its copy) once this many bytes were saved after it
+    # A swapped tensor is released (waiting for its copy) once this many bytes were saved after it. None: a
+    # share of memory.budget_gib, else of the card (brats_swap/memory/budget.py: inflight_window_bytes).
+    max_inflight_bytes: int | None = None
     emulate_gbs: float | None = None  # CPU only: asynchronous copies over an emulated link of this GB/s
     copy_delay_s: float = 0.0  # test knob: each copy first waits a random 0..copy_delay_s (widens races)
 

@@ -11,7 +11,13 @@ Two plain job scripts are written into `RUN/slurm/` (users read and edit them; r
   (`scontrol requeue`, allowed by `--requeue`); the requeued task resumes inside the epoch.
 - `summary.sbatch`: after the array (`--dependency=afterany:<array>`), `brats-swap cv --summary`: the run's
   cv_summary.* and postprocessing.json from the folds that are done (the task that finishes the last fold
-  writes them too; this job makes sure, and reports).
+  writes them too; this job makes sure, and reports). It needs no GPU: it asks for none, runs on
+  `--summary-partition` (default: the cluster's default partition, not the folds' GPU partition) with a
+  short time limit (`--summary-time`, default `SUMMARY_TIME`).
+
+Unless given, each fold task's `--cpus-per-task` and `--mem` follow the config and the plan
+(`fold_resources`): per rank a CPU for each of its `data.loader_workers` and its compute threads, and host
+memory for each rank's process, its loader workers, the batches they hold ahead and its pinned swap arena.
 
 Folds of one run may train on different nodes at once: each holds its own fold lock (cv/lock.py), so the
 run folder must be on a file system shared by the nodes, with working `flock`.
@@ -19,6 +25,7 @@ run folder must be on a file system shared by the nodes, with working `flock`.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import shutil
@@ -33,9 +40,16 @@ from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import read_splits
+from brats_swap.train.planning import GIB, arena_bound_bytes, host_memory
 
 SLURM_FOLDER = "slurm"
 ARRAY_PLACEHOLDER = "ARRAY_JOB_ID"  # in a --dry-run's summary.sbatch: the array's id is known only once submitted
+SUMMARY_TIME = "01:00:00"  # the summary job: tables, figures and the postprocessing choice from the folds' files
+# Host memory of one training process beyond its arena and its loader's batches (estimates, rounded up): the
+# process itself (torch, the CUDA libraries and context on the host side, the model, a validation case) and
+# each loader worker (its process and the float32 sample it builds while augmenting).
+PROCESS_BYTES = 4 * GIB
+WORKER_BYTES = 1 * GIB
 
 
 @dataclass
@@ -49,6 +63,8 @@ class SlurmOptions:
     mem: str | None = None
     account: str | None = None
     qos: str | None = None
+    summary_partition: str | None = None  # None: the cluster's default partition (the summary needs no GPU)
+    summary_time: str | None = None  # None: SUMMARY_TIME
     grace: int = 600  # seconds of warning before the time limit: enough for a step and a checkpoint
     sbatch_args: list[str] = field(default_factory=list)  # passed through verbatim, one `#SBATCH` line each
 
@@ -80,14 +96,35 @@ def brats_swap_command() -> str:
     return f"{shlex.quote(sys.executable)} -m brats_swap"
 
 
+def fold_resources(config: Config, gpus: int) -> tuple[int, str, str]:
+    """(`--cpus-per-task`, `--mem`, how they were derived) of one fold task: `gpus` ranks (one without a
+    GPU), each a process with its compute threads (`train.threads`, default 1), `data.loader_workers`
+    workers, the batches they hold ahead and the pinned swap arena of the config's memory policy (for
+    `memory.mode: auto`, that of swapping everything it could)."""
+    ranks = max(gpus, 1)
+    workers = config.data.loader_workers
+    threads = config.train.threads or 1
+    host = host_memory(config, arena_bound_bytes(config))
+    per_rank = PROCESS_BYTES + workers * WORKER_BYTES + host.total_bytes
+    mem_gib = math.ceil(ranks * per_rank / GIB)
+    how = (f"{ranks} rank(s) x ({workers} loader workers + {threads} compute thread(s)) CPUs; {ranks} x "
+           f"({PROCESS_BYTES / GIB:g} GiB process + {workers} x {WORKER_BYTES / GIB:g} GiB workers + "
+           f"{host.loader_bytes / GIB:.2f} GiB loader batches + {host.arena_bytes / GIB:.2f} GiB swap arena)")
+    return ranks * (workers + threads), f"{mem_gib}G", how
+
+
 def _directives(config: Config, options: SlurmOptions) -> list[str]:
+    gpus = options.gpus(config)
+    cpus, mem = options.cpus_per_fold, options.mem
     lines = []
-    for flag, value in (("partition", options.partition), ("time", options.time), ("mem", options.mem),
-                        ("account", options.account), ("qos", options.qos),
-                        ("cpus-per-task", options.cpus_per_fold)):
+    if cpus is None or mem is None:
+        derived_cpus, derived_mem, how = fold_resources(config, gpus)
+        cpus, mem = cpus if cpus is not None else derived_cpus, mem if mem is not None else derived_mem
+        lines.append(f"# --cpus-per-task and --mem follow the config unless given (--cpus-per-fold, --mem): {how}")
+    for flag, value in (("partition", options.partition), ("time", options.time), ("mem", mem),
+                        ("account", options.account), ("qos", options.qos), ("cpus-per-task", cpus)):
         if value is not None:
             lines.append(f"#SBATCH --{flag}={value}")
-    gpus = options.gpus(config)
     if gpus:
         lines.append(f"#SBATCH --gres=gpu:{gpus}")
     lines += [f"#SBATCH {arg}" for arg in options.sbatch_args]
@@ -152,8 +189,11 @@ def summary_script(config: Config, run: RunFolder, array_job: str, options: Slur
         f"#SBATCH --output={root}/{SLURM_FOLDER}/summary-%j.log",
         "#SBATCH --open-mode=append",
         f"#SBATCH --chdir={Path.cwd().resolve()}",
+        "# No GPU: the summary reads the folds' files.",
+        f"#SBATCH --time={options.summary_time or SUMMARY_TIME}",
     ]
-    for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos)):
+    for flag, value in (("partition", options.summary_partition), ("account", options.account),
+                        ("qos", options.qos)):
         if value is not None:
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [
@@ -207,4 +247,5 @@ def submit_cv(config: Config, run_dir: RunFolder | Path, options: SlurmOptions, 
     return submission
 
 
-__all__ = ["SlurmOptions", "SlurmSubmission", "cv_script", "submit_cv", "summary_script", "unfinished_folds"]
+__all__ = ["SlurmOptions", "SlurmSubmission", "cv_script", "fold_resources", "submit_cv", "summary_script",
+           "unfinished_folds"]

@@ -3,7 +3,11 @@
 A fold is *done* (trained and evaluated), *running* (a process holds its lock: which pid, host and SLURM
 job), *stopped* (a checkpoint, nobody working on it: the next `cv` or requeued task continues), *trained*
 (waiting for its evaluation) or *not started*. Where there is a checkpoint: its epoch and step and when it
-was written.
+was written. A fold trained by `brats-swap train` has no cv state: its checkpoint says whether it finished,
+and its evaluation report (`brats-swap evaluate`) whether it was evaluated.
+
+The folds are those of the run's splits.json; before the first fold started (right after `cv --submit
+slurm`, which records config.yaml only) they are the `cv.folds` of the run's config, none started.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
+from brats_swap.config import load_config
 from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.cv.lock import describe_holder, fold_holder
 from brats_swap.errors import CheckpointError, DataError
@@ -56,19 +61,24 @@ def fold_status(run: RunFolder, fold: int) -> FoldStatus:
         status.state = "done"
     elif holder is not None:
         status.state, status.holder = "running", describe_holder(holder)
-    elif state.trained:
-        status.state = "trained, not evaluated"
+    elif state.trained or (loaded is not None and loaded[0].get("finished", False)):
+        evaluated = state.evaluated or (not state.trained and run.fold(fold).summary_json.exists())
+        status.state = "done" if evaluated else "trained, not evaluated"
     elif loaded is not None:
         status.state = "stopped"
     return status
 
 
 def run_status(run_dir: RunFolder | Path) -> list[FoldStatus]:
-    """Every fold of the run's splits.json, in order."""
+    """Every fold of the run (module docstring), in order."""
     run = RunFolder.of(run_dir)
-    if not run.splits.exists():
+    if run.splits.exists():
+        n_folds = len(read_splits(run.splits)["folds"])
+    elif run.config.is_file():
+        n_folds = load_config(run.config).cv.folds
+    else:
         raise DataError(f"{run.splits}: not found; is {run.root} a cv run folder? (`brats-swap cv` makes it)")
-    return [fold_status(run, k) for k in range(len(read_splits(run.splits)["folds"]))]
+    return [fold_status(run, k) for k in range(n_folds)]
 
 
 __all__ = ["FoldStatus", "fold_status", "run_status"]

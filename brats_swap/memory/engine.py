@@ -28,6 +28,7 @@ from torch import nn
 
 from brats_swap.config import ConfigError, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
+from brats_swap.memory.budget import with_inflight_window
 from brats_swap.memory.executor import SwapExecutor
 from brats_swap.memory.frontend import ATTACHED, SavedTensorFrontEnd, discover_blocks
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
@@ -54,6 +55,12 @@ def _resolve_blocks(model: nn.Module, blocks: Any) -> list[tuple[str, nn.Module]
         else:
             raise ConfigError(f"memory engine blocks: {item!r} is not a module name or a submodule of the model")
     return resolved
+
+
+def _model_device(model: nn.Module) -> torch.device | None:
+    """Where the model's parameters live (None: it has none), for the defaults that depend on the card."""
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else None
 
 
 def memory_config_from(policy: MemoryConfig | dict | str | None) -> MemoryConfig:
@@ -91,7 +98,8 @@ class MemoryEngine:
 
     `memory_cfg` is a concrete policy: mode `auto` must have been resolved by the planner
     (`planner.choose_policy`) before the engine is built. `self.cfg` is the policy the engine runs:
-    `records.effective_memory_config` of the argument, which is the argument itself when the caller
+    `records.effective_memory_config` of the argument with the in-flight window filled for `device` (else
+    the model's) when unset (`budget.with_inflight_window`), which is the argument itself when the caller
     resolved it already (as training does, so that the engine, the checkpoint and the run record hold one
     and the same policy).
 
@@ -113,10 +121,10 @@ class MemoryEngine:
         if cfg.mode == "auto":
             raise ConfigError("memory.mode=auto: the planner (brats_swap.memory.planner.choose_policy) must "
                               "resolve it to a concrete policy before the engine is built")
-        cfg = effective_memory_config(cfg)
+        self.device = torch.device(device) if device is not None else None
+        cfg = with_inflight_window(effective_memory_config(cfg), self.device or _model_device(model))
         self.model = model
         self.cfg = cfg
-        self.device = torch.device(device) if device is not None else None
         self.enabled = cfg.mode != "none" or measure
         self._checkpointed: CheckpointedModules | None = None
         self.recipes: NormActRecipes | None = None

@@ -43,14 +43,22 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
 
 from brats_swap.config import ConfigError, MemoryConfig, RecomputeConfig
 from brats_swap.memory.arena import arena_bytes
-from brats_swap.memory.budget import BUDGET_HEADROOM, GIB, overhead_bytes, tensor_limit, with_overhead
+from brats_swap.memory.budget import (
+    BUDGET_HEADROOM,
+    GIB,
+    inflight_window_bytes,
+    overhead_bytes,
+    tensor_limit,
+    with_inflight_window,
+    with_overhead,
+)
 from brats_swap.memory.cost import OpCostModel, default_cost_model
 from brats_swap.memory.device_profile import resolve_cost_model
 from brats_swap.memory.prediction import PolicyPrediction
@@ -264,6 +272,8 @@ class Planner:
         and every fitting policy priced on the way (module docstring). Recompute variants are tried
         cheapest first; one whose compute alone is no faster than the best plan so far is skipped."""
         base = copy.deepcopy(base or MemoryConfig())
+        if base.swap.max_inflight_bytes is None:  # unset: the window of the card planned for (memory.budget)
+            base.swap.max_inflight_bytes = inflight_window_bytes(replace(base, budget_gib=budget_bytes / GIB))
         if allow_compress is None:
             allow_compress = base.swap.compress == "bf16"
         limit = tensor_limit(budget_bytes, base)
@@ -336,7 +346,7 @@ def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Seque
     the budget, bandwidth and device overhead (default: `device`'s) carried over from `memory_cfg`) and the
     report to save with the run. Raises ConfigError naming `memory.budget_gib` and the floor when nothing fits.
     """
-    memory_cfg = with_overhead(memory_cfg, device)
+    memory_cfg = with_inflight_window(with_overhead(memory_cfg, device), device)
     if memory_cfg.budget_gib is None:
         raise ValueError("choose_policy needs memory_cfg.budget_gib (a validated config with mode auto has one)")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

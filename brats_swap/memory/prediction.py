@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from brats_swap.config import MemoryConfig
-from brats_swap.memory.budget import GIB
+from brats_swap.memory.budget import GIB, inflight_window_bytes
+from brats_swap.memory.records import SWAP_MODES
 
 
 @dataclass
@@ -32,4 +33,12 @@ class PolicyPrediction:
             "predicted_step_s": round(float(self.step_s), 5),
             "prefetch_misses": self.prefetch_misses,
             "fits": self.fits,
+            "max_inflight_bytes": self.inflight_bytes,
         }
+
+    @property
+    def inflight_bytes(self) -> int | None:
+        """The in-flight window this prediction assumes (rule 7); None for a policy that does not swap."""
+        if self.policy.mode not in SWAP_MODES:
+            return None
+        return inflight_window_bytes(self.policy)

@@ -36,7 +36,7 @@ Swapped storages, forward (release):
   timing, and the planner's peak is a bound a late copy cannot break (a late copy costs a wait
   instead). Only a synchronous link, whose copy has finished when the save returns, releases at every
   module start and at the end of the forward whatever it copied (`Executor.copies_synchronously`).
-- Rule 7: `swap.max_inflight_bytes` bounds how long a copy may run: once that many bytes of further
+- Rule 7: `swap.max_inflight_bytes` (unset: `budget.inflight_window_bytes`) bounds how long a copy may run: once that many bytes of further
   storages were saved after a swapped storage, it is released and the compute waits for that one copy.
 - Rule 8: at the end of the forward (the step's peak comes as backward starts) every storage still
   copying that backward does not need within `swap.lookahead` blocks is released, waiting for its copy
@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from brats_swap.config.schema import MemoryConfig, SwapConfig
+from brats_swap.memory.budget import inflight_window_bytes
 from brats_swap.memory.records import SWAP_MODES, SavedRecord, module_matches
 from brats_swap.memory.stats import StepStats
 
@@ -246,6 +247,8 @@ class Rulebook:
     def __init__(self, memory_cfg: MemoryConfig, executor: Executor, *, prefetch: bool = True,
                  learned: tuple[list[int], int] | None = None, log: list | None = None):
         self.swap_cfg = memory_cfg.swap
+        # Rule 7's window; unset, the budget's share (the engine and the planner fill in the card's first).
+        self.inflight_window = inflight_window_bytes(memory_cfg)
         self.executor = executor
         self.prefetch = prefetch
         self.lookahead = memory_cfg.swap.lookahead
@@ -374,8 +377,7 @@ class Rulebook:
     def _enforce_inflight_budget(self) -> None:
         """Release (waiting for its copy) every unreleased storage after which `swap.max_inflight_bytes`
         of further storages were saved: its copy had that much forward work to hide behind (rule 7)."""
-        budget = self.swap_cfg.max_inflight_bytes
-        while self.unreleased and self.saved_total - self.unreleased[0].saved_mark >= budget:
+        while self.unreleased and self.saved_total - self.unreleased[0].saved_mark >= self.inflight_window:
             self._release(self.unreleased.popleft(), wait=True)
 
     def _release(self, entry: Entry, wait: bool) -> None:

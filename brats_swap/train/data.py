@@ -35,6 +35,9 @@ from brats_swap.train.device_augment import DeviceBatches, draw_params, worker_c
 
 AUTO_LOADER_WORKERS_MAX = 12  # nnU-Net's default number of augmentation workers
 
+# Batches each DataLoader worker loads ahead (pinned on CUDA): the host memory `plan` reports counts them.
+LOADER_PREFETCH_FACTOR = 2
+
 def random_patch_start(
     shape: Sequence[int], patch: Sequence[int], label: np.ndarray | None, rng: np.random.Generator,
     foreground_fraction: float,
@@ -348,7 +351,7 @@ def build_train_data(
     train_loader = DataLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_samples, pin_memory=pin, drop_last=True, worker_init_fn=seed_worker, generator=generator,
-        persistent_workers=False, prefetch_factor=2 if workers else None,
+        persistent_workers=False, prefetch_factor=LOADER_PREFETCH_FACTOR if workers else None,
     )
     val_loader = DataLoader(
         val_dataset, batch_size=train_cfg.val_batch_size, shuffle=False, num_workers=min(workers, 1),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -23,9 +24,10 @@ from brats_swap.config.loader import from_dict
 from brats_swap.data.challenges import get_challenge
 from brats_swap.data.discovery import check_forced_convention, resolve_convention
 from brats_swap.errors import DeviceOutOfMemoryError
-from brats_swap.memory.arena import arena_bytes, check_host_memory
-from brats_swap.memory.budget import with_overhead
+from brats_swap.memory.arena import arena_bytes, available_host_bytes, check_host_memory
+from brats_swap.memory.budget import with_inflight_window, with_overhead
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
+from brats_swap.memory.presets import named_policies
 from brats_swap.memory.records import SWAP_MODES, effective_memory_config
 from brats_swap.memory.rulebook import transfer_bytes
 from brats_swap.memory.stages import check_globs
@@ -35,7 +37,8 @@ from brats_swap.run.console import console
 from brats_swap.run.device import amp_dtype
 from brats_swap.run.figures import pyplot, savefig_deterministic
 from brats_swap.run.folder import FoldFolder
-from brats_swap.train.device_augment import augment_buffers
+from brats_swap.train.data import LOADER_PREFETCH_FACTOR, loader_worker_count
+from brats_swap.train.device_augment import augment_buffers, worker_crop_size
 from brats_swap.train.losses import training_loss, weighted_dice_loss
 
 # `brats-swap plan --dtype`: the dtype activations are priced in (default: the one `train.amp` trains in).
@@ -111,6 +114,67 @@ def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_sha
     return nbytes
 
 
+@dataclasses.dataclass
+class HostMemory:
+    """Host memory one training process needs beyond its own code: the pinned swap arena of its memory
+    policy and the batches its loader workers hold ahead (pinned on CUDA)."""
+
+    arena_bytes: int
+    loader_bytes: int
+    loader_workers: int
+    batch_bytes: int  # one batch: float16 images and uint8 labels
+    available_bytes: int | None  # what this machine has available now (None: unknown)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.arena_bytes + self.loader_bytes
+
+    def line(self) -> str:
+        loader = (f"{self.loader_workers} loader workers x {LOADER_PREFETCH_FACTOR} batches ahead x "
+                  f"{self.batch_bytes / GIB:.2f} GiB" if self.loader_workers else "no loader workers")
+        text = (f"host memory: {self.total_bytes / GIB:.2f} GiB = {self.arena_bytes / GIB:.2f} GiB pinned swap arena "
+                f"+ {self.loader_bytes / GIB:.2f} GiB of loader batches ({loader}; float16 images + labels)")
+        if self.available_bytes is not None:
+            text += f"; this machine has {self.available_bytes / GIB:.2f} GiB available"
+        return text
+
+    @property
+    def exceeds_machine(self) -> bool:
+        return self.available_bytes is not None and self.total_bytes > self.available_bytes
+
+
+def batch_host_bytes(config: Config) -> int:
+    """Bytes of one training batch as the loader hands it over: `train.batch_size` samples of float16
+    images (`model.in_channels` channels) and uint8 labels, each the crop a worker reads (the cube, the patch,
+    or nnU-Net's enlarged patch: `worker_crop_size`)."""
+    batch, channels, *sample = training_input_shape(config)
+    crop = worker_crop_size(config.train.augment, sample, config.train.mode == "patch")
+    return int(batch) * math.prod(crop) * (2 * int(channels) + 1)
+
+
+def host_memory(config: Config, arena: int) -> HostMemory:
+    """What one process of `config` holds in host memory besides itself, given its swap arena's bytes."""
+    workers = loader_worker_count(config.data)
+    batch = batch_host_bytes(config)
+    return HostMemory(arena_bytes=int(arena), loader_bytes=workers * LOADER_PREFETCH_FACTOR * batch,
+                      loader_workers=workers, batch_bytes=batch, available_bytes=available_host_bytes())
+
+
+def arena_bound_bytes(config: Config) -> int:
+    """The swap arena `config.memory` will allocate, before any device is at hand (`cv --submit`): the
+    arena of its policy; for `memory.mode: auto`, whose policy is chosen on the device, that of swapping
+    every eligible storage (no plan swaps more); 0 for a mode that never swaps."""
+    memory = config.memory
+    if memory.mode == "auto":
+        memory = named_policies(memory)["swap_all"]
+    if memory.mode not in SWAP_MODES:
+        return 0
+    model = config_model(config)
+    planner = Planner(model, training_input_shape(config), dtype=amp_dtype(config.train.amp),
+                      loss_fn=training_loss(config.train.loss, model))
+    return planner.arena_bytes(effective_memory_config(memory))
+
+
 def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, input_shape: tuple[int, ...],
                 device: torch.device, reuse: bool, table: str | None = None) -> MemoryConfig:
     """The fold's memory policy, resolved once: what the engine runs, the checkpoint saves and the run records.
@@ -123,7 +187,7 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
     """
     check_globs(model, config.memory)
     if config.memory.mode != "auto":
-        return effective_memory_config(config.memory)
+        return with_inflight_window(effective_memory_config(config.memory), device)
     plan_path = folder.memory_plan
     if reuse and plan_path.exists():
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
@@ -213,7 +277,7 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     memory.budget_gib = budget_gib if budget_gib is not None else memory.budget_gib
     memory.bandwidth_gbs = bandwidth_gbs if bandwidth_gbs is not None else memory.bandwidth_gbs
     validate_memory_config(memory)
-    memory = with_overhead(memory, device)
+    memory = with_inflight_window(with_overhead(memory, device), device)
     model = config_model(config)
     check_globs(model, memory)
     loss_fn = training_loss(config.train.loss, model)
