@@ -50,6 +50,11 @@ SUMMARY_TIME = "01:00:00"  # the summary job: tables, figures and the postproces
 # each loader worker (its process and the float32 sample it builds while augmenting).
 PROCESS_BYTES = 4 * GIB
 WORKER_BYTES = 1 * GIB
+# Loader workers per rank a job asks CPUs for when `data.loader_workers: auto` (which, on the node, takes the
+# allocation's CPUs less one per rank): the workers only read, crop and pin (augmentation runs on the GPU),
+# and one of them hands over a 192³ batch in well under the 0.25 s an H200 step takes
+# (scripts/bench_pipeline.py), so 4 leave room for slow file systems.
+AUTO_JOB_LOADER_WORKERS = 4
 
 
 @dataclass
@@ -102,9 +107,9 @@ def fold_resources(config: Config, gpus: int) -> tuple[int, str, str]:
     workers, the batches they hold ahead and the pinned swap arena of the config's memory policy (for
     `memory.mode: auto`, that of swapping everything it could)."""
     ranks = max(gpus, 1)
-    workers = config.data.loader_workers
+    workers = AUTO_JOB_LOADER_WORKERS if config.data.loader_workers == "auto" else int(config.data.loader_workers)
     threads = config.train.threads or 1
-    host = host_memory(config, arena_bound_bytes(config))
+    host = host_memory(config, arena_bound_bytes(config), workers)
     per_rank = PROCESS_BYTES + workers * WORKER_BYTES + host.total_bytes
     mem_gib = math.ceil(ranks * per_rank / GIB)
     how = (f"{ranks} rank(s) x ({workers} loader workers + {threads} compute thread(s)) CPUs; {ranks} x "

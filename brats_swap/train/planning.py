@@ -152,9 +152,10 @@ def batch_host_bytes(config: Config) -> int:
     return int(batch) * math.prod(crop) * (2 * int(channels) + 1)
 
 
-def host_memory(config: Config, arena: int) -> HostMemory:
-    """What one process of `config` holds in host memory besides itself, given its swap arena's bytes."""
-    workers = loader_worker_count(config.data)
+def host_memory(config: Config, arena: int, workers: int | None = None) -> HostMemory:
+    """What one process of `config` holds in host memory besides itself, given its swap arena's bytes;
+    `workers`: its loader workers where they are not this machine's (`data.loader_workers` resolved here)."""
+    workers = loader_worker_count(config.data) if workers is None else workers
     batch = batch_host_bytes(config)
     return HostMemory(arena_bytes=int(arena), loader_bytes=workers * LOADER_PREFETCH_FACTOR * batch,
                       loader_workers=workers, batch_bytes=batch, available_bytes=available_host_bytes())
