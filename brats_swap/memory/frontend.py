@@ -470,7 +470,10 @@ class SavedTensorFrontEnd:
         handle.unpacked = True
         self.emit(EventKind.UNPACK_END, entry.index, first, rulebook=handle.rulebook)
         if entry.decision == RECOMPUTE and entry.pending == 0:
-            self.forget_recipe(entry)
+            # Every handle has unpacked once: the kept replay goes, but the recipe stays until the entry dies
+            # (rule 14). A retained graph (`backward(retain_graph=True)`, then another backward) unpacks the
+            # same handles again; without retain_graph they die right after their node, taking the recipe.
+            self.rebuilds.forget(entry.payload.recipe)
         return out
 
     def handle_died(self, handle: SavedHandle) -> None:
