@@ -251,8 +251,12 @@ class EpochSampler(Sampler):
         return self.num_samples - self.start
 
 
+# The stop signals a DataLoader worker leaves to the main process (see `seed_worker`).
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
 def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed; ignore Ctrl-C.
+    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed; ignore stop signals.
 
     The dataset draws its own randomness from `SampleKey`s; this only keeps library code that reaches for
     global RNGs reproducible too (torch already seeds each worker from the loader's generator).
@@ -260,9 +264,12 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
-    # Ctrl-C reaches the whole process group; the main process finishes its step and saves, so workers
-    # must not die under it (a dead worker would turn the clean stop into a DataLoader error).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group, and so do a scheduler's SIGTERM / SIGUSR1 (`timeout`, SLURM at
+    # a time limit, scancel, preemption): the main process finishes its step and saves, so workers must not
+    # die under them (a dead worker turns the clean stop into a DataLoader error). The loader ends its
+    # workers through its queues, and a worker whose parent died exits by itself (torch's watchdog).
+    for signum in WORKER_IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def collate_samples(samples: list[dict]) -> dict:
