@@ -57,14 +57,16 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _loader_workers(pid: int) -> list[int]:
-    """The DataLoader workers below `pid`: forked processes running the same program as their parent."""
-    workers = []
+    """The DataLoader workers below `pid`, once they run: the leaves of its process tree (ranks and fold
+    workers have them as children), multiprocessing's resource tracker aside."""
+    leaves = []
     for child in _descendants(pid):
         with contextlib.suppress(OSError):
-            parent = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            if Path(f"/proc/{child}/cmdline").read_bytes() == Path(f"/proc/{parent}/cmdline").read_bytes():
-                workers.append(child)
-    return workers
+            has_children = any((task / "children").read_text().split()
+                               for task in Path(f"/proc/{child}/task").glob("*"))
+            if not has_children and b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                leaves.append(child)
+    return leaves
 
 
 def _start(command: list[str], output: Path) -> subprocess.Popen:
@@ -85,7 +87,7 @@ def _wait_for_loader_workers(job: subprocess.Popen, count: int, timeout: float =
     return workers
 
 
-def _signal_group_and_wait(job: subprocess.Popen, signum: int, output: Path, timeout: float = 120) -> str:
+def _signal_group_and_wait(job: subprocess.Popen, signum: int, output: Path, timeout: float = 180) -> str:
     try:
         os.killpg(job.pid, signum)
         job.wait(timeout=timeout)
