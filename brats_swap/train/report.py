@@ -18,6 +18,20 @@ if TYPE_CHECKING:
     from brats_swap.train.loop import TrainResult
 
 
+# Validation scores Ellis's weighted Dice loss whatever `train.loss` is (it drives the LR plateau and early
+# stopping, as in the paper's recipe).
+VAL_LOSS = "dice"
+
+
+def loss_names(train_loss: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(log name, TensorBoard tag) of the training loss and of the validation loss. One name is one quantity:
+    they are `train_loss` / `val_loss` (`train/loss`, `val/loss`) when training uses the validation's loss,
+    else each says which loss it is (`train_loss(dice_bce)`, `val_loss(dice)`; `val/dice_loss`)."""
+    if train_loss == VAL_LOSS:
+        return ("train_loss", "train/loss"), ("val_loss", "val/loss")
+    return (f"train_loss({train_loss})", "train/loss"), (f"val_loss({VAL_LOSS})", f"val/{VAL_LOSS}_loss")
+
+
 class TrainLog:
     """`train.log` (timestamped lines, appended across resumes) and TensorBoard scalars (`tb/`) of one fold.
 
@@ -26,7 +40,8 @@ class TrainLog:
     checkpoint it resumes from.
     """
 
-    def __init__(self, folder: FoldFolder, *, write: bool, purge_step: int | None) -> None:
+    def __init__(self, folder: FoldFolder, *, write: bool, purge_step: int | None, train_loss: str = VAL_LOSS) -> None:
+        self.names = loss_names(train_loss)
         self._file = None
         self._writer = None
         if write:
@@ -45,7 +60,8 @@ class TrainLog:
     def epoch(self, record: dict[str, Any], memory_stats: dict[str, float], max_epochs: int) -> str:
         """Log one epoch's record (train.log line and scalars); returns the line."""
         epoch = record["epoch"]
-        parts = [f"epoch {epoch}/{max_epochs}", f"train_loss {record['train_loss']:.4f}"]
+        (train_name, train_tag), (val_name, val_tag) = self.names
+        parts = [f"epoch {epoch}/{max_epochs}", f"{train_name} {record['train_loss']:.4f}"]
         self._scalar("train/loss", record["train_loss"], epoch)
         self._scalar("lr", record["lr"], epoch)
         self._scalar("time/step_s", record["step_s"], epoch)
@@ -54,8 +70,8 @@ class TrainLog:
         for key, value in memory_stats.items():
             self._scalar(f"memory/{key.removeprefix('memory/')}", value, epoch)
         if "val_loss" in record:
-            parts.append(f"val_loss {record['val_loss']:.4f}")
-            self._scalar("val/loss", record["val_loss"], epoch)
+            parts.append(f"{val_name} {record['val_loss']:.4f}")
+            self._scalar(val_tag, record["val_loss"], epoch)
             for region in regions_of_columns(record):  # the run's regions, as validation scored them
                 key = dice_column(region)
                 parts.append(f"{key} {record[key]:.4f}")
@@ -85,8 +101,9 @@ def summary_panel(result: TrainResult, config: Config) -> Panel:
     """The one-screen summary printed after training: the epochs (first 3 and last 9 of a long run), status, best."""
     table = Table(show_header=True, header_style="bold")
     table.add_column("epoch", justify="right")
-    table.add_column("train loss", justify="right")
-    table.add_column("val loss", justify="right")
+    (train_name, _), (val_name, _) = loss_names(config.train.loss)
+    table.add_column(train_name.replace("_loss", " loss", 1), justify="right")
+    table.add_column(val_name.replace("_loss", " loss", 1), justify="right")
     history = result.history
     regions = regions_of_columns(key for record in history for key in record)
     for region in regions:
@@ -108,6 +125,17 @@ def summary_panel(result: TrainResult, config: Config) -> Panel:
     best = (f"best mean val Dice {result.best_val_dice:.4f} at epoch {result.best_epoch} (*)"
             if result.best_val_dice is not None else "no validation yet")
     lines = (f"fold {result.fold}: {status} after {result.epochs_completed} epoch(s); {best}\n"
-             f"time {result.train_seconds:.1f} s this call; peak memory {result.peak_memory_bytes / 2**30:.2f} GiB; "
-             f"checkpoints in {result.fold_dir}")
+             f"time {result.train_seconds:.1f} s this call; peak memory {result.peak_memory_bytes / 2**30:.2f} GiB"
+             f"{_peak_meaning(result, config)}; checkpoints in {result.fold_dir}")
     return Panel(Group(table, lines), title=f"[bold]{config.name}[/] training summary", expand=False)
+
+
+def _peak_meaning(result: TrainResult, config: Config) -> str:
+    """What the peak measures where it is not what `memory.budget_gib` budgets (the device memory training
+    allocates): on a CPU it is the whole process's resident set (`run.device.peak_memory_bytes`)."""
+    if not result.device.startswith("cpu"):
+        return ""
+    budget = config.memory.budget_gib
+    over = (f", above memory.budget_gib {budget:g} because that budgets the memory the step allocates, not the "
+            "process" if budget is not None and result.peak_memory_bytes > budget * 2**30 else "")
+    return f" (CPU: the process's peak resident memory, Python, libraries and data included{over})"
