@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_helpers import descendants
 from train_helpers import SMALL, small_dataset
 
 from brats_swap.cv.lock import fold_holder, fold_work
@@ -47,20 +48,11 @@ def _environment() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            for child in (int(p) for p in (task / "children").read_text().split()):
-                found += [child, *_descendants(child)]
-    return found
-
-
 def _loader_workers(pid: int) -> list[int]:
     """The DataLoader workers below `pid`, once they run: the leaves of its process tree (ranks and fold
     workers have them as children), multiprocessing's resource tracker aside."""
     leaves = []
-    for child in _descendants(pid):
+    for child in descendants(pid):
         with contextlib.suppress(OSError):
             has_children = any((task / "children").read_text().split()
                                for task in Path(f"/proc/{child}/task").glob("*"))
