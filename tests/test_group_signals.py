@@ -49,14 +49,16 @@ def _environment() -> dict[str, str]:
 
 
 def _loader_workers(pid: int) -> list[int]:
-    """The DataLoader workers below `pid`, once they run: the leaves of its process tree (ranks and fold
-    workers have them as children), multiprocessing's resource tracker aside."""
+    """The DataLoader workers below `pid`, once they run: the Python leaves of its process tree (ranks and
+    fold workers have them as children), multiprocessing's resource tracker aside."""
+    python = Path(sys.executable).resolve()
     leaves = []
     for child in descendants(pid):
         with contextlib.suppress(OSError):
             has_children = any((task / "children").read_text().split()
                                for task in Path(f"/proc/{child}/task").glob("*"))
-            if not has_children and b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+            if (not has_children and Path(f"/proc/{child}/exe").resolve() == python
+                    and b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()):
                 leaves.append(child)
     return leaves
 
