@@ -190,3 +190,32 @@ def _state(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+@pytest.mark.slow
+def test_a_rerun_right_after_sigkill_of_train_resumes(data, tmp_path):
+    """`train` SIGKILLed while its loader workers run (they outlive it for up to a few seconds): the fold is
+    free at once, and `train --resume` started right away continues from the last checkpoint."""
+    run, output = tmp_path / "run", tmp_path / "output"
+    job = _start(_command(data, run, "train", steps=8, epochs=1000), output)
+    latest = run / "fold_0" / LATEST
+    try:
+        deadline = time.monotonic() + 180
+        while not latest.exists():  # the end of epoch 1
+            assert job.poll() is None, output.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.05)
+        workers = _wait_for_loader_workers(job, WORKERS)
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        assert any(_state(pid) not in ("Z", None) for pid in workers)
+        assert fold_holder(run, 0) is None
+        target = load_checkpoint(latest)["epoch"] + 1
+        rerun = subprocess.run(_command(data, run, "train", "--resume", steps=8, epochs=target), env=_environment(),
+                               capture_output=True, text=True, timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"resume fold 0 at epoch {target} step 0" in (run / "fold_0" / "train.log").read_text()
+    assert load_checkpoint(latest)["finished"]
