@@ -71,13 +71,15 @@ def _start(command: list[str], output: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT)
 
 
-def _wait_for_loader_workers(job: subprocess.Popen, count: int, timeout: float = 180) -> list[int]:
+def _wait_for_loader_workers(job: subprocess.Popen, count: int, timeout: float = 180, settle_s: float = 0.5,
+                             ) -> list[int]:
+    """`count` loader workers running, then `settle_s` more (training steps are running, the workers loading)."""
     deadline = time.monotonic() + timeout
     while len(workers := _loader_workers(job.pid)) < count:
         assert job.poll() is None, job.args
         assert time.monotonic() < deadline, f"no {count} loader workers within {timeout} s"
         time.sleep(0.05)
-    time.sleep(0.5)  # training steps are running, the workers loading
+    time.sleep(settle_s)
     return workers
 
 
@@ -197,7 +199,7 @@ def test_a_rerun_right_after_sigkill_of_train_resumes(data, tmp_path):
     """`train` SIGKILLed while its loader workers run (they outlive it for up to a few seconds): the fold is
     free at once, and `train --resume` started right away continues from the last checkpoint."""
     run, output = tmp_path / "run", tmp_path / "output"
-    job = _start(_command(data, run, "train", steps=8, epochs=1000), output)
+    job = _start(_command(data, run, "train", steps=24, epochs=1000), output)
     latest = run / "fold_0" / LATEST
     try:
         deadline = time.monotonic() + 180
@@ -205,13 +207,13 @@ def test_a_rerun_right_after_sigkill_of_train_resumes(data, tmp_path):
             assert job.poll() is None, output.read_text()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint within 180 s"
             time.sleep(0.05)
-        workers = _wait_for_loader_workers(job, WORKERS)
+        workers = _wait_for_loader_workers(job, WORKERS, settle_s=0.0)  # an epoch's workers, just started
         os.kill(job.pid, signal.SIGKILL)
         job.wait()
         assert any(_state(pid) not in ("Z", None) for pid in workers)
         assert fold_holder(run, 0) is None
         target = load_checkpoint(latest)["epoch"] + 1
-        rerun = subprocess.run(_command(data, run, "train", "--resume", steps=8, epochs=target), env=_environment(),
+        rerun = subprocess.run(_command(data, run, "train", "--resume", steps=24, epochs=target), env=_environment(),
                                capture_output=True, text=True, timeout=180)
     finally:
         with contextlib.suppress(ProcessLookupError):
