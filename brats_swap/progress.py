@@ -1,6 +1,10 @@
-"""The one progress-bar layout used by long work (prepare, synth, train epochs, evaluation)."""
+"""The one progress-bar layout used by long work (prepare, synth, train epochs, evaluation), and its plain-line
+form for output that is not a terminal."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.progress import (
@@ -19,3 +23,41 @@ def progress_bar(description: str = "{task.description}", *extra_columns: Progre
     """description | bar | done/total | elapsed | remaining | extra columns."""
     return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), *extra_columns, console=console, transient=transient, disable=disable)
+
+
+class ProgressLines:
+    """What a bar shows, as plain lines, for output that is not a terminal (SLURM logs, CI, a pipe).
+
+    A rich bar draws nothing there, so an epoch would be silent until it ends. `update` prints one line after
+    the first step (training started, and at what speed) and then one whenever `every_s` seconds have passed
+    since the last line; the last step prints nothing (the caller's end-of-work line follows).
+    """
+
+    def __init__(self, description: str, total: int, *, console: Console, every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.description, self.total, self.console, self.every_s, self._clock = (
+            description, total, console, every_s, clock)
+        self._started = clock()
+        self._last_line: float | None = None
+        self._first_done: int | None = None
+
+    def update(self, completed: int, info: str = "") -> None:
+        now = self._clock()
+        if self._first_done is None:
+            self._first_done = completed - 1  # a resumed epoch starts part-way
+        due = self._last_line is None or now - self._last_line >= self.every_s
+        if not due or completed >= self.total:
+            return
+        self._last_line = now
+        elapsed = now - self._started
+        done_here = completed - self._first_done
+        remaining = elapsed / done_here * (self.total - completed)
+        line = (f"{self.description} step {completed}/{self.total}, {_clock_time(elapsed)} elapsed, "
+                f"about {_clock_time(remaining)} left" + (f"  {info}" if info else ""))
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _clock_time(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"

@@ -14,8 +14,10 @@ torchrun does it, is tested end to end by tests/test_distributed_train.py (`brat
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,3 +50,13 @@ def torchrun_env(nprocs: int, rank: int, port: int) -> dict[str, str]:
 
 
 __all__ = ["DistContext", "spawn_ranks", "torchrun_env"]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), e.g. torchrun under the CLI and the ranks under torchrun."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (int(p) for p in (task / "children").read_text().split()):
+                found += [child, *descendants(child)]
+    return found

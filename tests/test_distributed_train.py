@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import spawn_ranks
+from dist_helpers import descendants, spawn_ranks
 from train_helpers import SMALL, small_dataset, tensorboard_scalars, tiny_config
 
 from brats_swap.cv import run_cv
@@ -129,16 +129,6 @@ def _train_command(root: Path, cache: Path, run: Path, *extra: str) -> list[str]
             *[arg for item in sets for arg in ("--set", item)], *extra]
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc): here torchrun under the CLI, and the workers under torchrun."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            for child in (int(p) for p in (task / "children").read_text().split()):
-                found += [child, *_descendants(child)]
-    return found
-
-
 @pytest.mark.slow
 def test_a_killed_two_rank_run_resumes_from_its_checkpoint(data, tmp_path):
     root, cache = data
@@ -159,7 +149,7 @@ def test_a_killed_two_rank_run_resumes_from_its_checkpoint(data, tmp_path):
     finally:
         # torchrun starts each worker in a session of its own, so kill the workers by pid, then torchrun and
         # the CLI (as when the node dies: all of them at once).
-        for pid in [*reversed(_descendants(job.pid)), job.pid]:
+        for pid in [*reversed(descendants(job.pid)), job.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         output = job.communicate()[0]

@@ -59,11 +59,44 @@ def fold_lock_path(run: RunFolder, fold: int) -> Path:
 SHARED_FILES_TIMEOUT_S = 2 * 3600.0
 
 
+# The lock files this process has open. A forked child (a DataLoader worker) inherits the descriptors, and
+# a flock belongs to the open file description they share: the kernel drops it only when the last of them
+# closes, so a worker that outlives its SIGKILLed parent by a few seconds would keep the fold locked and
+# refuse the rerun. Every forked child closes its copies at once: close, never LOCK_UN, which would unlock
+# the parent's lock too.
+_OPEN_LOCK_FDS: set[int] = set()
+
+
+def _close_inherited_lock_files() -> None:
+    for fd in _OPEN_LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _OPEN_LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_lock_files)
+
+
 def _open_lock_file(path: Path) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     # No O_TRUNC: the file may belong to the process that holds the lock. O_CLOEXEC keeps programs we
     # exec from inheriting (and so prolonging) the lock.
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    _OPEN_LOCK_FDS.add(fd)
+    return fd
+
+
+def _close_lock_file(fd: int, *, unlock: bool) -> None:
+    """Release and close a descriptor of `_open_lock_file`; nothing in a forked child, which closed it at the
+    fork (the descriptor number may belong to another file there)."""
+    if fd not in _OPEN_LOCK_FDS:
+        return
+    _OPEN_LOCK_FDS.discard(fd)
+    try:
+        if unlock:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _flock(fd: int, operation: int, path: Path) -> bool:
@@ -111,11 +144,11 @@ def _held(path: Path, operation: int, busy_message: Callable[[str], str], *, wri
     try:
         locked = _flock(fd, operation | fcntl.LOCK_NB, path)
     except BaseException:
-        os.close(fd)
+        _close_lock_file(fd, unlock=False)
         raise
     if not locked:
         holder = _read_holder(fd)
-        os.close(fd)
+        _close_lock_file(fd, unlock=False)
         raise RunLockedError(busy_message(holder)) from None
     try:
         if write_pid:  # only an exclusive holder writes who it is, so the message above can name it
@@ -123,8 +156,7 @@ def _held(path: Path, operation: int, busy_message: Callable[[str], str], *, wri
             os.pwrite(fd, f"{holder_record()}\n".encode(), 0)
         yield path
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        _close_lock_file(fd, unlock=True)
 
 
 def run_lock(run_dir: RunFolder | Path) -> contextlib.AbstractContextManager[Path]:
@@ -189,10 +221,9 @@ def shared_files(run_dir: RunFolder | Path, timeout_s: float = SHARED_FILES_TIME
                                      f"than {timeout_s:.0f} s; nothing was changed, try again later")
             time.sleep(poll_s)
     except BaseException:
-        os.close(fd)
+        _close_lock_file(fd, unlock=False)
         raise
     try:
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        _close_lock_file(fd, unlock=True)

@@ -168,6 +168,11 @@ def _init_worker(stop_event, devices, parent_pid: int, threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)  # the parent decides; it tells us through stop_event
+    # A spawned process makes spawn its default start method, so its DataLoaders would spawn their workers: a
+    # fresh interpreter per worker and epoch, killed by a stop signal to the job before `seed_worker` can
+    # ignore it. Forked, as in a sequential run, a worker ignores it from its first instruction.
+    if "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
     _die_with_parent()
     _WORKER.update(stop_event=stop_event, device=device, parent_pid=parent_pid, threads=threads)
 

@@ -24,6 +24,9 @@ Safety rules implemented here (both back ends):
 - every handle the executor makes keeps a storage-less "version probe" sharing the saved tensor's
   version counter, so an in-place change after the save raises at unpack exactly as plain autograd
   would: autograd skips its own version check when saved-tensor hooks are installed;
+- a retained graph (`backward(retain_graph=True)`, then another backward) unpacks its handles again: a
+  swapped storage is reloaded again, and a recomputed one keeps its recipe until its entry dies, so the
+  second pass rebuilds it as the first did;
 - all state is per step (`begin_step` starts a new rulebook), records die with their last handle, and
   handles of saved tensors that are never unpacked die with their graph, so no step leaks into the next;
   a handle reports to the rulebook of its own step.
@@ -472,7 +475,10 @@ class SavedTensorFrontEnd:
         handle.unpacked = True
         self.emit(EventKind.UNPACK_END, entry.index, first, rulebook=handle.rulebook)
         if entry.decision == RECOMPUTE and entry.pending == 0:
-            self.forget_recipe(entry)
+            # Every handle has unpacked once: the kept replay goes, but the recipe stays until the entry dies
+            # (rule 14). A retained graph (`backward(retain_graph=True)`, then another backward) unpacks the
+            # same handles again; without retain_graph they die right after their node, taking the recipe.
+            self.rebuilds.forget(entry.payload.recipe)
         return out
 
     def handle_died(self, handle: SavedHandle) -> None:

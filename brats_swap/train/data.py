@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from brats_swap import stop_signals
 from brats_swap.config import Config, DataConfig
 from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
 from brats_swap.data.discovery import resolve_convention
@@ -252,7 +252,7 @@ class EpochSampler(Sampler):
 
 
 def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed; ignore Ctrl-C.
+    """DataLoader worker_init_fn: seed numpy and `random` from the worker's torch seed; ignore stop signals.
 
     The dataset draws its own randomness from `SampleKey`s; this only keeps library code that reaches for
     global RNGs reproducible too (torch already seeds each worker from the loader's generator).
@@ -260,9 +260,11 @@ def seed_worker(worker_id: int) -> None:
     worker_seed = torch.initial_seed() % 2**32
     np.random.seed(worker_seed)
     random.seed(worker_seed)
-    # Ctrl-C reaches the whole process group; the main process finishes its step and saves, so workers
-    # must not die under it (a dead worker would turn the clean stop into a DataLoader error).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group, and so do a scheduler's SIGTERM / SIGUSR1 (`timeout`, SLURM at
+    # a time limit, scancel, preemption): the main process finishes its step and saves, so workers must not
+    # die under them (a dead worker turns the clean stop into a DataLoader error). The loader ends its
+    # workers through its queues, and a worker whose parent died exits by itself (torch's watchdog).
+    stop_signals.ignore(stop_signals.STOP_SIGNALS)
 
 
 def stacked(arrays: Sequence[np.ndarray]) -> torch.Tensor:

@@ -75,7 +75,7 @@ from brats_swap.errors import ConfigError, NumericalError, TrainingInterrupted
 from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions, targets_from_labels
-from brats_swap.progress import progress_bar
+from brats_swap.progress import ProgressLines, progress_bar
 from brats_swap.run.checkpoint import (
     capture_rng_states,
     load_checkpoint,
@@ -86,6 +86,7 @@ from brats_swap.run.checkpoint import (
 from brats_swap.run.console import console, warn
 from brats_swap.run.device import (
     amp_dtype,
+    amp_on_device,
     autocast_context,
     peak_memory_bytes,
     seed_everything,
@@ -128,6 +129,7 @@ class TrainResult:
     peak_memory_bytes: int = 0  # CUDA: peak allocated; CPU: peak resident set size of the process
     history: list[dict] = field(default_factory=list)  # one record per epoch of the fold (all calls)
     fold_dir: Path | None = None
+    device: str = ""  # where this call trained ("cpu", "cuda:0"): what `peak_memory_bytes` measures
 
 
 @dataclass
@@ -254,12 +256,24 @@ def train_fold(
     folder = run.fold(fold)
     # Under torchrun: join the process group, one device per rank (see brats_swap/distributed.py).
     ctx = init_distributed(config.train.device)
+    config = _amp_that_runs(config, ctx)
     # Read before anything is written; rank 0 reads, every rank gets the same state.
     state = run_on_main(ctx, _resume_state, config, folder, resume)
     if state is not None and state["finished"] and not _can_extend(state, config):
         return LoopState.from_checkpoint(state).to_result(folder.fold, folder.root)
     with torch_settings(config, ctx.device), StopSignals() as signals:
         return FoldRecipe(config, run, folder, ctx, signals, show_progress=progress).fit(state, stop_requested)
+
+
+def _amp_that_runs(config: Config, ctx: DistContext) -> Config:
+    """`config` with the `train.amp` this device runs (`amp_on_device`), said in one line when it changed; the
+    run's config, checkpoints and env.json then record what ran."""
+    amp, reason = amp_on_device(config.train.amp, ctx.device)
+    if reason is None:
+        return config
+    if ctx.is_main:
+        warn(reason)
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, amp=amp))
 
 
 def _resume_state(config: Config, folder: FoldFolder, resume: bool) -> dict[str, Any] | None:
@@ -384,7 +398,8 @@ class FoldRecipe:
         if self.ctx.rank > 0 and state is None:
             torch.manual_seed(self.config.seed + 7919 * self.ctx.rank)  # own dropout masks (weights come from rank 0)
         self.log = TrainLog(self.folder, write=self.ctx.is_main,
-                            purge_step=self.loop.epoch + 1 if state is not None else None)
+                            purge_step=self.loop.epoch + 1 if state is not None else None,
+                            train_loss=self.config.train.loss)
         self.log.line(self._start_line(resumed=state is not None))
 
     def _prepare_run_folder(self) -> tuple[list[str], list[str]]:
@@ -402,7 +417,8 @@ class FoldRecipe:
             remove_stale_temp_files(self.folder.root)
             if not self.run.config.exists():
                 atomic_write_text(self.run.config, config_to_yaml(self.config))
-            atomic_write_json(self.run.env, {**environment_record(self.device), "world_size": self.ctx.world_size})
+            atomic_write_json(self.run.env, {**environment_record(self.device), "world_size": self.ctx.world_size,
+                                             "amp": self.config.train.amp})  # what ran (`_amp_that_runs`)
         splits = run_on_main(self.ctx, load_run_splits, self.config, self.run, case_ids)
         return fold_cases(splits, self.folder.fold)
 
@@ -477,9 +493,12 @@ class FoldRecipe:
         step_times: list[float] = []
         progress = progress_bar(
             f"epoch {loop.epoch + 1}/{train_cfg.max_epochs}", TextColumn("{task.fields[info]}"),
-            # Off when stderr is not a terminal (CI, SLURM logs): `end_epoch` prints one line per epoch instead.
+            # Off when stderr is not a terminal (CI, SLURM logs): plain lines while the epoch runs, and
+            # `end_epoch`'s line at its end.
             console=console, transient=True, disable=not (self.show_progress and console.is_terminal),
         )
+        lines = (ProgressLines(f"epoch {loop.epoch + 1}/{train_cfg.max_epochs}", self.data.steps_per_epoch,
+                               console=console) if self.show_progress and not console.is_terminal else None)
         with progress:
             task = progress.add_task("train", total=self.data.steps_per_epoch, completed=loop.step_in_epoch, info="")
             last_step_end = time.perf_counter()
@@ -499,9 +518,11 @@ class FoldRecipe:
                 step_times.append(step_end - step_started)
                 loop.epoch_elapsed += step_end - last_step_end  # includes waiting for data
                 last_step_end = step_end
-                progress.update(task, advance=1, info=(
-                    f"loss {loop.epoch_loss_sum / loop.step_in_epoch:.4f}  {np.mean(step_times):.2f} s/step  "
-                    f"mem {peak_memory_bytes(self.device) / 2**30:.2f} GiB"))
+                info = (f"loss {loop.epoch_loss_sum / loop.step_in_epoch:.4f}  {np.mean(step_times):.2f} s/step  "
+                        f"mem {peak_memory_bytes(self.device) / 2**30:.2f} GiB")
+                progress.update(task, advance=1, info=info)
+                if lines is not None:
+                    lines.update(loop.step_in_epoch, info)
                 self._stop_within_epoch()
         record = {"epoch": loop.epoch + 1, "train_loss": loop.epoch_loss_sum / max(loop.step_in_epoch, 1),
                   "lr": self.optimizer.param_groups[0]["lr"],
@@ -599,9 +620,12 @@ class FoldRecipe:
 
     def finish(self) -> TrainResult:
         """The fold's result, with this call's timings and whether a stop request ended it."""
+        # Also the steps of an epoch a stop cut short (`end_epoch` records the peak of whole epochs only).
+        peak = int(all_reduce_max(peak_memory_bytes(self.device), self.ctx))
+        self.loop.peak_memory_bytes = max(self.loop.peak_memory_bytes, peak)
         return self.loop.to_result(self.folder.fold, self.folder.root, interrupted=self.interrupted,
                                    stop_reason=self.stop_reason, train_seconds=self.train_seconds,
-                                   epoch_seconds=self.epoch_seconds)
+                                   epoch_seconds=self.epoch_seconds, device=str(self.device))
 
     # ---- stopping and checkpoints ----
 

@@ -9,6 +9,19 @@ from typing import Any
 from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.folder import FoldFolder
 
+# Validation scores Ellis's weighted Dice loss whatever `train.loss` is (it drives the LR plateau and early
+# stopping, as in the paper's recipe).
+VAL_LOSS = "dice"
+
+
+def loss_names(train_loss: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(log name, TensorBoard tag) of the training loss and of the validation loss. One name is one quantity:
+    they are `train_loss` / `val_loss` (`train/loss`, `val/loss`) when training uses the validation's loss,
+    else each says which loss it is (`train_loss(dice_bce)`, `val_loss(dice)`; `val/dice_loss`)."""
+    if train_loss == VAL_LOSS:
+        return ("train_loss", "train/loss"), ("val_loss", "val/loss")
+    return (f"train_loss({train_loss})", "train/loss"), (f"val_loss({VAL_LOSS})", f"val/{VAL_LOSS}_loss")
+
 
 class TrainLog:
     """`train.log` (timestamped lines, appended across resumes) and TensorBoard scalars (`tb/`) of one fold.
@@ -18,7 +31,8 @@ class TrainLog:
     checkpoint it resumes from.
     """
 
-    def __init__(self, folder: FoldFolder, *, write: bool, purge_step: int | None) -> None:
+    def __init__(self, folder: FoldFolder, *, write: bool, purge_step: int | None, train_loss: str = VAL_LOSS) -> None:
+        self.names = loss_names(train_loss)
         self._file = None
         self._writer = None
         if write:
@@ -37,7 +51,8 @@ class TrainLog:
     def epoch(self, record: dict[str, Any], memory_stats: dict[str, float], max_epochs: int) -> str:
         """Log one epoch's record (train.log line and scalars); returns the line."""
         epoch = record["epoch"]
-        parts = [f"epoch {epoch}/{max_epochs}", f"train_loss {record['train_loss']:.4f}"]
+        (train_name, train_tag), (val_name, val_tag) = self.names
+        parts = [f"epoch {epoch}/{max_epochs}", f"{train_name} {record['train_loss']:.4f}"]
         self._scalar("train/loss", record["train_loss"], epoch)
         self._scalar("lr", record["lr"], epoch)
         self._scalar("time/step_s", record["step_s"], epoch)
@@ -47,8 +62,8 @@ class TrainLog:
         for key, value in memory_stats.items():
             self._scalar(f"memory/{key.removeprefix('memory/')}", value, epoch)
         if "val_loss" in record:
-            parts.append(f"val_loss {record['val_loss']:.4f}")
-            self._scalar("val/loss", record["val_loss"], epoch)
+            parts.append(f"{val_name} {record['val_loss']:.4f}")
+            self._scalar(val_tag, record["val_loss"], epoch)
             for region in regions_of_columns(record):  # the run's regions, as validation scored them
                 key = dice_column(region)
                 parts.append(f"{key} {record[key]:.4f}")

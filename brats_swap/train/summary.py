@@ -10,14 +10,16 @@ from brats_swap.config import Config
 from brats_swap.memory.budget import GIB
 from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.train.loop import TrainResult
+from brats_swap.train.report import loss_names
 
 
 def summary_panel(result: TrainResult, config: Config) -> Panel:
     """The one-screen summary printed after training: the epochs (first 3 and last 9 of a long run), status, best."""
     table = Table(show_header=True, header_style="bold")
     table.add_column("epoch", justify="right")
-    table.add_column("train loss", justify="right")
-    table.add_column("val loss", justify="right")
+    (train_name, _), (val_name, _) = loss_names(config.train.loss)
+    table.add_column(train_name.replace("_loss", " loss", 1), justify="right")
+    table.add_column(val_name.replace("_loss", " loss", 1), justify="right")
     history = result.history
     regions = regions_of_columns(key for record in history for key in record)
     for region in regions:
@@ -39,6 +41,17 @@ def summary_panel(result: TrainResult, config: Config) -> Panel:
     best = (f"best mean val Dice {result.best_val_dice:.4f} at epoch {result.best_epoch} (*)"
             if result.best_val_dice is not None else "no validation yet")
     lines = (f"fold {result.fold}: {status} after {result.epochs_completed} epoch(s); {best}\n"
-             f"time {result.train_seconds:.1f} s this call; peak memory {result.peak_memory_bytes / GIB:.2f} GiB; "
-             f"checkpoints in {result.fold_dir}")
+             f"time {result.train_seconds:.1f} s this call; peak memory {result.peak_memory_bytes / GIB:.2f} GiB"
+             f"{_peak_meaning(result, config)}; checkpoints in {result.fold_dir}")
     return Panel(Group(table, lines), title=f"[bold]{config.name}[/] training summary", expand=False)
+
+
+def _peak_meaning(result: TrainResult, config: Config) -> str:
+    """What the peak measures where it is not what `memory.budget_gib` budgets (the device memory training
+    allocates): on a CPU it is the whole process's resident set (`run.device.peak_memory_bytes`)."""
+    if not result.device.startswith("cpu"):
+        return ""
+    budget = config.memory.budget_gib
+    over = (f", above memory.budget_gib {budget:g} because that budgets the memory the step allocates, not the "
+            "process" if budget is not None and result.peak_memory_bytes > budget * GIB else "")
+    return f" (CPU: the process's peak resident memory, Python, libraries and data included{over})"
