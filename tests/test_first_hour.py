@@ -19,7 +19,7 @@ from brats_swap.run.device import autocast_context
 from brats_swap.run.folder import LATEST
 from brats_swap.train import loop
 from brats_swap.train.loop import train_fold
-from brats_swap.train.report import summary_panel
+from brats_swap.train.summary import summary_panel
 
 
 @pytest.fixture(scope="module")
