@@ -174,13 +174,13 @@ def test_plan_names_the_recipe_it_priced(monkeypatch):
 
 def test_train_takes_folds_in_the_one_spelling(tmp_path, monkeypatch):
     from brats_swap.train import data as train_data
-    from brats_swap.train import loop, report
+    from brats_swap.train import loop, summary
 
     trained: list[int] = []
     monkeypatch.setattr(train_data, "prepare_run_data", lambda data_cfg: None)
     monkeypatch.setattr(loop, "train_fold", lambda config, run_dir, fold, resume: trained.append(fold) or
                         SimpleNamespace(stop_reason=None, interrupted=False))
-    monkeypatch.setattr(report, "summary_panel", lambda result, config: "")
+    monkeypatch.setattr(summary, "summary_panel", lambda result, config: "")
     base = ["train", "--run", str(tmp_path / "run"), *sum((["--set", item] for item in TINY), [])]
     for spelling in ("--folds", "--fold", "-f"):
         result = CliRunner().invoke(app, [*base, spelling, "1"])

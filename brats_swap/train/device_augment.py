@@ -176,10 +176,10 @@ class DeviceBatches:
         if self.recipe == "mild":
             return self._monai(images, labels, params)
         if self.recipe in NNUNET_RECIPES:
-            # nnU-Net marks the voxels outside the brain (zero in every channel: the cache's z-scored
-            # modalities are 0 there, and so is an enlarged crop past the volume) with -1; the transforms
-            # zero the image there and return the labels with -1 turned into background.
-            labels = labels.masked_fill((images == 0).all(dim=1), OUTSIDE_LABEL)
+            # nnU-Net marks the background voxels outside the brain (zero in every channel: the cache's
+            # z-scored modalities are 0 there, and so is an enlarged crop past the volume) with -1, never a
+            # tumour voxel; the transforms zero the image there and return the labels with -1 turned into 0.
+            labels = labels.masked_fill((images == 0).all(dim=1) & (labels == 0), OUTSIDE_LABEL)
             return augment_batch(images, labels, params, self.sample_size, self.label_values)
         return images, labels
 

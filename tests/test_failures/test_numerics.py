@@ -61,6 +61,12 @@ def test_fp16_overflow_is_a_skipped_step_not_a_crash(prepared_cache, tmp_path, m
         return loss + (bomb - bomb.detach())
 
     monkeypatch.setattr(loop, "weighted_dice_loss", loss_with_fault(overflowing_gradients, at_step=2))
+    # A CPU trains fp16 configs in bf16 (run.device.amp_on_device), which needs no scaler: keep fp16 here, where
+    # the GradScaler is what is tested (on a GPU fp16 runs as asked).
+    from brats_swap.run import device as run_device
+
+    for module in (loop, run_device):
+        monkeypatch.setattr(module, "amp_on_device", lambda amp, device: (amp, None))
     run = tmp_path / "run"
     result = invoke("train", "--run", run, *set_args(prepared_cache, "train.max_epochs=1", "train.amp=fp16"))
     assert result.exit_code == 0, result.output
