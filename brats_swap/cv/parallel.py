@@ -15,7 +15,9 @@ cpu_count / N threads unless `train.threads` says otherwise.
 
 Stopping: the parent turns SIGTERM and the `--max-hours` window into a shared event; every worker checks it
 at each epoch boundary (and before starting or evaluating a fold), saves its checkpoint there and returns,
-as the sequential runner does. A worker also stops when its parent has gone (the lock died with it, so a
+as the sequential runner does. A signal to the whole process group (`timeout`, SLURM) also reaches each
+worker: outside training the worker ignores it (the parent's event decides), while a fold trains the
+training loop's own handlers take it and stop at the next step, as in a sequential run. A worker also stops when its parent has gone (the lock died with it, so a
 new invocation may start). The lock itself is held by the parent only; workers are started while it is
 held and are all waited for before it is released.
 
@@ -167,7 +169,9 @@ def _init_worker(stop_event, devices, parent_pid: int, threads: int) -> None:
         torch.cuda.set_device(torch.device(device))  # code that says just "cuda" means this GPU too
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
-    stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)  # the parent decides; it tells us through stop_event
+    # Between folds the parent decides and tells us through stop_event; the training loop installs its own
+    # handlers while a fold trains (a group signal then stops it at the next step).
+    stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)
     # A spawned process makes spawn its default start method, so its DataLoaders would spawn their workers: a
     # fresh interpreter per worker and epoch, killed by a stop signal to the job before `seed_worker` can
     # ignore it. Forked, as in a sequential run, a worker ignores it from its first instruction.
