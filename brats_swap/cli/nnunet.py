@@ -12,7 +12,7 @@ from brats_swap.cli.common import console, handle_errors
 
 @handle_errors
 def import_nnunet(
-    results: Annotated[Path, typer.Argument(help="nnU-Net's DatasetXXX_Name/<Trainer>__<Plans>__<configuration>/ "
+    results: Annotated[Path, typer.Argument(help="nnU-Net's Dataset<NNN>_<Name>/<Trainer>__<Plans>__<configuration>/ "
                                                  "folder (plans.json, dataset.json, fold_<k>/).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The run folder to write.")],
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="Checkpoint file of each fold.")] = "checkpoint_final.pth",

@@ -1,7 +1,7 @@
 """Dataset folders described by a `dataset.json`: nnU-Net's raw layout and the Decathlon's Task01.
 
-- nnU-Net v2 (and v1) raw: `DatasetXXX_Name/{imagesTr,labelsTr,imagesTs}/`, one file per channel
-  `<case>_<XXXX><file_ending>` (channel XXXX of `channel_names`, v1: `modality`), the labels as
+- nnU-Net v2 (and v1) raw: `Dataset<NNN>_<Name>/{imagesTr,labelsTr,imagesTs}/`, one file per channel
+  `<case>_<NNNN><file_ending>` (channel NNNN of `channel_names`, v1: `modality`), the labels as
   `labelsTr/<case><file_ending>`. `labels` maps names to values, or to several values for a region
   (nnU-Net's BraTS 2021 conversion declares only regions: `"whole tumor": [1, 2, 3]`, `"tumor core": [2, 3]`,
   `"enhancing tumor": [3]`, i.e. 1 edema, 2 necrosis, 3 enhancing). A `dataset` entry listing each case's
@@ -155,7 +155,7 @@ def _cases(folder: Path, description: Path, meta: dict, modalities: dict[int, st
 
 def _folder_cases(folder: Path, images: str, labels: str | None, modalities: dict[int, str],
                   file_ending: str) -> list[LayoutCase]:
-    """The cases of one images folder: `<case>_<XXXX>` channel files, or one 4D `<case>` file each."""
+    """The cases of one images folder: `<case>_<NNNN>` channel files, or one 4D `<case>` file each."""
     image_dir = folder / images
     if not image_dir.is_dir():
         return []

@@ -1,6 +1,6 @@
 """An nnU-Net v2 model as a brats-swap run folder (`brats-swap import-nnunet`).
 
-nnU-Net's results folder `DatasetXXX_Name/<Trainer>__<Plans>__<configuration>/` holds `plans.json`,
+nnU-Net's results folder `Dataset<NNN>_<Name>/<Trainer>__<Plans>__<configuration>/` holds `plans.json`,
 `dataset.json` and `fold_<k>/checkpoint_final.pth` (its `network_weights`). What carries over:
 
 - the network: the plans' `architecture` (dynamic-network-architectures' `PlainConvUNet` or
