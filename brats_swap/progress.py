@@ -54,7 +54,7 @@ class ProgressLines:
         remaining = elapsed / done_here * (self.total - completed)
         line = (f"{self.description} step {completed}/{self.total}, {_clock_time(elapsed)} elapsed, "
                 f"about {_clock_time(remaining)} left" + (f"  {info}" if info else ""))
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        self.console.print(line)  # the consoles of run/console.py print plain, unwrapped lines
 
 
 def _clock_time(seconds: float) -> str:
