@@ -120,6 +120,12 @@ def build_monai_augment():
     ])
 
 
+def arrived_batch_bytes(recipe: str, batch: int, channels: int, sample_size: Sequence[int], patch_mode: bool) -> int:
+    """Bytes of one batch as the loader hands it over (and as it lands on the device): float16 images and
+    uint8 labels, each sample the crop its worker reads (`worker_crop_size`)."""
+    return batch * int(np.prod(worker_crop_size(recipe, sample_size, patch_mode))) * (channels * 2 + 1)
+
+
 def augment_buffers(recipe: str, batch: int, channels: int, sample_size: Sequence[int], num_labels: int,
                     patch_mode: bool) -> int:
     """Device bytes the augmentation of one batch holds at its peak besides the float32 batch it returns: the
@@ -127,7 +133,7 @@ def augment_buffers(recipe: str, batch: int, channels: int, sample_size: Sequenc
     freed before the forward starts (`DeviceBatches.prepare` returns only the augmented batch)."""
     crop = worker_crop_size(recipe, sample_size, patch_mode)
     voxels = int(np.prod(crop))
-    arrived = batch * voxels * (channels * 2 + 1)  # float16 images + uint8 labels
+    arrived = arrived_batch_bytes(recipe, batch, channels, sample_size, patch_mode)
     if recipe in NNUNET_RECIPES:
         return arrived + int(augment_buffer_bytes(batch, channels, tuple(sample_size), num_labels, crop))
     # cube48, mild, none: a float32 copy of the batch and its int64 labels while they are permuted or transformed

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from brats_swap.run.device import amp_dtype
 from brats_swap.run.figures import pyplot, savefig_deterministic
 from brats_swap.run.folder import FoldFolder
 from brats_swap.train.data import LOADER_PREFETCH_FACTOR, loader_worker_count
-from brats_swap.train.device_augment import augment_buffers, worker_crop_size
+from brats_swap.train.device_augment import arrived_batch_bytes, augment_buffers
 from brats_swap.train.losses import training_loss, weighted_dice_loss
 
 # `brats-swap plan --dtype`: the dtype activations are priced in (default: the one `train.amp` trains in).
@@ -148,8 +147,7 @@ def batch_host_bytes(config: Config) -> int:
     images (`model.in_channels` channels) and uint8 labels, each the crop a worker reads (the cube, the patch,
     or nnU-Net's enlarged patch: `worker_crop_size`)."""
     batch, channels, *sample = training_input_shape(config)
-    crop = worker_crop_size(config.train.augment, sample, config.train.mode == "patch")
-    return int(batch) * math.prod(crop) * (2 * int(channels) + 1)
+    return arrived_batch_bytes(config.train.augment, batch, channels, sample, config.train.mode == "patch")
 
 
 def host_memory(config: Config, arena: int, workers: int | None = None) -> HostMemory:
