@@ -44,6 +44,7 @@ from brats_swap.data.challenges import (
 from brats_swap.data.editions import EDITIONS
 from brats_swap.data.layouts import Layout, LayoutCase, find_layout
 from brats_swap.errors import DataError
+from brats_swap.names import checked_name
 
 NIFTI_EXTENSIONS = (".nii.gz", ".nii")
 SEG = "seg"  # role name of the segmentation file
@@ -125,6 +126,7 @@ def discover_cases(
             unrecognised.append(path)
             continue
         case_id, token = parsed
+        checked_name(case_id, f"file {path.name!r}: case id", path.parent)  # repr: the name may hold a newline
         grouped.setdefault(case_id, {}).setdefault(token, []).append(path)
     if not grouped:
         raise DataError(
@@ -240,11 +242,23 @@ def _duplicate(case_id: str, role: str, paths: list[Path]) -> None:
 
 
 def _walk_nifti(folder: Path) -> list[Path]:
+    """The NIfTI files under `folder`, symlinked folders followed (datasets are often assembled from links),
+    each real folder entered once: a link back up (`up -> ..`) or to a folder already walked is skipped, so a
+    loop can neither hang the walk nor list a case twice."""
     def unreadable(error: OSError) -> None:
         raise DataError(f"{error.filename}: cannot list folder ({error.strerror or error})")
 
     found = []
+    visited: set[tuple[int, int]] = set()
     for dirpath, dirnames, filenames in os.walk(folder, onerror=unreadable, followlinks=True):
+        try:
+            here = os.stat(dirpath)
+        except OSError as exc:
+            unreadable(exc)
+        if (here.st_dev, here.st_ino) in visited:
+            dirnames[:] = []
+            continue
+        visited.add((here.st_dev, here.st_ino))
         # Hidden folders hold our own temp files (and editors' / OS litter), never cases.
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):

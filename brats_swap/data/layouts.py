@@ -24,6 +24,7 @@ from pathlib import Path
 
 from brats_swap.data.challenges import ChallengeSpec, label_map_from_names
 from brats_swap.errors import DataError
+from brats_swap.names import checked_name, relative_path_inside
 
 DATASET_JSON = "dataset.json"
 LAYOUT_FOLDERS = ("imagesTr", "labelsTr", "imagesTs")
@@ -108,15 +109,25 @@ def _squash(name: str) -> str:
 def channel_modalities(description: Path, names: dict) -> dict[int, str]:
     known = {spelling: modality for modality, spellings in CHANNEL_NAMES.items() for spelling in spellings}
     modalities: dict[int, str] = {}
-    for index, name in sorted(names.items(), key=lambda item: int(item[0])):
+    for index, name in sorted(_numbered_channels(description, names).items()):
         modality = known.get(_squash(name))
         if modality is None:
             raise DataError(f"{description}: channel {index} {name!r} is none of T1, T1ce/T1Gd, T2, FLAIR (or "
                             f"t1n, t1c, t2w, t2f); rename it in the channel names")
         if modality in modalities.values():
             raise DataError(f"{description}: two channels are {modality} ({name!r} and another)")
-        modalities[int(index)] = modality
+        modalities[index] = modality
     return modalities
+
+
+def _numbered_channels(description: Path, names: dict) -> dict[int, object]:
+    """Channel index -> name; DataError naming the key when a key is not a channel number ("0", "1", ...)."""
+    numbered = {}
+    for key, name in names.items():
+        if not str(key).strip().isdecimal():
+            raise DataError(f"{description}: channel key {key!r} is not a channel number (expected \"0\", \"1\", ...)")
+        numbered[int(key)] = name
+    return numbered
 
 
 def declared_labels(description: Path, labels) -> dict[str, tuple[int, ...]]:
@@ -140,8 +151,8 @@ def declared_labels(description: Path, labels) -> dict[str, tuple[int, ...]]:
 def _cases(folder: Path, description: Path, meta: dict, modalities: dict[int, str],
            file_ending: str) -> list[LayoutCase]:
     if isinstance(meta.get("dataset"), dict):  # nnU-Net v2: each case's files listed
-        return [_listed_case(folder, description, case_id, entry, modalities)
-                for case_id, entry in sorted(meta["dataset"].items())]
+        return [_listed_case(folder, description, checked_name(case_id, "dataset entry", description), entry,
+                             modalities) for case_id, entry in sorted(meta["dataset"].items())]
     cases: dict[str, LayoutCase] = {}
     for images, labels in (("imagesTr", "labelsTr"), ("imagesTs", None)):
         for case in _folder_cases(folder, images, labels, modalities, file_ending):
@@ -171,6 +182,7 @@ def _folder_cases(folder: Path, images: str, labels: str | None, modalities: dic
             whole[stem] = path
     cases = []
     for case_id in sorted({*split, *whole}):
+        checked_name(case_id, "case id (from its file names)", image_dir)
         seg = folder / labels / f"{case_id}{file_ending}" if labels else None
         seg = seg if seg is not None and seg.is_file() else None
         if case_id in split:
@@ -189,6 +201,8 @@ def _listed_case(folder: Path, description: Path, case_id: str, entry, modalitie
     if len(entry["images"]) != len(modalities):
         raise DataError(f"{description}: dataset entry {case_id!r}: {len(entry['images'])} images for "
                         f"{len(modalities)} channels")
-    images = {modalities[i]: (folder / p).resolve() for i, p in enumerate(entry["images"])}
+    where = f"dataset entry {case_id!r}"
+    images = {modalities[index]: relative_path_inside(folder, path, f"{where}: image", description)
+              for index, path in zip(sorted(modalities), entry["images"], strict=True)}  # in channel order
     seg = entry.get("label")
-    return LayoutCase(case_id, images, (folder / seg).resolve() if seg else None)
+    return LayoutCase(case_id, images, relative_path_inside(folder, seg, f"{where}: label", description) if seg else None)
