@@ -14,12 +14,20 @@ Incremental: a case is redone only if its source files changed (name, size, mtim
 settings did. Atomic: each case is written into `CACHE/.tmp-<case>-<pid>-<nonce>/` and renamed into place,
 so an interrupted run leaves either the old complete entry or the new one; a later run deletes temp
 folders whose writer process is gone.
+
+Case ids come from someone else's files (a dataset.json's keys, file names), so the cache touches only what
+it wrote: an entry's folder is `brats_swap.names.path_inside` the cache (a checked name, resolved inside
+it), and it is replaced or removed only when it is a real folder (not a link) whose meta.json is the
+cache's own (its `case_id` is the folder's name; it holds the sources and settings). Temp folders are
+deleted only when their whole name is the one `write_entry` gives them. A folder of the same name that the
+cache did not write is never replaced (CacheWriteError) nor removed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -38,6 +46,7 @@ from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
 from brats_swap.errors import DataError
+from brats_swap.names import name_problem, path_inside
 from brats_swap.progress import progress_bar
 
 INDEX_FILE = "index.json"
@@ -46,7 +55,9 @@ IMAGE_FILE = "image.npy"
 LABEL_FILE = "label.npy"
 CACHE_FORMAT = 1
 INDEX_WRITE_SECONDS = 2.0
-_TEMP_PREFIXES = (".tmp-", ".old-")
+# What `write_entry` and `_remove_entry` name their temp folders: .tmp-<case id>-<pid>-<nonce> (being
+# written) and .old-<case id>-<pid>-<nonce> (an entry being replaced or removed).
+_TEMP_FOLDER = re.compile(r"\.(?:tmp|old)-(?P<case>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
 
 
 @dataclass
@@ -95,8 +106,15 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
     todo: list[tuple[Case, dict]] = []
     report.editions = {case.case_id: case.edition for case in cases}
     for case in cases:
-        sources = source_fingerprints(case)
-        if _is_up_to_date(cache_dir / case.case_id, sources, settings):
+        try:
+            sources = source_fingerprints(case)
+        except DataError as exc:  # a listed file that is gone: this case is skipped, the others go on
+            if strict:
+                raise
+            report.failed[case.case_id] = str(exc)
+            _remove_entry(cache_dir, case.case_id)
+            continue
+        if _is_up_to_date(entry_folder(cache_dir, case.case_id), sources, settings):
             report.up_to_date.append(case.case_id)
         else:
             todo.append((case, sources))
@@ -104,7 +122,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
 
     index_cases = {}
     for case_id in report.up_to_date:
-        meta = _read_meta(cache_dir / case_id)
+        meta = _read_meta(entry_folder(cache_dir, case_id))
         index_cases[case_id] = _index_entry(meta)
         _note_cropped(report, case_id, meta, settings)
     _write_index(cache_dir, root, settings, index_cases, report.failed)
@@ -118,7 +136,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
             _note_cropped(report, case_id, meta, settings)
         else:
             report.failed[case_id] = problem
-            _remove_entry(cache_dir / case_id)  # a stale entry of a case that is now bad must not be used
+            _remove_entry(cache_dir, case_id)  # a stale entry of a case that is now bad must not be used
         # The index is rewritten every few seconds, not after every case (1000s of fsyncs); entries it
         # misses after a crash are complete on disk and the next run finds them up to date.
         if time.monotonic() - last_index_write > INDEX_WRITE_SECONDS:
@@ -198,10 +216,15 @@ def prepare_one(case: Case, cache_dir: str, settings: dict, sources: dict) -> tu
 
 
 def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndarray | None, meta: dict) -> None:
-    """Write one case into a temp folder, then swap it into place (old entry removed afterwards)."""
+    """Write one case into a temp folder, then swap it into place (old entry removed afterwards).
+
+    CacheWriteError when a folder of that name is there and is not an entry the cache wrote."""
+    final = entry_folder(cache_dir, case_id)
+    if os.path.lexists(final) and not _written_by_cache(final):
+        raise CacheWriteError(f"cache {cache_dir}: {final} is there but was not written by brats-swap (no meta.json "
+                              f"of case {case_id}); not replaced: move it away or use another cache folder")
     nonce = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp = cache_dir / f".tmp-{case_id}-{nonce}"
-    final = cache_dir / case_id
     try:
         temp.mkdir(parents=True)
         atomic_save_npy(temp / IMAGE_FILE, image)
@@ -233,12 +256,12 @@ def list_prepared(cache: str | os.PathLike) -> list[str]:
             raise DataError(f"{index_path}: unreadable cache index ({exc})") from exc
     else:
         candidates = [p.name for p in cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    return sorted(c for c in candidates if (cache_dir / c / META_FILE).is_file())
+    return sorted(c for c in candidates if (entry_folder(cache_dir, c) / META_FILE).is_file())
 
 
 def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> PreparedCase:
     """One prepared case; with `mmap` the arrays are read-only memory maps (copy before writing)."""
-    folder = Path(cache) / case_id
+    folder = entry_folder(Path(cache), case_id)
     meta = _read_meta(folder)
     if meta is None:
         raise DataError(f"cache {Path(cache)}: case {case_id} is not prepared (no {folder / META_FILE})")
@@ -277,13 +300,16 @@ def estimate_case_bytes(settings: dict) -> int:
 
 
 def clean_stale_temp(cache_dir: Path) -> int:
-    """Delete temp/old folders left by writers that no longer run; returns how many were removed."""
+    """Delete temp/old folders left by writers that no longer run; returns how many were removed.
+
+    Only real folders (not links) named exactly as `write_entry` names them are touched."""
     removed = 0
     for entry in cache_dir.iterdir():
-        if not (entry.is_dir() and entry.name.startswith(_TEMP_PREFIXES)):
+        named = _TEMP_FOLDER.fullmatch(entry.name)
+        if named is None or name_problem(named["case"]) is not None or entry.is_symlink() or not entry.is_dir():
             continue
-        pid = _writer_pid(entry.name)
-        if pid is not None and pid != os.getpid() and _process_alive(pid):
+        pid = int(named["pid"])
+        if pid != os.getpid() and _process_alive(pid):
             continue  # another prepare (or its worker) is writing it right now
         shutil.rmtree(entry, ignore_errors=True)
         removed += 1
@@ -291,13 +317,20 @@ def clean_stale_temp(cache_dir: Path) -> int:
     return removed + remove_stale_temp_files(cache_dir)
 
 
-def _writer_pid(name: str) -> int | None:
-    # ".tmp-<case_id>-<pid>-<nonce>": case ids may contain "-", so read from the right.
-    parts = name.rsplit("-", 2)
-    try:
-        return int(parts[-2])
-    except (IndexError, ValueError):
-        return None
+def entry_folder(cache_dir: Path, case_id: str) -> Path:
+    """`CACHE/<case_id>` for a checked case id that stays inside the cache once resolved (DataError otherwise);
+    returned unresolved, so that a link in its place is seen as a link."""
+    path_inside(cache_dir, case_id, "case id", f"cache {cache_dir}")
+    return Path(cache_dir) / case_id
+
+
+def _written_by_cache(folder: Path) -> bool:
+    """Whether `folder` is an entry this cache wrote: a real folder whose meta.json names it and holds the
+    sources and settings that `prepare_one` writes into every entry."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    meta = _read_meta(folder)
+    return meta is not None and meta.get("case_id") == folder.name and {"sources", "settings"} <= meta.keys()
 
 
 def _process_alive(pid: int) -> bool:
@@ -318,9 +351,10 @@ def _is_up_to_date(folder: Path, sources: dict, settings: dict) -> bool:
 
 def _read_meta(folder: Path) -> dict | None:
     try:
-        return json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _note_cropped(report: PrepareReport, case_id: str, meta: dict | None, settings: dict) -> None:
@@ -344,9 +378,11 @@ def _write_index(cache_dir: Path, root, settings: dict, cases: dict, failed: dic
     })
 
 
-def _remove_entry(folder: Path) -> None:
-    if folder.exists():
-        trash = folder.parent / f".old-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def _remove_entry(cache_dir: Path, case_id: str) -> None:
+    """Remove the cache's entry of `case_id`, if there is one the cache wrote (anything else stays)."""
+    folder = entry_folder(cache_dir, case_id)
+    if _written_by_cache(folder):
+        trash = cache_dir / f".old-{case_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.replace(folder, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
