@@ -11,6 +11,12 @@ and nibabel parses the checked bytes. nibabel on its own reads the voxels withou
 so a flipped bit in the compressed stream would decode silently to different voxels; here it is a
 `DataError` ("damaged gzip data") and the file is never used.
 
+Size. Files come from someone else, so the header is read first (the first bytes inflated, or read, alone)
+and what it declares (voxel offset + voxels) bounds everything after it: a header declaring more than
+MAX_VOLUME_BYTES is refused before any voxel is inflated, and inflating stops at the declared size (plus
+TRAILING_BYTES_ALLOWED): a small `.nii.gz` that would unpack to gigabytes is refused having allocated about
+its header's size.
+
 Labels. A segmentation may hold only the values of its case's table (`brats_swap.data.challenges`);
 anything else is refused with the values, the table checked and the config keys that choose another. A
 case of a dataset.json layout is first renumbered from its dataset's values (`Case.label_map`). A 4D image
@@ -42,6 +48,10 @@ from brats_swap.errors import DataError
 AFFINE_TOLERANCE = 1e-3
 # A BraTS volume is ~9 M voxels (35 MB as float32); a header declaring more than this is damaged.
 MAX_VOLUME_BYTES = 4 * 2**30
+# Bytes a file may hold after the voxels its header declares (ignored, but inflated to check the CRC): writers
+# end the file at the last voxel, so anything near this size is another file's data, not padding.
+TRAILING_BYTES_ALLOWED = 2**20
+NIFTI_HEADER_BYTES = nib.Nifti2Header.template_dtype.itemsize  # 540: holds a NIfTI-2 (or a NIfTI-1) header
 GZIP_MAGIC = b"\x1f\x8b"
 _GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's gzip mode: header, deflate stream, CRC-32 and ISIZE checked
 # What nibabel raises on bytes that are not a usable image (damaged header fields, short data, ...).
@@ -140,10 +150,13 @@ def read_volume(case_id: str, path: Path, as_float: bool = True,
         reason = "permission denied" if path.exists() else "file not found"
         raise DataError(f"{where}: {reason}")
     try:
-        stored = _read_bytes(path)
+        if path.name.endswith(".gz"):
+            _check_stored_size(where, path)
+            payload = gunzip_checked(where, _read_bytes(path))
+        else:
+            payload = _read_uncompressed(where, path)
     except OSError as exc:
         raise DataError(f"{where}: unreadable ({_short(exc)})") from exc
-    payload = gunzip_checked(where, stored) if path.name.endswith(".gz") else stored
     img = _image_from_bytes(where, payload)
     shape = img.shape
     if len(shape) > 3 and all(s == 1 for s in shape[3:]):
@@ -165,36 +178,103 @@ def read_volume(case_id: str, path: Path, as_float: bool = True,
 
 
 def gunzip_checked(where: str, stored: bytes) -> bytes:
-    """The decompressed bytes of a gzip file, every member's CRC-32 and length verified; DataError naming
-    `where` for anything else: no gzip header, a truncated or damaged stream, more than MAX_VOLUME_BYTES."""
-    if not stored.startswith(GZIP_MAGIC):
-        raise DataError(f"{where}: not a NIfTI file (no gzip header in a .gz file)")
-    members: list[bytes] = []
-    size, rest = 0, stored
-    while rest:
-        inflater = zlib.decompressobj(_GZIP_WBITS)
-        try:
-            member = inflater.decompress(rest, MAX_VOLUME_BYTES + 1 - size)
-        except zlib.error as exc:  # a damaged deflate stream, or a CRC-32 / length that does not match
-            raise DataError(f"{where}: damaged gzip data ({exc}): the file is corrupt and is not read") from exc
-        if inflater.unconsumed_tail:
-            raise DataError(f"{where}: decompresses to more than {MAX_VOLUME_BYTES} bytes, far larger than any "
-                            "MRI volume; the file is damaged")
-        if not inflater.eof:
-            raise DataError(f"{where}: unreadable or truncated (the gzip stream ends before its CRC trailer)")
-        members.append(member)
-        size += len(member)
-        rest = inflater.unused_data
-        if rest and not rest.startswith(GZIP_MAGIC):
-            if rest.strip(b"\0"):  # zero padding after the last member is what some tools write
-                raise DataError(f"{where}: damaged gzip data ({len(rest)} bytes of garbage after the stream)")
-            break
-    return b"".join(members)
+    """The decompressed bytes of a `.nii.gz`, every gzip member's CRC-32 and length verified, inflated no
+    further than its NIfTI header declares (see Size in the module docstring); DataError naming `where` for
+    anything else: no gzip header, a truncated or damaged stream, a header declaring more than
+    MAX_VOLUME_BYTES, more bytes than the header declares."""
+    stream = _GzipStream(where, stored)
+    head = stream.read(NIFTI_HEADER_BYTES)
+    limit = declared_file_bytes(where, head) + TRAILING_BYTES_ALLOWED
+    payload = head + stream.read(limit + 1 - len(head))
+    if len(payload) > limit:
+        raise DataError(f"{where}: decompresses to more than the {limit - TRAILING_BYTES_ALLOWED} bytes its header "
+                        "declares; the file is damaged and is not read")
+    return payload
+
+
+class _GzipStream:
+    """A gzip file's bytes inflated on demand, member after member, so a reader stops where it wants; zlib's
+    gzip mode checks each member's CRC-32 and length (ISIZE) as the member ends."""
+
+    def __init__(self, where: str, stored: bytes):
+        if not stored.startswith(GZIP_MAGIC):
+            raise DataError(f"{where}: not a NIfTI file (no gzip header in a .gz file)")
+        self.where = where
+        self._inflater = zlib.decompressobj(_GZIP_WBITS)
+        self._input = stored
+        self._ended = False
+
+    def read(self, size: int) -> bytes:
+        """The next `size` bytes, fewer only at the end of the last member (which has then been checked)."""
+        parts: list[bytes] = []
+        while size > 0 and not self._ended:
+            try:
+                chunk = self._inflater.decompress(self._input, size)
+            except zlib.error as exc:  # a damaged deflate stream, or a CRC-32 / length that does not match
+                raise DataError(f"{self.where}: damaged gzip data ({exc}): the file is corrupt and is not read") from exc
+            self._input = self._inflater.unconsumed_tail
+            parts.append(chunk)
+            size -= len(chunk)
+            if self._inflater.eof:
+                self._next_member()
+            elif not chunk and not self._input:
+                raise DataError(f"{self.where}: unreadable or truncated (the gzip stream ends before its CRC trailer)")
+        return b"".join(parts)
+
+    def _next_member(self) -> None:
+        rest = self._inflater.unused_data
+        if rest.startswith(GZIP_MAGIC):  # several members: what `cat a.gz b.gz` or some writers give
+            self._inflater, self._input = zlib.decompressobj(_GZIP_WBITS), rest
+        elif rest.strip(b"\0"):  # zero padding after the last member is what some tools write
+            raise DataError(f"{self.where}: damaged gzip data ({len(rest)} bytes of garbage after the stream)")
+        else:
+            self._ended = True
+
+
+def declared_file_bytes(where: str, head: bytes) -> int:
+    """The bytes a single-file NIfTI holds by the header at the start of `head` (its voxel offset plus the
+    voxels it declares); DataError when `head` starts with no NIfTI header, or one declaring more than
+    MAX_VOLUME_BYTES of voxels."""
+    for header_class in (nib.Nifti2Header, nib.Nifti1Header):
+        size = header_class.template_dtype.itemsize
+        if len(head) >= size and header_class.may_contain_header(head[:size]):
+            try:
+                header = header_class(head[:size], check=False)
+                shape = tuple(int(s) for s in header.get_data_shape())
+                voxels = int(np.prod(shape, dtype=object)) * header.get_data_dtype().itemsize
+                offset = int(header.get_data_offset())
+            except KeyError as exc:
+                raise DataError(f"{where}: unreadable (unknown NIfTI datatype code {exc})") from exc
+            except _NIBABEL_ERRORS as exc:
+                raise DataError(f"{where}: unreadable ({_short(exc)})") from exc
+            if voxels > MAX_VOLUME_BYTES:
+                raise DataError(f"{where}: header declares a {_fmt(shape)} image ({voxels / 2**30:.3g} GiB), "
+                                "far larger than any MRI volume; the header is damaged")
+            total = max(offset, size) + max(voxels, 0)
+            if total > MAX_VOLUME_BYTES:
+                raise DataError(f"{where}: header declares {total} bytes (voxels from byte {offset}), more than any "
+                                "MRI volume; the header is damaged")
+            return total
+    raise DataError(f"{where}: not a NIfTI file (no NIfTI-1 or NIfTI-2 header)")
+
+
+def _check_stored_size(where: str, path: Path) -> None:
+    # Deflate never makes data much larger, so a .gz this big cannot hold an image under the cap.
+    size, limit = os.stat(path).st_size, MAX_VOLUME_BYTES + TRAILING_BYTES_ALLOWED
+    if size > limit:
+        raise DataError(f"{where}: {size} bytes compressed, more than any MRI volume; the file is not read")
 
 
 def _read_bytes(path: Path) -> bytes:
     with open(path, "rb") as file:
         return file.read()
+
+
+def _read_uncompressed(where: str, path: Path) -> bytes:
+    """A `.nii`'s header and the bytes it declares, no more (what follows is not read)."""
+    with open(path, "rb") as file:
+        head = file.read(NIFTI_HEADER_BYTES)
+        return head + file.read(max(declared_file_bytes(where, head) - len(head), 0))
 
 
 def _image_from_bytes(where: str, payload: bytes):
@@ -210,12 +290,9 @@ def _image_from_bytes(where: str, payload: bytes):
 
 
 def _check_declared_size(where: str, available_bytes: int, img) -> None:
-    # nibabel allocates the size the header declares before reading: a damaged header could make it
-    # claim gigabytes (or terabytes) for a file of a few hundred bytes.
+    # nibabel allocates the size the header declares before reading (`declared_file_bytes` capped it): a
+    # file shorter than that is truncated.
     declared = int(np.prod([int(s) for s in img.shape], dtype=object)) * img.get_data_dtype().itemsize
-    if declared > MAX_VOLUME_BYTES:
-        raise DataError(f"{where}: header declares a {_fmt(img.shape)} image ({declared / 2**30:.3g} GiB), "
-                        "far larger than any MRI volume; the header is damaged")
     available = available_bytes - int(img.header.get_data_offset())
     if declared > available:
         raise DataError(f"{where}: truncated: the header declares {declared} bytes of voxels, "
