@@ -47,6 +47,7 @@ from brats_swap.evaluate.official import case_official_metrics, merge_groups
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, describe_label_changes, load_plan
 from brats_swap.evaluate.postprocessing_rules import apply as apply_postprocessing
 from brats_swap.model.targets import labels_from_probs, output_names
+from brats_swap.names import path_inside
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
@@ -497,8 +498,11 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
             say(f"{case.case_id}: postprocessing {describe_label_changes(label, processed)}")
         label = processed
     written = from_table_values(label, case.label_map) if dataset_labels else label
-    path = save_label_nifti(written, loaded.affine, out_dir / f"{case.case_id}.nii.gz", header=loaded.header)
+    # The case id comes from someone else's files: the outputs are checked to land inside `out_dir`.
+    named = case.description or out_dir
+    path = save_label_nifti(written, loaded.affine, path_inside(out_dir, case.case_id, "case id", named, ".nii.gz"),
+                            header=loaded.header)
     if probabilities:
-        save_probabilities(out_dir / f"{case.case_id}.npz", probs,
+        save_probabilities(path_inside(out_dir, case.case_id, "case id", named, ".npz"), probs,
                            output_names(loaded.edition, first.model.outputs, first.model.regions), first.model.outputs)
     return path

@@ -112,7 +112,14 @@ def case_folders(input_dir: Path) -> list[Path]:
     input_dir = Path(input_dir)
     if not input_dir.is_dir():
         raise DataError(f"{input_dir}: input folder not found")
-    folders = sorted(p for p in input_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    # Each real folder once (a link to a case folder already listed, or back to the input, is skipped).
+    here = input_dir.stat()
+    seen, folders = {(here.st_dev, here.st_ino)}, []
+    for path in sorted(p for p in input_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        real = path.stat()
+        if (real.st_dev, real.st_ino) not in seen:
+            seen.add((real.st_dev, real.st_ino))
+            folders.append(path)
     if not folders:
         raise DataError(f"{input_dir}: no case folders (expected {input_dir}/<case id>/<case id>-t1c.nii.gz, ...)")
     return folders
