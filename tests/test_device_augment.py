@@ -122,3 +122,25 @@ def test_the_plan_counts_the_augmentation_buffers_before_the_forward_not_on_top_
     report, planner = plan_for_config(config, device="cpu")
     assert planner.prelude_bytes == buffers and all(p.peak_bytes >= plain.persistent_bytes + buffers
                                                     for p in report.policies)
+
+
+def test_the_registry_is_the_one_list_of_recipes_the_config_accepts_and_it_needs_no_torch():
+    import subprocess
+    import sys
+
+    from brats_swap.augment import RECIPE_NAMES
+    from brats_swap.config import ConfigError, load_config
+
+    assert RECIPE_NAMES == ("cube48", "nnunet", "nnunet_brats2020", "mild", "none")
+    for name in RECIPE_NAMES:
+        assert load_config(None, [f"train.augment={name}"]).train.augment == name
+        recipe = get_recipe(name)
+        assert all(callable(getattr(recipe, method)) for method in ("crop_size", "draw", "apply", "buffer_bytes"))
+    with pytest.raises(ConfigError, match=r"^train\.augment: 'strong' is not one of cube48, nnunet, "):
+        load_config(None, ["train.augment=strong"])
+    with pytest.raises(ValueError, match="not one of cube48"):
+        get_recipe("strong")
+    # the config checks recipe names without importing torch (the registry is the standard library only)
+    code = ("import sys; from brats_swap.config import load_config; load_config(None, ['train.augment=mild']); "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
