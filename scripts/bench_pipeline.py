@@ -13,7 +13,7 @@ one process, one torch thread (so seconds are per core), median over `--repeats`
 - `batchgeneratorsv2 nnunet`: nnU-Net v2's `get_training_transforms` (batchgeneratorsv2, nnU-Net's
   parameters, BraTS regions and deep-supervision targets) on the same cases: at 192³ the transforms on the
   whole cube, at 160x192x160 on nnU-Net's enlarged crop. Its data loader's reading is not included.
-- `augment_over_step`: `augment_batch` (recipe nnunet, the batch's draws forced to resample, the costly case)
+- `augment_over_step`: the nnunet recipe's `apply` ( the batch's draws forced to resample, the costly case)
   of a 2x4xS³ batch over one ResEnc L (nnU-Net's BraTS plan at S³, fp32 on CPU, fp16 autocast on CUDA)
   forward + backward of that batch, on the same device in this run. S is 192 unless `--step-size` says
   otherwise: on a CPU a 192³ ResEnc L step takes minutes, and the script says which size it measured.
@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
-from brats_swap.augment import augment_batch, draw_sample_augment, enlarged_crop_size
+from brats_swap.augment import get_recipe
 from brats_swap.config import DataConfig, load_config
 from brats_swap.data.cache import list_prepared, load_prepared, prepare_dataset
 from brats_swap.data.phantom import synthesize_dataset
@@ -64,13 +64,13 @@ def loader_seconds(cache: Path, size: tuple[int, ...], repeats: int) -> list[flo
         started = time.perf_counter()
         batch = collate_samples([dataset[SampleKey(0, position, position % len(ids))]])
         if torch.cuda.is_available():
-            batch["image"].pin_memory(), batch["label"].pin_memory()
+            batch.image.pin_memory(), batch.label.pin_memory()
         times.append(time.perf_counter() - started)
     return times
 
 
 def nnunet_transforms(patch_size: tuple[int, ...]):
-    """nnU-Net v2's `nnUNetTrainer.get_training_transforms` for BraTS (regions WT/TC/ET, mask for norm,
+    """nnunetv2 2.8.1's `nnUNetTrainer.get_training_transforms` for BraTS (regions WT/TC/ET, mask for norm,
     mirroring of the three axes, deep supervision at ResEnc L's scales), built from batchgeneratorsv2."""
     import math
 
@@ -94,7 +94,8 @@ def nnunet_transforms(patch_size: tuple[int, ...]):
     return ComposeTransforms([
         SpatialTransform(patch_size, patch_center_dist_from_border=0, random_crop=False, p_elastic_deform=0,
                          p_rotation=0.2, rotation=rotation, p_scaling=0.2, scaling=(0.7, 1.4),
-                         p_synchronize_scaling_across_axes=1, bg_style_seg_sampling=False),
+                         p_synchronize_scaling_across_axes=1, bg_style_seg_sampling=False,
+                         border_mode_seg="constant", padding_value_seg=-1),
         RandomTransform(GaussianNoiseTransform(noise_variance=(0, 0.1), p_per_channel=1, synchronize_channels=True),
                         apply_probability=0.1),
         RandomTransform(GaussianBlurTransform(blur_sigma=(0.5, 1.0), synchronize_channels=False,
@@ -127,7 +128,7 @@ def batchgenerators_seconds(cache: Path, size: tuple[int, ...], repeats: int) ->
         transforms = nnunet_transforms(size)
     except ImportError:
         return None
-    read = CUBE if size == CUBE else enlarged_crop_size("nnunet", size)
+    read = CUBE if size == CUBE else get_recipe("nnunet").crop_size(size, patch_mode=True)
     times = []
     for case_id in list_prepared(cache):
         prepared = load_prepared(cache, case_id, mmap=True)
@@ -148,7 +149,7 @@ def batchgenerators_seconds(cache: Path, size: tuple[int, ...], repeats: int) ->
 
 
 def augment_over_step(size: int, draws: int) -> dict:
-    """augment_batch of a 2x4xsize³ batch over ResEnc L's forward + backward of it, on one device."""
+    """The nnunet recipe's apply to a 2x4xsize³ batch over ResEnc L's forward + backward of it, on one device."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = load_config(None, ["model.name=resenc_l", f"data.cube=[{size},{size},{size}]", "model.outputs=regions",
                                 "train.loss=dice_bce"])
@@ -158,9 +159,10 @@ def augment_over_step(size: int, draws: int) -> dict:
     labels = torch.randint(0, 4, (2, size, size, size), device=device)
     targets = torch.rand(2, 3, size, size, size, device=device).round()
     rng = np.random.default_rng(0)
+    recipe = get_recipe("nnunet")
     params = []
     while len(params) < 2 * draws:  # the costly samples: rotation or scaling drawn (one grid_sample)
-        drawn = draw_sample_augment("nnunet", rng, (size,) * 3, 4)
+        drawn = recipe.draw(rng, (size,) * 3, 4)
         if drawn.resamples:
             params.append(drawn)
 
@@ -176,11 +178,11 @@ def augment_over_step(size: int, draws: int) -> dict:
 
     augment_times, step_times = [], []
     step()  # warm-up: cuDNN's algorithm search, the allocator
-    augment_batch(images, labels, params[:2], (size,) * 3, (0, 1, 2, 3))
+    recipe.apply(images, labels, params[:2], (size,) * 3, (0, 1, 2, 3))
     for i in range(draws):
         sync()
         started = time.perf_counter()
-        augment_batch(images, labels, params[2 * i: 2 * i + 2], (size,) * 3, (0, 1, 2, 3))
+        recipe.apply(images, labels, params[2 * i: 2 * i + 2], (size,) * 3, (0, 1, 2, 3))
         sync()
         augment_times.append(time.perf_counter() - started)
         started = time.perf_counter()
@@ -260,7 +262,7 @@ def markdown_table(result: dict, args: argparse.Namespace) -> str:
         value = row["seconds_per_sample_per_core"]
         lines.append(f"| {row['pipeline']} | {'x'.join(map(str, row['size']))} | "
                      f"{f'{value:.3f}' if value else 'not measured'} |")
-    lines.append(f"| augment_over_step: nnunet augment_batch / ResEnc L forward+backward, 2x4x{args.step_size}³ on "
+    lines.append(f"| augment_over_step: nnunet recipe apply / ResEnc L forward+backward, 2x4x{args.step_size}³ on "
                  f"{step['device']} ({step['augment_seconds']:.3f} s / {step['step_seconds']:.3f} s) | | "
                  f"{result['augment_over_step']:.3f} |")
     return "\n".join(lines) + "\n"

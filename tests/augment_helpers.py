@@ -1,5 +1,6 @@
 """Shared by tests/test_augment_*.py: small test volumes, neutral parameters, and nnU-Net's transforms built
-from batchgeneratorsv2 with the parameters of brats_swap.augment's recipes."""
+from batchgeneratorsv2: nnunetv2 2.8.1's SpatialTransform argument for argument, the others with the
+parameters of brats_swap.augment's recipes."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import math
 import numpy as np
 import torch
 
-from brats_swap.augment import SampleAugment
-from brats_swap.augment.recipes import BGContrastRange, Recipe
+from brats_swap.augment.recipes import NNUNET, BGContrastRange, Recipe, SampleAugment
 
 LABEL_VALUES = (0, 1, 2, 3)
 
@@ -70,7 +70,32 @@ def elastic_magnitude(image=None, patch_size=None, dim=None, deformation_scale=N
     return np.random.uniform(sigma / 8, sigma / 2)
 
 
+# nnunetv2's rotation_for_DA for 3D patches that are not "dummy 2D" (configure_rotation_dummyDA_mirroring_and_
+# inital_patch_size): +-30 degrees.
+NNUNET_3D_ROTATION = (-30.0 / 360 * 2.0 * np.pi, 30.0 / 360 * 2.0 * np.pi)
+
+
+def nnunet_spatial_transform(patch_size, **overrides):
+    """nnunetv2 2.8.1's SpatialTransform exactly as nnUNetTrainer.get_training_transforms builds it (3D),
+    `overrides` replacing arguments to force a draw."""
+    from batchgeneratorsv2.transforms.spatial.spatial import SpatialTransform
+
+    kwargs = dict(
+        patch_center_dist_from_border=0, random_crop=False, p_elastic_deform=0,
+        p_rotation=0.2,
+        rotation=NNUNET_3D_ROTATION, p_scaling=0.2, scaling=(0.7, 1.4), p_synchronize_scaling_across_axes=1,
+        bg_style_seg_sampling=False,
+        border_mode_seg='constant',
+        padding_value_seg=-1,
+    )
+    kwargs.update(overrides)
+    return SpatialTransform(tuple(patch_size), **kwargs)
+
+
 def spatial_transform(r: Recipe, patch_size, **overrides):
+    """The recipe's SpatialTransform: nnU-Net v2's own for NNUNET, else one built from the recipe's values."""
+    if r is NNUNET:
+        return nnunet_spatial_transform(patch_size, **overrides)
     from batchgeneratorsv2.transforms.spatial.spatial import SpatialTransform
 
     kwargs = dict(
@@ -78,7 +103,8 @@ def spatial_transform(r: Recipe, patch_size, **overrides):
         elastic_deform_scale=bg_range(r.elastic_deform_scale), elastic_deform_magnitude=elastic_magnitude,
         p_synchronize_def_scale_across_axes=1, p_rotation=r.p_rotation, rotation=bg_range(r.rotation),
         p_scaling=r.p_scaling, scaling=bg_range(r.scaling),
-        p_synchronize_scaling_across_axes=r.p_synchronize_scaling_across_axes, bg_style_seg_sampling=False)
+        p_synchronize_scaling_across_axes=r.p_synchronize_scaling_across_axes, bg_style_seg_sampling=False,
+        border_mode_seg="constant", padding_value_seg=r.pad_label)
     kwargs.update(overrides)
     return SpatialTransform(tuple(patch_size), **kwargs)
 

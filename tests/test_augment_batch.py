@@ -13,15 +13,12 @@ import torch
 from augment_helpers import LABEL_VALUES, neutral, volume
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from brats_swap.augment import (
-    RECIPES,
-    augment_batch,
-    augment_buffer_bytes,
-    draw_sample_augment,
-    enlarged_crop_size,
-)
+from brats_swap.augment import get_recipe
+from brats_swap.augment.pipeline import augment_batch, augment_buffer_bytes
 
 PATCH = (24, 24, 24)
+PAD = -1  # the nnunet recipe's padding label
+NNUNET_RECIPES = ("nnunet", "nnunet_brats2020")
 
 
 def _batch(size: int, batch: int, channels: int = 2):
@@ -44,11 +41,11 @@ def _busy(channels: int, seed: int, **fields):
 def test_deterministic_given_the_parameters_and_seeds_matter():
     images, labels = _batch(32, 2)
     params = [_busy(2, 10), _busy(2, 11)]
-    first = augment_batch(images, labels, params, PATCH, LABEL_VALUES)
-    again = augment_batch(images, labels, params, PATCH, LABEL_VALUES)
+    first = augment_batch(images, labels, params, PATCH, LABEL_VALUES, pad_label=PAD)
+    again = augment_batch(images, labels, params, PATCH, LABEL_VALUES, pad_label=PAD)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     reseeded = augment_batch(images, labels, [dataclasses.replace(p, seed=p.seed + 100) for p in params], PATCH,
-                             LABEL_VALUES)
+                             LABEL_VALUES, pad_label=PAD)
     assert not torch.allclose(first[0], reseeded[0])  # another noise image and elastic field
 
 
@@ -56,9 +53,10 @@ def test_a_batch_equals_its_samples_one_by_one():
     images, labels = _batch(32, 3)
     params = [_busy(2, 1), neutral(2, seed=2, gamma=(1.2, 0.9), mirror=(False, True, False)),
               _busy(2, 3, elastic_magnitudes=(0.0, 0.0, 0.0), noise_std=0.0)]
-    out_images, out_labels = augment_batch(images, labels, params, PATCH, LABEL_VALUES)
+    out_images, out_labels = augment_batch(images, labels, params, PATCH, LABEL_VALUES, pad_label=PAD)
     for b, p in enumerate(params):
-        one_images, one_labels = augment_batch(images[b:b + 1], labels[b:b + 1], [p], PATCH, LABEL_VALUES)
+        one_images, one_labels = augment_batch(images[b:b + 1], labels[b:b + 1], [p], PATCH, LABEL_VALUES,
+                                               pad_label=PAD)
         assert torch.allclose(out_images[b], one_images[0], atol=1e-5)
         assert torch.equal(out_labels[b], one_labels[0])
 
@@ -66,7 +64,8 @@ def test_a_batch_equals_its_samples_one_by_one():
 def test_outputs_masked_and_minus_one_gone_inputs_untouched():
     images, labels = _batch(32, 2)
     before = images.clone(), labels.clone()
-    out_images, out_labels = augment_batch(images, labels, [_busy(2, 0), neutral(2)], PATCH, LABEL_VALUES)
+    out_images, out_labels = augment_batch(images, labels, [_busy(2, 0), neutral(2)], PATCH, LABEL_VALUES,
+                                           pad_label=PAD)
     assert torch.equal(images, before[0]) and torch.equal(labels, before[1])
     assert out_images.shape == (2, 2, *PATCH) and out_labels.shape == (2, *PATCH)
     assert out_images.dtype == torch.float32 and out_labels.dtype == labels.dtype
@@ -77,24 +76,41 @@ def test_outputs_masked_and_minus_one_gone_inputs_untouched():
     assert torch.equal(out_images[1], torch.where(crop[None] < 0, 0.0, images[1, :, 4:28, 4:28, 4:28]))
 
 
+def test_a_crop_larger_than_the_input_pads_with_the_padding_label():
+    """The crop-only path (no resampling drawn) pads as nnunetv2 2.8.1's crop does: labels with the padding
+    label, so with -1 the mask step puts the padding back to 0 after a contrast change; with 0 it stays moved."""
+    images, labels = _batch(20, 1)
+    labels.clamp_(min=0)  # a brain filling the input
+    drawn = [neutral(2, contrast=(1.5, 0.7))]
+    ring = torch.ones(PATCH, dtype=torch.bool)
+    ring[2:22, 2:22, 2:22] = False
+    minus_one = augment_batch(images, labels, drawn, PATCH, LABEL_VALUES, pad_label=-1)
+    assert (minus_one[0][0][:, ring] == 0).all() and (minus_one[1][0][ring] == 0).all()
+    zero = augment_batch(images, labels, drawn, PATCH, LABEL_VALUES, pad_label=0)
+    assert (zero[0][0][:, ring] != 0).all()
+    assert torch.equal(minus_one[0][0][:, ~ring], zero[0][0][:, ~ring])  # inside the input both are alike
+
+
 def test_parameters_are_picklable_and_drawn_from_the_generator_alone():
-    for name in RECIPES:
-        a = draw_sample_augment(name, np.random.default_rng(5), PATCH, 4)
-        b = draw_sample_augment(name, np.random.default_rng(5), PATCH, 4)
+    for name in NNUNET_RECIPES:
+        recipe = get_recipe(name)
+        a = recipe.draw(np.random.default_rng(5), PATCH, 4)
+        b = recipe.draw(np.random.default_rng(5), PATCH, 4)
         assert a == b and pickle.loads(pickle.dumps(a)) == a
-        assert a != draw_sample_augment(name, np.random.default_rng(6), PATCH, 4)
+        assert a != recipe.draw(np.random.default_rng(6), PATCH, 4)
 
 
 def test_enlarged_crop_is_nnunets_get_patch_size():
     # nnU-Net's 128^3 patch is cropped at 205^3 (get_patch_size with +-30 deg and 1 / 0.85)
-    assert enlarged_crop_size("nnunet", (128, 128, 128)) == (205, 205, 205)
-    assert enlarged_crop_size("nnunet", (160, 192, 160)) == (275, 289, 257)
-    assert enlarged_crop_size("nnunet_brats2020", (128, 128, 128)) == (205, 205, 205)
+    assert get_recipe("nnunet").crop_size((128, 128, 128), patch_mode=True) == (205, 205, 205)
+    assert get_recipe("nnunet").crop_size((160, 192, 160), patch_mode=True) == (275, 289, 257)
+    assert get_recipe("nnunet_brats2020").crop_size((128, 128, 128), patch_mode=True) == (205, 205, 205)
 
 
 def test_an_enlarged_crop_input_gives_the_patch():
     images, labels = _batch(40, 2)
-    out_images, out_labels = augment_batch(images, labels, [_busy(2, 0), neutral(2)], PATCH, LABEL_VALUES)
+    out_images, out_labels = augment_batch(images, labels, [_busy(2, 0), neutral(2)], PATCH, LABEL_VALUES,
+                                           pad_label=PAD)
     assert out_images.shape == (2, 2, *PATCH)
     assert torch.equal(out_labels[1], labels[1, 8:32, 8:32, 8:32].clamp_min(0))
 
@@ -104,11 +120,12 @@ def test_an_enlarged_crop_input_gives_the_patch():
     ({"params": [None]}, "parameter sets"),
     ({"label_values": (1, 2, 3)}, "background 0"),
     ({"patch_size": (24, 24)}, "not 3D"),
+    ({"pad_label": 2}, "neither 0 nor -1"),
 ])
 def test_bad_input_is_refused_in_one_line(bad, message):
     images, labels = _batch(24, 2)
     kwargs = dict(images=images, labels=labels, params=[neutral(2), neutral(2)], patch_size=PATCH,
-                  label_values=LABEL_VALUES)
+                  label_values=LABEL_VALUES, pad_label=PAD)
     kwargs.update(bad)
     with pytest.raises(ValueError, match=message):
         augment_batch(**kwargs)
@@ -156,7 +173,7 @@ def test_buffer_bytes_bound_what_augment_batch_allocates(input_size, which):
               "one resamples": [_busy(4, 0, elastic_magnitudes=(0.0, 0.0, 0.0)), neutral(4)],
               "intensity only": [neutral(4, gamma=(0.8,) * 4), neutral(4, blur_sigmas=((1.0, 1.0, 1.0),) * 4)]}
     with _PeakBytes([images, labels]) as mode:
-        out = augment_batch(images, labels, params[which], PATCH, LABEL_VALUES)
+        out = augment_batch(images, labels, params[which], PATCH, LABEL_VALUES, pad_label=PAD)
     del out
     bound = augment_buffer_bytes(2, 4, PATCH, len(LABEL_VALUES), (input_size,) * 3)
     assert 0 < mode.peak <= bound, (mode.peak, bound)
@@ -170,7 +187,7 @@ def test_cuda_gives_the_cpu_result_for_noise_free_parameters():
     images, labels = _batch(32, 2, channels=4)
     params = [_busy(4, 0, noise_std=0.0, elastic_magnitudes=(0.0, 0.0, 0.0)), _busy(4, 1, noise_std=0.0,
                                                                                   rotation=(0.0, 0.0, 0.0))]
-    cpu = augment_batch(images, labels, params, PATCH, LABEL_VALUES)
-    gpu = augment_batch(images.cuda(), labels.cuda(), params, PATCH, LABEL_VALUES)
+    cpu = augment_batch(images, labels, params, PATCH, LABEL_VALUES, pad_label=PAD)
+    gpu = augment_batch(images.cuda(), labels.cuda(), params, PATCH, LABEL_VALUES, pad_label=PAD)
     assert torch.allclose(gpu[0].cpu(), cpu[0], atol=1e-4)
     assert (gpu[1].cpu() == cpu[1]).float().mean() >= 0.999

@@ -1,4 +1,4 @@
-"""`draw_sample_augment` draws what batchgeneratorsv2 draws: over 3,000 seeded draws per recipe, each
+"""The nnU-Net recipes' `draw` draws what batchgeneratorsv2 draws: over 3,000 seeded draws per recipe, each
 transform fires as often (Fisher's exact test) and each parameter has the same distribution (two-sample
 Kolmogorov-Smirnov), both at p > 0.001. The same checks reject recipes with one probability or range
 changed (the negative controls below), so they would catch a wrong range or probability."""
@@ -23,15 +23,16 @@ from batchgeneratorsv2.transforms.spatial.mirroring import MirrorTransform
 from batchgeneratorsv2.transforms.utils.random import RandomTransform
 from scipy.stats import fisher_exact, ks_2samp
 
-from brats_swap.augment import RECIPES, draw_sample_augment
+from brats_swap.augment import get_recipe
 from brats_swap.augment.recipes import (
     NNUNET,
     BGContrastRange,
     Recipe,
     UniformRange,
     draw_from_recipe,
-    recipe,
 )
+
+NNUNET_RECIPES = ("nnunet", "nnunet_brats2020")
 
 DRAWS = 3000
 CHANNELS = 2
@@ -178,14 +179,14 @@ _REFERENCE_CACHE: dict[str, Stats] = {}
 
 def _reference_for(name: str) -> Stats:
     if name not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[name] = _reference(recipe(name), seed=11)
+        _REFERENCE_CACHE[name] = _reference(get_recipe(name).table, seed=11)
     return _REFERENCE_CACHE[name]
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", NNUNET_RECIPES)
 def test_every_probability_and_distribution_matches_batchgeneratorsv2(name):
     reference = _reference_for(name)
-    ours = _ours(recipe(name), seed=7)
+    ours = _ours(get_recipe(name).table, seed=7)
     assert len(ours.rates) >= 10 and len(ours.values) >= 8  # the checks below are not vacuous
     assert _mismatches(ours, reference) == {}
 
@@ -207,7 +208,7 @@ def test_the_checks_catch_a_wrong_probability_or_range(change, caught):
 
 def test_the_brats2020_recipe_draws_per_axis_scaling_and_elastic_deformation():
     rng = np.random.default_rng(3)
-    draws = [draw_sample_augment("nnunet_brats2020", rng, (64, 64, 64), 4) for _ in range(500)]
+    draws = [get_recipe("nnunet_brats2020").draw(rng, (64, 64, 64), 4) for _ in range(500)]
     elastic = [p for p in draws if any(m != 0 for m in p.elastic_magnitudes)]
     assert 100 < len(elastic) < 200  # p 0.3
     for p in elastic:

@@ -1,7 +1,9 @@
 """brats_swap.augment equals batchgeneratorsv2, nnU-Net's own augmentation library, transform by transform:
 given the parameters batchgeneratorsv2's `get_parameters` drew, `augment_batch` with the same parameters
 (and nothing else) gives its output followed by nnU-Net's MaskImageTransform and RemoveLabelTransform(-1, 0).
-Intensity transforms within 1e-5; spatial ones within interpolation rounding, labels on >= 99.9% of voxels."""
+The nnunet recipe's reference is nnunetv2 2.8.1's SpatialTransform argument for argument (space outside the
+input labelled -1). Intensity transforms within 1e-5; spatial ones within interpolation rounding, labels on
+>= 99.9% of voxels."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from batchgeneratorsv2.transforms.spatial.mirroring import MirrorTransform
 from batchgeneratorsv2.transforms.utils.nnunet_masking import MaskImageTransform
 from batchgeneratorsv2.transforms.utils.remove_label import RemoveLabelTransform
 
-from brats_swap.augment import augment_batch
+from brats_swap.augment import get_recipe
+from brats_swap.augment.pipeline import augment_batch
 from brats_swap.augment.recipes import NNUNET, NNUNET_BRATS2020
 from brats_swap.augment.spatial import ELASTIC_SEED_OFFSET, NOISE_SEED_OFFSET, field_seed
 
@@ -42,8 +45,9 @@ def _reference(image: torch.Tensor, labels: torch.Tensor, transforms_and_params)
     return RemoveLabelTransform(-1, 0).apply(data)
 
 
-def _ours(image, labels, params):
-    images, out_labels = augment_batch(image[None], labels[None], [params], PATCH, LABEL_VALUES)
+def _ours(image, labels, params, recipe=NNUNET):
+    images, out_labels = augment_batch(image[None], labels[None], [params], PATCH, LABEL_VALUES,
+                                       pad_label=recipe.pad_label)
     return images[0], out_labels[0]
 
 
@@ -113,14 +117,14 @@ def test_elastic_deformation_with_per_axis_scaling_matches(seed):
     assert params["elastic_offsets"] is not None and recorded["scale"] > 0.15
     image, labels = volume(CHANNELS, 40, seed)
     reference = _reference(image, labels, [(transform, params, None)])
-    ours = _ours(image, labels, _our_spatial(params, recorded, seed))
+    ours = _ours(image, labels, _our_spatial(params, recorded, seed), NNUNET_BRATS2020)
     _assert_spatial_match(reference, ours)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_whole_volume_patch_that_reaches_outside_is_padded_alike(seed):
     """Input = patch (whole-volume training): a rotated, shrunk patch reaches past the volume, where
-    batchgeneratorsv2 samples the image as 0 and the labels as the padding label 0."""
+    batchgeneratorsv2 samples the image as 0 and the labels as the padding label (-1, then 0)."""
     transform, params, recorded = _spatial_case(NNUNET, seed, size=PATCH[0], p_rotation=1, p_scaling=1,
                                                 scaling=(1.3, 1.4))
     image, labels = volume(CHANNELS, PATCH[0], seed)
@@ -129,6 +133,31 @@ def test_a_whole_volume_patch_that_reaches_outside_is_padded_alike(seed):
     ours = _ours(image, labels, _our_spatial(params, recorded, seed))
     _assert_spatial_match(reference, ours)
     assert (reference["image"][:, 0, 0, 0] == 0).all() and reference["segmentation"][0, 0, 0, 0] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_whole_volume_space_outside_the_input_is_labelled_minus_one_and_zeroed_as_nnunet_does(seed):
+    """nnunetv2 2.8.1 with patch = input, zoom-out and rotation forced, then a contrast change: where the patch
+    reaches past the volume its SpatialTransform labels -1, and the mask step zeroes every channel there after
+    the contrast moved those zeros. The nnunet recipe (through its own door, the -1 marking included) gives
+    the same voxels; padding with label 0 (what brats-swap did before) would leave them changed."""
+    transform, params, recorded = _spatial_case(NNUNET, seed, size=PATCH[0], p_rotation=1, p_scaling=1,
+                                                scaling=(1.3, 1.4))
+    image, labels = volume(CHANNELS, PATCH[0], seed)
+    labels[labels == -1] = 0  # a brain filling the volume: every -1 comes from outside the input
+    contrast = intensity_transforms(NNUNET)["contrast"][1]
+    contrast_params = {"apply_to_channel": torch.tensor([0, 1]), "multipliers": torch.tensor([1.2, 0.8])}
+    reference = _reference(image, labels, [(transform, params, None), (contrast, contrast_params, None)])
+    outside = transform.apply({"image": image.clone(), "segmentation": labels[None].clone()},
+                              **params)["segmentation"][0] == -1
+    assert outside.float().mean() > 0.1  # the zoom-out reaches well past the volume
+    assert (reference["image"][:, outside] == 0).all()
+    drawn = dataclasses.replace(_our_spatial(params, recorded, seed), contrast=(1.2, 0.8))
+    ours = get_recipe("nnunet").apply(image[None], labels[None], [drawn], PATCH, LABEL_VALUES)
+    _assert_spatial_match(reference, (ours[0][0], ours[1][0]))
+    assert torch.equal(ours[0][0][:, outside], reference["image"][:, outside])
+    padded_with_background = augment_batch(image[None], labels[None], [drawn], PATCH, LABEL_VALUES, pad_label=0)[0][0]
+    assert (padded_with_background[:, outside] != 0).float().mean() > 0.5
 
 
 def test_a_sample_that_draws_no_spatial_transform_is_the_same_centre_crop():
@@ -167,7 +196,8 @@ def test_each_intensity_transform_matches(recipe, name):
             continue
         noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
         reference = _reference(image, labels, [(transform, params, lambda s=noise_seed: torch.manual_seed(s))])
-        ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, **intensity_fields(name, params, CHANNELS)))
+        ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, **intensity_fields(name, params, CHANNELS)),
+                        recipe)
         assert (ours - reference["image"]).abs().max() <= 1e-5
         assert not torch.allclose(ours, _reference(image, labels, [])["image"], atol=1e-3)
         matched += 1
@@ -211,4 +241,4 @@ def test_the_whole_pipeline_matches_when_every_transform_fires(recipe, seed):
     fields["mirror"] = (True, False, True)
     image, labels = volume(CHANNELS, 40, seed)
     reference = _reference(image, labels, steps)
-    _assert_spatial_match(reference, _ours(image, labels, dataclasses.replace(neutral(CHANNELS), **fields)))
+    _assert_spatial_match(reference, _ours(image, labels, dataclasses.replace(neutral(CHANNELS), **fields), recipe))

@@ -4,35 +4,32 @@ recipes read an enlarged crop and see the brain mask as nnU-Net does (-1 outside
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
+from brats_swap.augment import get_recipe, nnunet
+from brats_swap.augment.cube import CubeSymmetry, apply_symmetry
+from brats_swap.augment.mild import MonaiSeed
 from brats_swap.model.targets import targets_from_labels
-from brats_swap.train import device_augment
-from brats_swap.train.device_augment import (
-    CubeSymmetry,
-    DeviceBatches,
-    MonaiSeed,
-    apply_symmetry,
-    augment_buffers,
-    draw_params,
-    worker_crop_size,
-)
+from brats_swap.train.data import LoaderBatch
+from brats_swap.train.device_augment import DeviceBatches, augment_buffers
 
 SIZE = (12, 12, 12)
 
 
-def loader_batch(recipe: str, size=SIZE, batch: int = 2, seed: int = 0) -> dict:
+def loader_batch(recipe: str, size=SIZE, batch: int = 2, seed: int = 0) -> LoaderBatch:
     """A batch as the loader hands it over: float16 images (0 outside a brain ball), uint8 labels, the draws."""
     rng = np.random.default_rng(seed)
     grid = np.stack(np.meshgrid(*[np.arange(s) - s / 2 for s in size], indexing="ij"))
     brain = (grid**2).sum(0) < (min(size) / 2.2) ** 2
     images = rng.normal(size=(batch, 4, *size)).astype(np.float16) * brain
     labels = rng.choice(np.array([0, 1, 2, 4], np.uint8), size=(batch, *size)) * brain
-    draws = [draw_params(recipe, rng, size, 4) for _ in range(batch)]
-    return {"image": torch.from_numpy(images), "label": torch.from_numpy(labels.astype(np.uint8)), "augment": draws,
-            "pad": [None] * batch}
+    draws = [get_recipe(recipe).draw(rng, size, 4) for _ in range(batch)]
+    return LoaderBatch(image=torch.from_numpy(images), label=torch.from_numpy(labels.astype(np.uint8)),
+                       augment=draws, pad=[None] * batch, case_id=[f"case_{i}" for i in range(batch)])
 
 
 def batches(recipe: str, outputs: str = "labels") -> DeviceBatches:
@@ -41,38 +38,38 @@ def batches(recipe: str, outputs: str = "labels") -> DeviceBatches:
 
 def test_cube48_on_the_device_is_each_samples_symmetry_then_its_targets():
     batch = loader_batch("cube48")
-    assert all(isinstance(d, CubeSymmetry) for d in batch["augment"])
+    assert all(isinstance(d, CubeSymmetry) for d in batch.augment)
     images, targets = batches("cube48").prepare(batch)
     assert images.dtype == torch.float32 and targets.shape == (2, 3, *SIZE)
-    for i, drawn in enumerate(batch["augment"]):
-        expected = apply_symmetry(batch["image"][i].float(), drawn.perm, drawn.flips)
+    for i, drawn in enumerate(batch.augment):
+        expected = apply_symmetry(batch.image[i].float(), drawn.perm, drawn.flips)
         assert torch.equal(images[i], expected)
-        label = apply_symmetry(batch["label"][i].long(), drawn.perm, drawn.flips)
+        label = apply_symmetry(batch.label[i].long(), drawn.perm, drawn.flips)
         assert torch.equal(targets[i], targets_from_labels(label, "2021", "labels"))
 
 
 def test_none_only_converts_and_mild_follows_its_seed():
     batch = loader_batch("none")
     images, targets = batches("none").prepare(batch)
-    assert torch.equal(images, batch["image"].float())
-    assert torch.equal(targets, targets_from_labels(batch["label"].long(), "2021", "labels"))
+    assert torch.equal(images, batch.image.float())
+    assert torch.equal(targets, targets_from_labels(batch.label.long(), "2021", "labels"))
     mild = batches("mild")
     batch = loader_batch("mild", seed=3)
-    assert all(isinstance(d, MonaiSeed) for d in batch["augment"])
+    assert all(isinstance(d, MonaiSeed) for d in batch.augment)
     first, again = mild.prepare(batch), mild.prepare(batch)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-    other = dict(batch, augment=[MonaiSeed(d.seed + 1) for d in batch["augment"]])
+    other = dataclasses.replace(batch, augment=[MonaiSeed(d.seed + 1) for d in batch.augment])
     assert not torch.equal(mild.prepare(other)[0], first[0])
 
 
 @pytest.mark.parametrize("recipe", ["nnunet", "nnunet_brats2020"])
 def test_the_nnunet_recipes_crop_the_enlarged_patch_back_to_the_patch(recipe):
-    crop = worker_crop_size(recipe, SIZE, patch_mode=True)
+    crop = get_recipe(recipe).crop_size(SIZE, patch_mode=True)
     assert all(c > s for c, s in zip(crop, SIZE, strict=True))  # room for rotations and scaling
-    assert worker_crop_size(recipe, SIZE, patch_mode=False) == SIZE  # a whole cube is read as it is
-    assert worker_crop_size("cube48", SIZE, patch_mode=True) == SIZE
-    batch = loader_batch(recipe, size=crop, seed=1)
-    batch["augment"] = [draw_params(recipe, np.random.default_rng(s), SIZE, 4) for s in range(2)]
+    assert get_recipe(recipe).crop_size(SIZE, patch_mode=False) == SIZE  # a whole cube is read as it is
+    assert get_recipe("cube48").crop_size(SIZE, patch_mode=True) == SIZE
+    batch = dataclasses.replace(loader_batch(recipe, size=crop, seed=1),
+                                augment=[get_recipe(recipe).draw(np.random.default_rng(s), SIZE, 4) for s in range(2)])
     device = batches(recipe, outputs="regions")
     images, targets = device.prepare(batch)
     assert images.shape == (2, 4, *SIZE) and targets.shape == (2, 3, *SIZE)
@@ -84,16 +81,16 @@ def test_the_nnunet_recipes_crop_the_enlarged_patch_back_to_the_patch(recipe):
 def test_the_nnunet_recipes_see_minus_one_outside_the_brain(monkeypatch):
     seen = {}
 
-    def record(images, labels, params, patch_size, label_values):
+    def record(images, labels, params, patch_size, label_values, pad_label):
         seen["labels"], seen["images"] = labels.clone(), images.clone()
         return images, labels
 
-    monkeypatch.setattr(device_augment, "augment_batch", record)
+    monkeypatch.setattr(nnunet, "augment_batch", record)
     batch = loader_batch("nnunet")
     batches("nnunet").prepare(batch)
-    outside = (batch["image"] == 0).all(dim=1)
+    outside = (batch.image == 0).all(dim=1)
     assert torch.equal(seen["labels"] == -1, outside)
-    assert torch.equal(seen["labels"][~outside], batch["label"][~outside].long())
+    assert torch.equal(seen["labels"][~outside], batch.label[~outside].long())
 
 
 def test_the_augmentation_buffers_grow_with_the_batch_and_the_enlarged_crop():
@@ -125,3 +122,25 @@ def test_the_plan_counts_the_augmentation_buffers_before_the_forward_not_on_top_
     report, planner = plan_for_config(config, device="cpu")
     assert planner.prelude_bytes == buffers and all(p.peak_bytes >= plain.persistent_bytes + buffers
                                                     for p in report.policies)
+
+
+def test_the_registry_is_the_one_list_of_recipes_the_config_accepts_and_it_needs_no_torch():
+    import subprocess
+    import sys
+
+    from brats_swap.augment import RECIPE_NAMES
+    from brats_swap.config import ConfigError, load_config
+
+    assert RECIPE_NAMES == ("cube48", "nnunet", "nnunet_brats2020", "mild", "none")
+    for name in RECIPE_NAMES:
+        assert load_config(None, [f"train.augment={name}"]).train.augment == name
+        recipe = get_recipe(name)
+        assert all(callable(getattr(recipe, method)) for method in ("crop_size", "draw", "apply", "buffer_bytes"))
+    with pytest.raises(ConfigError, match=r"^train\.augment: 'strong' is not one of cube48, nnunet, "):
+        load_config(None, ["train.augment=strong"])
+    with pytest.raises(ValueError, match="not one of cube48"):
+        get_recipe("strong")
+    # the config checks recipe names without importing torch (the registry is the standard library only)
+    code = ("import sys; from brats_swap.config import load_config; load_config(None, ['train.augment=mild']); "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -2,8 +2,8 @@
 
 Arrows point one way: `config -> data -> model -> memory -> run -> train | evaluate -> cv -> cli`.
 - `memory/` works on any `nn.Module`: it imports torch, the standard library, `config` and itself only.
-- `augment/` (the device-side augmentation) is a leaf any layer may use (`train` does): it imports torch,
-  numpy, the standard library and itself only.
+- `augment/` (the device-side augmentation) is a leaf any layer may use (`train` and the config's recipe
+  check do): it imports torch, numpy, MONAI (the mild recipe), the standard library and itself only.
 - `train/` and `evaluate/` never import each other; what both need lives in `run/`.
 - `data/` knows nothing of the model, training, evaluation or memory; `model/` nothing of training,
   evaluation or memory.
@@ -27,8 +27,8 @@ LONG_FUNCTION_EXCEPTIONS: dict[str, str] = {}
 # Third-party imports memory/ may use besides torch and the standard library: numpy is the simulator's
 # array library (the planner replays traces as arrays), matplotlib is absent on purpose.
 MEMORY_THIRD_PARTY = {"torch", "numpy"}
-# The same for augment/: it works on tensors and draws with numpy.
-AUGMENT_THIRD_PARTY = {"torch", "numpy"}
+# The same for augment/: it works on tensors and draws with numpy; the mild recipe is MONAI's transforms.
+AUGMENT_THIRD_PARTY = {"torch", "numpy", "monai"}
 
 
 def _modules() -> dict[str, Path]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from train_helpers import prepared_dataset
 
+from brats_swap.augment.cube import CUBE_SYMMETRIES, CubeSymmetry, allowed_symmetries, apply_symmetry
 from brats_swap.data.cache import list_prepared
 from brats_swap.train.data import (
     CubeDataset,
@@ -19,7 +20,6 @@ from brats_swap.train.data import (
     nnunet_forced_foreground,
     random_patch_start,
 )
-from brats_swap.train.device_augment import CUBE_SYMMETRIES, CubeSymmetry, allowed_symmetries, apply_symmetry
 
 
 def test_the_48_cube_symmetries_are_distinct_and_only_permute_equal_axes():
@@ -147,7 +147,7 @@ def test_samples_depend_only_on_their_key_not_on_workers(data):
                                              collate_fn=collate_samples)
         batches[workers] = [b for b in loader]
     for a, b in zip(batches[0], batches[2], strict=True):
-        assert torch.equal(a["image"], b["image"]) and a["augment"] == b["augment"]
+        assert torch.equal(a.image, b.image) and a.augment == b.augment
 
 
 def test_two_ranks_never_draw_the_same_augmentation(data):

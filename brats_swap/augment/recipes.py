@@ -1,9 +1,10 @@
-"""The named augmentation recipes, and the per-sample parameters drawn from them.
+"""The nnU-Net recipes' tables (`Recipe`: probabilities, ranges, the padding label) and the per-sample
+parameters drawn from them (`SampleAugment`).
 
-A recipe is a table of probabilities and ranges (`Recipe`); `draw_sample_augment` draws one sample's
-parameters from it with the sample's numpy Generator, in the loader's worker, so every draw follows the
-sample's seed (exact resume, ranks differ). The draws reproduce batchgeneratorsv2's `get_parameters`
-distributions transform by transform (tests/test_augment_draws.py compares them over thousands of draws).
+`draw_from_recipe` draws one sample's parameters from a table with the sample's numpy Generator, in the
+loader's worker, so every draw follows the sample's seed (exact resume, ranks differ). The draws reproduce
+batchgeneratorsv2's `get_parameters` distributions transform by transform (tests/test_augment_draws.py
+compares them over thousands of draws). The recipes themselves, by name, are `brats_swap.augment.registry`'s.
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ class Recipe:
     p_additive_brightness: float
     additive_brightness_sigma: float  # N(0, sigma) per channel
     p_mirror_per_axis: float
+    # The label the spatial transform gives space outside its input (the image there is 0): -1, nnU-Net's
+    # "outside the brain", which the mask step then zeroes in every channel; or 0, background.
+    pad_label: int
 
 
-# nnU-Net v2's defaults: nnUNetTrainer.get_training_transforms (MIC-DKFZ/nnUNet, nnunetv2/training/
-# nnUNetTrainer/nnUNetTrainer.py) with the 3D rotation range above.
+# nnU-Net v2's defaults as of nnunetv2 2.8.1: nnUNetTrainer.get_training_transforms (MIC-DKFZ/nnUNet,
+# nnunetv2/training/nnUNetTrainer/nnUNetTrainer.py) with the 3D rotation range above. Since 2.7 its
+# SpatialTransform pads the segmentation with -1 (border_mode_seg='constant', padding_value_seg=-1).
 NNUNET = Recipe(
     p_rotation=0.2, rotation=UniformRange(-_THIRTY_DEGREES, _THIRTY_DEGREES),
     p_scaling=0.2, scaling=UniformRange(0.7, 1.4), p_synchronize_scaling_across_axes=1.0,
@@ -80,6 +85,7 @@ NNUNET = Recipe(
     p_gamma_inverted=0.1, p_gamma=0.3, gamma=BGContrastRange(0.7, 1.5),
     p_additive_brightness=0.0, additive_brightness_sigma=0.0,
     p_mirror_per_axis=0.5,
+    pad_label=-1,
 )
 
 # nnU-Net's BraTS 2020 entry (Isensee et al., "nnU-Net for Brain Tumor Segmentation", arXiv 2011.00848; the
@@ -95,7 +101,9 @@ NNUNET = Recipe(
 # - noise p 0.15; blur p 0.2, sigma U(0.5, 1.5) the same on all axes, each channel 0.5; multiplicative
 #   brightness U(0.7, 1.3) p 0.15; contrast (0.65, 1.5) p 0.15 keeping the range; low resolution p 0.25, each
 #   channel 0.5, scale U(0.5, 1) (v1 upsampled cubic, v2 trilinear: v2's is used); inverted gamma p 0.15;
-#   additive brightness N(0, 0.2) per channel p 0.3; gamma p 0.3; both gammas in (0.5, 1.6) keeping mean and std.
+#   additive brightness N(0, 0.2) per channel p 0.3; gamma p 0.3; both gammas in (0.5, 1.6) keeping mean and std;
+# - outside the input the labels are background 0 (batchgeneratorsv2's default zeros padding, as this recipe
+#   always did).
 NNUNET_BRATS2020 = dataclasses.replace(
     NNUNET,
     p_rotation=0.3, p_scaling=0.3, scaling=BGContrastRange(0.65, 1.6), p_synchronize_scaling_across_axes=0.7,
@@ -104,21 +112,13 @@ NNUNET_BRATS2020 = dataclasses.replace(
     brightness=UniformRange(0.7, 1.3), contrast=BGContrastRange(0.65, 1.5),
     p_gamma_inverted=0.15, gamma=BGContrastRange(0.5, 1.6),
     p_additive_brightness=0.3, additive_brightness_sigma=0.2,
+    pad_label=0,
 )
-
-RECIPE_TABLE: dict[str, Recipe] = {"nnunet": NNUNET, "nnunet_brats2020": NNUNET_BRATS2020}
-RECIPES = tuple(RECIPE_TABLE)
 
 # nnU-Net sizes the enlarged crop with the scale range (0.85, 1.25) whatever the recipe's scaling (its
 # configure_rotation_dummyDA_mirroring_and_inital_patch_size says so; v1's DA3 computed it before widening its
 # scale range too).
 _CROP_SCALE_MIN = 0.85
-
-
-def recipe(name: str) -> Recipe:
-    if name not in RECIPE_TABLE:
-        raise ValueError(f"augment recipe {name!r}: not one of {', '.join(RECIPES)}")
-    return RECIPE_TABLE[name]
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def _draw(rng: np.random.Generator, spec: UniformRange | BGContrastRange) -> flo
     return float(rng.uniform(spec.low, spec.high))
 
 
-def _spatial(rng: np.random.Generator, r: Recipe, patch_size: tuple[int, int, int]) -> dict:
+def _draw_spatial(rng: np.random.Generator, r: Recipe, patch_size: tuple[int, int, int]) -> dict:
     do_rotation = rng.random() < r.p_rotation
     do_scaling = rng.random() < r.p_scaling
     do_elastic = rng.random() < r.p_elastic_deform
@@ -206,18 +206,12 @@ def _blur(rng: np.random.Generator, r: Recipe, channels: int) -> tuple[tuple[flo
     return tuple(sigmas)
 
 
-def draw_sample_augment(recipe_name: str, rng: np.random.Generator, patch_size: tuple[int, int, int],
-                        channels: int) -> SampleAugment:
-    """Draw one sample's parameters for the named recipe, from `rng` alone."""
-    return draw_from_recipe(recipe(recipe_name), rng, patch_size, channels)
-
-
 def draw_from_recipe(r: Recipe, rng: np.random.Generator, patch_size: tuple[int, int, int],
                      channels: int) -> SampleAugment:
     """Draw one sample's parameters from a recipe table, in the order of nnU-Net's pipeline."""
     patch_size = tuple(int(s) for s in patch_size)
     seed = int(rng.integers(0, 2**63 - 1))
-    spatial = _spatial(rng, r, patch_size)
+    spatial = _draw_spatial(rng, r, patch_size)
     noise_std = _draw(rng, r.noise_std) if rng.random() < r.p_noise else 0.0
     blur = _blur(rng, r, channels)
     brightness = _per_channel(rng, r.p_brightness, 1.0, r.brightness, channels, 1.0)
@@ -244,11 +238,10 @@ def rotation_matrix(angle: float, axis: int) -> np.ndarray:
     return np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]])
 
 
-def enlarged_crop_size(recipe_name: str, patch_size: tuple[int, int, int]) -> tuple[int, int, int]:
+def enlarged_crop_size(r: Recipe, patch_size: tuple[int, int, int]) -> tuple[int, int, int]:
     """nnU-Net's `get_patch_size`: the crop the loader takes so the rotated and scaled patch rarely reaches
     past it (128^3 -> 205^3). The patch's diagonal vector is rotated by the largest angle about each axis in
     turn, the largest extent per axis kept, divided by the smallest scale 0.85 and truncated."""
-    r = recipe(recipe_name)
     extent = np.array(patch_size, dtype=float)
     largest = max(abs(r.rotation.low), abs(r.rotation.high)) if r.p_rotation > 0 else 0.0
     angle = min(largest, math.pi / 2)

@@ -6,10 +6,11 @@ is centred on the input, the grid is the centred identity grid of the patch in v
 elastic offsets, then multiplied by the affine `Rz @ Ry @ Rx @ S`; with an elastic deformation the grid's mean
 is moved back to the centre. Images are sampled linearly with zero padding; each label is sampled linearly as
 an indicator and the label with the largest score wins (nnU-Net's `bg_style_seg_sampling=False` path); outside
-the input counts as label 0, as batchgeneratorsv2's zeros padding does for segmentations. Scores are kept in
-float32 and an exact tie goes to the first label (0, then -1, 1, 2, ...), where batchgeneratorsv2 0.3.6 rounds
-them to float16 and gives ties to the nearest neighbour's label: the two agree on all but a few boundary
-voxels (>= 99.9%, tests/test_augment_faithful.py).
+the input counts as the recipe's padding label (`pad_label`): -1 for nnunetv2 2.8.1's `border_mode_seg='constant',
+padding_value_seg=-1`, 0 for batchgeneratorsv2's default zeros padding. Scores are kept in float32 and an exact
+tie goes to the first label (the padding label, then the others in increasing order), where batchgeneratorsv2
+0.3.6 rounds them to float16 and gives ties to the nearest neighbour's label: the two agree on all but a few
+boundary voxels (>= 99.9%, tests/test_augment_faithful.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from brats_swap.augment.recipes import SampleAugment, rotation_matrix
-
-# The label that fills space outside the input (batchgeneratorsv2's border_mode_seg="zeros").
-PAD_LABEL = 0
 
 
 def affine_matrix(rotation: Sequence[float], scaling: Sequence[float]) -> torch.Tensor:
@@ -98,9 +96,9 @@ def sampling_grid(params: Sequence[SampleAugment], patch_size: Sequence[int], in
     return (grid / half).flip(-1)
 
 
-def centre_crop(volume: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
-    """batchgeneratorsv2's crop_tensor at the input's centre (floor of half the size), padding with zeros
-    where the patch is larger than the input; `volume` is (..., X, Y, Z)."""
+def centre_crop(volume: torch.Tensor, patch_size: Sequence[int], pad_value: float = 0) -> torch.Tensor:
+    """batchgeneratorsv2's crop_tensor at the input's centre (floor of half the size), padding with
+    `pad_value` where the patch is larger than the input; `volume` is (..., X, Y, Z)."""
     spatial = volume.shape[-3:]
     slices, pads = [], []
     for size, patch in zip(spatial, patch_size, strict=True):
@@ -110,21 +108,22 @@ def centre_crop(volume: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor
         pads.append((lo - start, patch - (hi - start)))
     cropped = volume[(..., *slices)]
     if any(a or b for a, b in pads):
-        cropped = F.pad(cropped, [v for pair in reversed(pads) for v in pair])
+        cropped = F.pad(cropped, [v for pair in reversed(pads) for v in pair], value=pad_value)
     return cropped
 
 
 def resample(images: torch.Tensor, labels: torch.Tensor, chosen: Sequence[int], grid: torch.Tensor,
-             label_values: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+             label_values: Sequence[int], pad_label: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample images (B, C, ...) and labels (B, ...) of the `chosen` samples at `grid` in one grid_sample.
 
     Each label other than the padding label is sampled as a linear indicator next to the image channels,
     in one stacked input built sample by sample (no second copy of the images); the padding label's score is
     one minus the others' (grid_sample is linear and the indicators partition the padded volume, so that
     equals sampling its indicator padded with ones). The highest score wins, the first label on a tie.
+    `label_values` must hold `pad_label` and every value the labels hold.
     """
     channels = images.shape[1]
-    others = [v for v in label_values if v != PAD_LABEL]
+    others = [v for v in label_values if v != pad_label]
     stacked = images.new_empty((len(chosen), channels + len(others), *images.shape[2:]))
     for i, b in enumerate(chosen):
         stacked[i, :channels] = images[b]
@@ -134,6 +133,28 @@ def resample(images: torch.Tensor, labels: torch.Tensor, chosen: Sequence[int], 
     del stacked
     scores = sampled[:, channels:]
     pad_score = 1.0 - scores.sum(1, keepdim=True)
-    ordered = torch.tensor([PAD_LABEL, *others], device=labels.device, dtype=labels.dtype)
+    ordered = torch.tensor([pad_label, *others], device=labels.device, dtype=labels.dtype)
     winner = torch.cat([pad_score, scores], 1).argmax(1)
     return sampled[:, :channels], ordered[winner]
+
+
+def buffer_bytes(batch: int, channels: int, patch_size: Sequence[int], num_labels: int,
+                 input_size: Sequence[int], element_bytes: int = 4, label_bytes: int = 8) -> int:
+    """A bound of what the spatial transform holds at its peak besides its outputs: the largest of building
+    the grids (one sample's elastic field at a time), resampling and choosing labels. `num_labels` counts the
+    label values other than -1: with -1's indicator and without the padding label's, that many indicators
+    are sampled next to the image channels."""
+    patch = math.prod(int(s) for s in patch_size)
+    full = math.prod(int(s) for s in input_size)
+    coordinates = 3 * 4  # a float32 grid point
+    grids = patch * coordinates * (1 + 2 * batch)  # the centred base grid, the batch's grid and its normalised copy
+    # the grids built so far, and one sample's elastic field: its noise (3 float32 fields), two complex128
+    # spectra, the smoothed component in float64 and float32, the offsets and three grid temporaries
+    elastic = batch * patch * coordinates + patch * (coordinates + 2 * 16 + 8 + 4 + coordinates + 3 * coordinates)
+    sampled_channels = channels + num_labels
+    # the stacked input of image channels and label indicators at input size, and their sampled patch
+    resampling = grids + batch * sampled_channels * (full + patch) * element_bytes
+    # the sampled patch, the scores with the padding label's (and its sum), the argmax and the chosen labels
+    labelling = grids + batch * patch * (sampled_channels * element_bytes + (num_labels + 2) * element_bytes
+                                         + 2 * label_bytes)
+    return max(elastic, resampling, labelling)

@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from brats_swap.augment.registry import RECIPE_NAMES
 from brats_swap.config.networks import (
     check_network_keys,
     derived_model_keys,
@@ -29,7 +30,7 @@ from brats_swap.errors import ConfigError
 # Keys that older configs used, with what replaced them (a config that still sets one is told how to move).
 RETIRED_KEYS = {
     "train.monai_augment": "replaced by train.augment: the MONAI set is train.augment: mild (it no longer adds to "
-                           "cube48); the recipes are cube48, nnunet, nnunet_brats2020, mild, none",
+                           f"cube48); the recipes are {', '.join(RECIPE_NAMES)}",
 }
 
 
@@ -296,6 +297,7 @@ def validate_config(config: Config) -> None:
     require(data.synth.cases >= 1, "data.synth.cases", "must be at least 1")
     require(len(data.synth.shape) == 3 and all(s >= 16 for s in data.synth.shape), "data.synth.shape",
             f"expected 3 sizes of at least 16, got {data.synth.shape}")
+    require(train.augment in RECIPE_NAMES, "train.augment", f"{train.augment!r} is not one of {', '.join(RECIPE_NAMES)}")
     require(len(train.patch) == 3 and all(p > 0 for p in train.patch), "train.patch", f"expected 3 positive sizes, got {train.patch}")
     if train.mode == "patch":
         require(all(p <= c for p, c in zip(train.patch, data.cube, strict=True)), "train.patch",

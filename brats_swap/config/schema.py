@@ -146,10 +146,9 @@ class TrainConfig:
     early_stop_patience: int = 50
     val_fraction: float = 0.2  # held-out fraction when not running cross-validation
     val_every: int = 1  # epochs between validations
-    # The training augmentation, run on the device on the whole batch (docs/augmentation.md): cube48 = the 48
-    # rotations/reflections of the cube (the paper's); nnunet = nnU-Net v2's default transforms;
-    # nnunet_brats2020 = the stronger set of nnU-Net's BraTS 2020 entry; mild = a light MONAI set; none.
-    augment: Literal["cube48", "nnunet", "nnunet_brats2020", "mild", "none"] = "cube48"
+    # The training augmentation, run on the device on the whole batch (docs/augmentation.md): a recipe of
+    # brats_swap.augment.registry (the loader checks the name against it; cube48 = the paper's).
+    augment: str = "cube48"
     amp: Literal["none", "bf16", "fp16"] = "none"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch CPU threads; None = torch's default

@@ -14,6 +14,7 @@ The sampler hands the dataset keys `(epoch, position, index)` instead of bare in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -25,13 +26,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from brats_swap import stop_signals
+from brats_swap.augment import get_recipe
 from brats_swap.config import Config, DataConfig
 from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
 from brats_swap.data.discovery import resolve_convention
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
 from brats_swap.run.console import console, warn
-from brats_swap.train.device_augment import DeviceBatches, draw_params, worker_crop_size
+from brats_swap.train.device_augment import DeviceBatches
 
 AUTO_LOADER_WORKERS_MAX = 12  # nnU-Net's default number of augmentation workers
 
@@ -190,6 +192,7 @@ class CubeDataset(Dataset):
         else:
             rng, index = None, int(key)
         case_id = self.case_ids[index // self.patches_per_case]
+        recipe = get_recipe(self.augment)  # looked up, not kept: the dataset pickles to workers as plain data
         prepared = load_prepared(self.cache, case_id, mmap=True)
         if prepared.label is None:
             raise DataError(f"{self.cache / case_id}: prepared case has no label; it cannot be used for training")
@@ -197,12 +200,12 @@ class CubeDataset(Dataset):
         if self.crop is None:
             # The memory maps themselves, in the cache's dtype: `collate_samples` copies them once into the
             # batch (in the worker), the device converts them.
-            params = draw_params(self.augment, rng, label.shape, self.channels) if rng is not None else None
+            params = recipe.draw(rng, label.shape, self.channels) if rng is not None else None
             return {"image": image, "label": label, "augment": params, "pad": None, "case_id": case_id}
         start = self.patch_start(key, label, rng)
-        read = worker_crop_size(self.augment if rng is not None else "none", self.crop, patch_mode=True)
+        read = recipe.crop_size(self.crop, patch_mode=True) if rng is not None else self.crop
         window, pad = enlarged_window(start, self.crop, read, label.shape)
-        params = draw_params(self.augment, rng, self.crop, self.channels) if rng is not None else None
+        params = recipe.draw(rng, self.crop, self.channels) if rng is not None else None
         return {"image": image[(slice(None), *window)], "label": label[window], "augment": params,
                 "pad": pad if any(pad) else None, "case_id": case_id}
 
@@ -282,15 +285,31 @@ def stacked(arrays: Sequence[np.ndarray]) -> torch.Tensor:
     return out
 
 
-def collate_samples(samples: list[dict]) -> dict:
+@dataclass(frozen=True)
+class LoaderBatch:
+    """One batch as the loader hands it over (`collate_samples`): what `DeviceBatches.prepare` moves to the
+    device and validation scores."""
+
+    image: torch.Tensor  # (B, C, *crop) in the cache's dtype (float16 by default)
+    label: torch.Tensor  # (B, *crop) uint8
+    augment: list  # each sample's drawn augmentation parameters (None where nothing is drawn: validation)
+    pad: list[tuple[int, ...] | None]  # the widths that restore each enlarged crop (`enlarged_window`); None: none
+    case_id: list[str]
+
+    def pin_memory(self) -> LoaderBatch:
+        """What DataLoader(pin_memory=True) calls: the tensors pinned, the per-sample lists as they are."""
+        return dataclasses.replace(self, image=self.image.pin_memory(), label=self.label.pin_memory())
+
+
+def collate_samples(samples: list[dict]) -> LoaderBatch:
     """One batch of `CubeDataset` items (`stacked`), with the per-sample draws and pads as lists."""
-    return {
-        "image": stacked([s["image"] for s in samples]),
-        "label": stacked([s["label"] for s in samples]),
-        "augment": [s["augment"] for s in samples],
-        "pad": [s["pad"] for s in samples],
-        "case_id": [s["case_id"] for s in samples],
-    }
+    return LoaderBatch(
+        image=stacked([s["image"] for s in samples]),
+        label=stacked([s["label"] for s in samples]),
+        augment=[s["augment"] for s in samples],
+        pad=[s["pad"] for s in samples],
+        case_id=[s["case_id"] for s in samples],
+    )
 
 
 def loader_worker_count(data_cfg: DataConfig) -> int:

@@ -97,7 +97,7 @@ from brats_swap.run.environment import environment_record
 from brats_swap.run.folder import FoldFolder, RunFolder
 from brats_swap.run.inference import predict_cube
 from brats_swap.splits import fold_cases, load_run_splits, prepared_case_ids
-from brats_swap.train.data import TrainData, build_train_data, run_table
+from brats_swap.train.data import LoaderBatch, TrainData, build_train_data, run_table
 from brats_swap.train.losses import SegmentationLoss, training_loss, weighted_dice_loss
 from brats_swap.train.optim import (
     Scheduler,
@@ -544,7 +544,7 @@ class FoldRecipe:
         if self.ctx.is_main:
             warn(message)
 
-    def train_step(self, batch: dict[str, Any]) -> float:
+    def train_step(self, batch: LoaderBatch) -> float:
         """Forward and loss under the memory engine (and AMP), backward, optimiser step; the global batch's loss."""
         where = f"{self.folder.root}: epoch {self.loop.epoch + 1} step {self.loop.step_in_epoch + 1}"
         try:
@@ -693,11 +693,11 @@ def validation_scores(config: Config, model: torch.nn.Module, loader, edition: s
     regions = run_regions(edition, config.model)
     per_case: dict[str, tuple[float, ...]] = {}
     for batch in loader:
-        probs = predict_cube(model, batch["image"].float(), config, device)  # the cache's float16 -> float32
-        targets = targets_from_labels(batch["label"].long(), edition, config.model.outputs, config.model.regions)
+        probs = predict_cube(model, batch.image.float(), config, device)  # the cache's float16 -> float32
+        targets = targets_from_labels(batch.label.long(), edition, config.model.outputs, config.model.regions)
         labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
                                    regions=config.model.regions).numpy()
-        for i, (case_id, pred, true) in enumerate(zip(batch["case_id"], labels, batch["label"].numpy(), strict=True)):
+        for i, (case_id, pred, true) in enumerate(zip(batch.case_id, labels, batch.label.numpy(), strict=True)):
             dice = region_dice(pred, true, edition, regions)
             loss = float(weighted_dice_loss(probs[i:i + 1], targets[i:i + 1].float()))
             per_case[case_id] = (loss, *(float(dice[dice_column(r)]) for r in regions))

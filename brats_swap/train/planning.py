@@ -145,7 +145,7 @@ class HostMemory:
 def batch_host_bytes(config: Config) -> int:
     """Bytes of one training batch as the loader hands it over: `train.batch_size` samples of float16
     images (`model.in_channels` channels) and uint8 labels, each the crop a worker reads (the cube, the patch,
-    or nnU-Net's enlarged patch: `worker_crop_size`)."""
+    or nnU-Net's enlarged patch: the recipe's `crop_size`)."""
     batch, channels, *sample = training_input_shape(config)
     return arrived_batch_bytes(config.train.augment, batch, channels, sample, config.train.mode == "patch")
 
