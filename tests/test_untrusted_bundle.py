@@ -126,13 +126,18 @@ def test_a_member_inflating_to_2_gib_is_refused_by_its_size_under_a_memory_limit
         _one_line_refusal(lambda: open_bundle(lying), member)
 
 
-def test_a_fold_config_asking_for_a_huge_network_is_priced_and_refused_before_it_is_built(bundle, tmp_path):
-    def huge(_, members):
+def _base_filters(count: int):
+    """A `rewrite_bundle` change: fold 0's config asks for `count` base filters (its weights stay)."""
+    def change(_, members):
         raw = yaml.safe_load(members[fold_config(0)])
-        raw["model"]["base_filters"] = 4096
+        raw["model"]["base_filters"] = count
         members[fold_config(0)] = yaml.safe_dump(raw).encode()
 
-    hostile = rewrite_bundle(bundle, tmp_path / "huge.zip", huge)
+    return change
+
+
+def test_a_fold_config_asking_for_a_huge_network_is_priced_and_refused_before_it_is_built(bundle, tmp_path):
+    hostile = rewrite_bundle(bundle, tmp_path / "huge.zip", _base_filters(4096))
     with memory_limit(GIB):  # the network asked for is over a terabyte of weights
         message = _one_line_refusal(lambda: bundle_predictor(open_bundle(hostile)), str(hostile), fold_config(0),
                                     f"{MAX_NETWORK_PARAMETERS:,}")
@@ -140,12 +145,7 @@ def test_a_fold_config_asking_for_a_huge_network_is_priced_and_refused_before_it
 
 
 def test_weights_that_do_not_fit_the_fold_config_are_refused_before_the_build(bundle, tmp_path):
-    def wider(_, members):
-        raw = yaml.safe_load(members[fold_config(0)])
-        raw["model"]["base_filters"] = 3
-        members[fold_config(0)] = yaml.safe_dump(raw).encode()
-
-    hostile = rewrite_bundle(bundle, tmp_path / "wider.zip", wider)
+    hostile = rewrite_bundle(bundle, tmp_path / "wider.zip", _base_filters(3))
     with pytest.raises(CheckpointError, match=r"has shape \[.*\], the network's is"):
         bundle_predictor(open_bundle(hostile))
 
