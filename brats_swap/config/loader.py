@@ -26,6 +26,7 @@ from brats_swap.config.networks import (
 )
 from brats_swap.config.schema import Config, DataConfig, MemoryConfig, ModelConfig
 from brats_swap.errors import ConfigError
+from brats_swap.names import name_problem
 
 # Keys that older configs used, with what replaced them (a config that still sets one is told how to move).
 RETIRED_KEYS = {
@@ -330,8 +331,8 @@ def validate_config(config: Config) -> None:
     require(0 < config.evaluate.threshold < 1, "evaluate.threshold", "must be between 0 and 1")
     require(config.cv.folds >= 2, "cv.folds", "must be at least 2")
     # Values that otherwise fail late, deep inside torch/numpy, with a traceback instead of the key.
-    require(bool(config.name.strip()) and not set(config.name) & set("/\\") and config.name not in (".", ".."),
-            "name", f"must be a plain folder name (runs/<name>), got {config.name!r}")
+    bad_name = name_problem(config.name)  # it names runs/<name>, SLURM jobs and bundles: brats_swap.names decides
+    require(bad_name is None, "name", f"{config.name!r} {bad_name}")
     known = ("t1", "t1ce", "t2", "flair")  # brats_swap.data.editions.CANONICAL_MODALITIES
     unknown = [m for m in data.modalities if m not in known]
     require(not unknown, "data.modalities", f"unknown modality {unknown[0]!r} (known: {', '.join(known)})"

@@ -38,6 +38,7 @@ from brats_swap.atomic import atomic_write_text
 from brats_swap.config import Config
 from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.errors import ConfigError, DataError
+from brats_swap.names import checked_name, script_text
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import read_splits
 from brats_swap.train.planning import GIB, arena_bound_bytes, host_memory
@@ -118,6 +119,11 @@ def fold_resources(config: Config, gpus: int) -> tuple[int, str, str]:
     return ranks * (workers + threads), f"{mem_gib}G", how
 
 
+def _line(value: object, what: str) -> str:
+    """A value for a line of a job script: one line, no control character (`brats_swap.names`, rule 3)."""
+    return script_text(value, what, "cv --submit slurm")
+
+
 def _directives(config: Config, options: SlurmOptions) -> list[str]:
     gpus = options.gpus(config)
     cpus, mem = options.cpus_per_fold, options.mem
@@ -129,31 +135,39 @@ def _directives(config: Config, options: SlurmOptions) -> list[str]:
     for flag, value in (("partition", options.partition), ("time", options.time), ("mem", mem),
                         ("account", options.account), ("qos", options.qos), ("cpus-per-task", cpus)):
         if value is not None:
-            lines.append(f"#SBATCH --{flag}={value}")
+            lines.append(f"#SBATCH --{flag}={_line(value, f'--{flag}')}")
     if gpus:
         lines.append(f"#SBATCH --gres=gpu:{gpus}")
-    lines += [f"#SBATCH {arg}" for arg in options.sbatch_args]
+    lines += [f"#SBATCH {_line(arg, '--sbatch-arg')}" for arg in options.sbatch_args]
     return lines
+
+
+def _script_values(config: Config, run: RunFolder) -> tuple[str, str, str]:
+    """(run folder, config name, working folder) as the scripts' `#SBATCH` lines take them: checked for one
+    line each (a `#SBATCH` line cannot be quoted; a newline in a value would start a command)."""
+    root = _line(run.root.resolve(), "the run folder")
+    name = checked_name(config.name, "config name", "cv --submit slurm")
+    return root, name, _line(Path.cwd().resolve(), "the working folder")
 
 
 def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOptions) -> str:
     """The array job's script (see the module docstring)."""
     if options.grace <= 0:
         raise ConfigError(f"--grace {options.grace}: must be a positive number of seconds")
-    root = run.root.resolve()
+    root, name, cwd = _script_values(config, run)
     gpus = options.gpus(config)
     nproc = f" --nproc {gpus}" if gpus > 1 else ""  # the fold under torchrun, one rank per GPU
     return "\n".join([
         "#!/bin/bash",
         f"# brats-swap cross-validation of {root}: one array task per fold.",
         "# Written by `brats-swap cv --submit slurm`; edit freely, resubmit it with `sbatch <this file>`.",
-        f"#SBATCH --job-name=cv-{config.name}",
+        f"#SBATCH --job-name=cv-{name}",
         f"#SBATCH --array={','.join(str(k) for k in folds)}",
         f"#SBATCH --output={root}/fold_%a/slurm-%A_%a.log",
         "#SBATCH --open-mode=append",
         f"#SBATCH --signal=B:USR1@{options.grace}",
         "#SBATCH --requeue",
-        f"#SBATCH --chdir={Path.cwd().resolve()}",
+        f"#SBATCH --chdir={cwd}",
         *_directives(config, options),
         "",
         f"BRATS_SWAP=({brats_swap_command()})",
@@ -184,23 +198,23 @@ def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOp
 
 def summary_script(config: Config, run: RunFolder, array_job: str, options: SlurmOptions) -> str:
     """The summary job's script: after every array task has ended, however it ended."""
-    root = run.root.resolve()
+    root, name, cwd = _script_values(config, run)
     lines = [
         "#!/bin/bash",
         f"# brats-swap cross-validation of {root}: the summary, after the folds' array job.",
         "# Written by `brats-swap cv --submit slurm`; edit freely.",
-        f"#SBATCH --job-name=cv-{config.name}-summary",
-        f"#SBATCH --dependency=afterany:{array_job}",
+        f"#SBATCH --job-name=cv-{name}-summary",
+        f"#SBATCH --dependency=afterany:{_line(array_job, 'the array job id')}",
         f"#SBATCH --output={root}/{SLURM_FOLDER}/summary-%j.log",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --chdir={Path.cwd().resolve()}",
+        f"#SBATCH --chdir={cwd}",
         "# No GPU: the summary reads the folds' files.",
-        f"#SBATCH --time={options.summary_time or SUMMARY_TIME}",
+        f"#SBATCH --time={_line(options.summary_time or SUMMARY_TIME, '--summary-time')}",
     ]
     for flag, value in (("partition", options.summary_partition), ("account", options.account),
                         ("qos", options.qos)):
         if value is not None:
-            lines.append(f"#SBATCH --{flag}={value}")
+            lines.append(f"#SBATCH --{flag}={_line(value, f'--{flag}')}")
     lines += [
         "",
         f"BRATS_SWAP=({brats_swap_command()})",

@@ -40,6 +40,8 @@ from brats_swap.config.networks import architecture_record, input_divisor
 from brats_swap.data.challenges import get_challenge, label_map_from_names
 from brats_swap.data.layouts import channel_modalities, declared_labels, modern_channel_names
 from brats_swap.errors import CheckpointError, ConfigError
+from brats_swap.model.pricing import priced_network, weights_mismatch
+from brats_swap.model.targets import run_output_count
 from brats_swap.run.checkpoint import save_checkpoint
 from brats_swap.run.folder import RunFolder
 
@@ -87,8 +89,20 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
     # Fine-tuning (train --run OUT --fold k) starts from the imported weights of the fold.
     config = load_config(None, [*overrides, f"name={run.root.name}", f"train.init_from={run.fold(folds[0]).imported}",
                                 f"data.cube={_cube(configuration, order, input_divisor(first.model), first)}"])
+    # The plans' network, priced and built on the meta device, must take each fold's weights as they are: checked
+    # for every fold before anything is written (a channel count of dataset.json that the weights contradict
+    # would otherwise fail only at predict).
+    expected = priced_network(config.model, run_output_count(key, config.model), results_dir / "plans.json")
+    weights_of = {}
     for fold in folds:
-        weights = _nnunet_weights(results_dir / f"fold_{fold}" / checkpoint_name, order)
+        checkpoint = results_dir / f"fold_{fold}" / checkpoint_name
+        weights_of[fold] = _nnunet_weights(checkpoint, order)
+        mismatch = weights_mismatch(expected, weights_of[fold])
+        if mismatch is not None:
+            raise CheckpointError(f"{checkpoint}: network_weights do not fit the network of plans.json and "
+                                  f"dataset.json ({config.model.in_channels} channel(s), {len(config.model.regions)} "
+                                  f"region(s)): {mismatch}")
+    for fold, weights in weights_of.items():
         state = {"model": weights, "config": config_to_dict(config), "edition": key, "fold": fold, "epoch": 0,
                  "architecture": architecture_record(config.model),
                  "imported_from": str(results_dir / f"fold_{fold}" / checkpoint_name)}
@@ -102,33 +116,125 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: unreadable ({exc})") from exc
+    if not isinstance(record, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+# ---- the plans file, checked before anything is read from it -------------------------------------------------
+# nnU-Net writes plans.json; one made or edited by someone else may hold anything. Each value the import reads is
+# checked here for its type and shape, so a wrong one is one line naming the key, never a traceback later.
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_ints(where: str, key: str, value: object, length: int | None = None) -> list[int]:
+    """`value` when it is a list of positive integers (of `length` when given); else one line."""
+    if (not isinstance(value, list) or not value or (length is not None and len(value) != length)
+            or not all(_is_int(v) and v > 0 for v in value)):
+        raise ConfigError(f"{where}: {key} is {_shown(value)}; expected a list of {length or 'one or more'} "
+                          "positive integers")
+    return value
+
+
+def _positive_numbers(where: str, key: str, value: object, length: int) -> list[float]:
+    if (not isinstance(value, list) or len(value) != length
+            or not all((_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v > 0 for v in value)):
+        raise ConfigError(f"{where}: {key} is {_shown(value)}; expected a list of {length} positive numbers")
+    return value
+
+
+def _per_stage(where: str, key: str, value: object, stages: int) -> list[list[int]]:
+    """A [z, y, x] triple of positive integers per stage (nnU-Net's kernel_sizes and strides)."""
+    if not isinstance(value, list) or len(value) != stages:
+        raise ConfigError(f"{where}: {key} is {_shown(value)}; expected {stages} [z, y, x] entries, one per stage "
+                          "of features_per_stage")
+    for stage, triple in enumerate(value):
+        _positive_ints(where, f"{key}[{stage}]", triple, 3)
+    return value
 
 
 def _configuration(results_dir: Path, plans: dict) -> dict:
-    """The plans' entry of the folder's configuration (`Trainer__Plans__3d_fullres`), parents merged in."""
+    """The plans' entry of the folder's configuration (`Trainer__Plans__3d_fullres`), parents merged in, with
+    every value the import reads checked (`_check_configuration`)."""
     parts = results_dir.name.split("__")
     if len(parts) != 3:
         raise ConfigError(f"{results_dir}: expected a folder named <Trainer>__<Plans>__<configuration>")
-    name, configurations = parts[2], plans.get("configurations", {})
+    where, name, configurations = f"{results_dir}/plans.json", parts[2], plans.get("configurations")
+    if not isinstance(configurations, dict):
+        raise ConfigError(f"{where}: configurations is {_shown(configurations)}; expected a mapping of "
+                          "configuration names to their plans")
     if name not in configurations:
-        raise ConfigError(f"{results_dir}/plans.json: no configuration {name!r} (has {', '.join(configurations)})")
-    entry = dict(configurations[name])
-    while "inherits_from" in entry:
-        parent = configurations[entry.pop("inherits_from")]
-        entry = {**parent, **entry}
+        raise ConfigError(f"{where}: no configuration {name!r} (has {', '.join(map(str, configurations))})")
+    chain, entry = [name], {}
+    while True:
+        plan = configurations[chain[-1]]
+        if not isinstance(plan, dict):
+            raise ConfigError(f"{where}: configuration {chain[-1]!r} is {_shown(plan)}; expected a mapping")
+        entry = {**plan, **entry}
+        parent = entry.pop("inherits_from", None)
+        if parent is None:
+            break
+        if not isinstance(parent, str) or parent not in configurations:
+            raise ConfigError(f"{where}: configuration {chain[-1]!r} inherits_from {_shown(parent)}, which is not "
+                              f"a configuration (has {', '.join(map(str, configurations))})")
+        if parent in chain:
+            raise ConfigError(f"{where}: inherits_from loops: {' -> '.join([*chain, parent])}")
+        chain.append(parent)
+    _check_configuration(where, entry)
     return entry
+
+
+def _check_configuration(where: str, entry: dict) -> None:
+    """The types and shapes of the configuration's values the import reads."""
+    architecture = entry.get("architecture")
+    if not isinstance(architecture, dict) or not isinstance(architecture.get("arch_kwargs"), dict):
+        raise ConfigError(f"{where}: architecture is {_shown(architecture)}; expected a mapping with "
+                          "network_class_name and arch_kwargs")
+    kwargs = architecture["arch_kwargs"]
+    stages = len(_positive_ints(where, "arch_kwargs.features_per_stage", kwargs.get("features_per_stage")))
+    if "n_stages" in kwargs and kwargs["n_stages"] != stages:
+        raise ConfigError(f"{where}: arch_kwargs.n_stages is {_shown(kwargs['n_stages'])}, but features_per_stage "
+                          f"has {stages} stages")
+    for key in ("kernel_sizes", "strides"):
+        _per_stage(where, f"arch_kwargs.{key}", kwargs.get(key), stages)
+    plain = str(architecture.get("network_class_name", "")).endswith("PlainConvUNet")
+    blocks = "n_conv_per_stage" if plain else "n_blocks_per_stage"
+    _positive_ints(where, f"arch_kwargs.{blocks}", kwargs.get(blocks), stages)
+    _positive_ints(where, "arch_kwargs.n_conv_per_stage_decoder", kwargs.get("n_conv_per_stage_decoder"), stages - 1)
+    _positive_ints(where, "patch_size", entry.get("patch_size"), 3)
+    _positive_numbers(where, "spacing", entry.get("spacing", [1, 1, 1]), 3)
+    if "median_image_size_in_voxels" in entry:
+        _positive_numbers(where, "median_image_size_in_voxels", entry["median_image_size_in_voxels"], 3)
+    if "batch_size" in entry:
+        _positive_ints(where, "batch_size", [entry["batch_size"]], 1)
+    for key, kind in (("normalization_schemes", str), ("use_mask_for_norm", bool)):
+        value = entry.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, kind) for v in value):
+            raise ConfigError(f"{where}: {key} is {_shown(value)}; expected a list of {kind.__name__}, one per "
+                              "channel")
 
 
 def _axis_order(results_dir: Path, plans: dict) -> list[int]:
     """For each brats-swap axis (the file's x, y, z), the nnU-Net network axis that sees it."""
+    where = f"{results_dir}/plans.json"
     reader = plans.get("image_reader_writer", "SimpleITKIO")
     if reader not in READERS:
-        raise ConfigError(f"{results_dir}/plans.json: image_reader_writer {reader} reorients the images; only "
+        raise ConfigError(f"{where}: image_reader_writer {_shown(reader)} reorients the images; only "
                           f"{', '.join(READERS)} (the file's own voxel grid) can be imported")
-    forward = [int(a) for a in plans.get("transpose_forward", [0, 1, 2])]
+    forward = plans.get("transpose_forward", [0, 1, 2])
+    if not isinstance(forward, list) or not all(_is_int(a) for a in forward) or sorted(forward) != [0, 1, 2]:
+        raise ConfigError(f"{where}: transpose_forward is {_shown(forward)}; expected an order of the axes 0, 1, 2 "
+                          "such as [0, 1, 2]")
     return [forward.index(2 - axis) for axis in range(3)]
 
 
@@ -233,6 +339,9 @@ def _nnunet_weights(path: Path, order: list[int]) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: no network_weights; not an nnU-Net v2 checkpoint")
     permuted = {}
     for name, tensor in weights.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{path}: network_weights[{_shown(name)}] is a {type(tensor).__name__}, not a "
+                                  "tensor; not an nnU-Net v2 checkpoint")
         name = name.removeprefix("module.").removeprefix("_orig_mod.")
         if tensor.dim() == 5:  # (out, in, k, k, k) of Conv3d, (in, out, k, k, k) of ConvTranspose3d
             tensor = tensor.permute(0, 1, *(2 + a for a in order)).contiguous()
@@ -248,7 +357,9 @@ def _load_nnunet_checkpoint(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for unreadable or foreign files
-        raise CheckpointError(f"{path}: unreadable nnU-Net checkpoint ({str(exc).splitlines()[0][:200]})") from exc
+        lines = str(exc).strip().splitlines()  # an empty file's error has no message at all
+        raise CheckpointError(f"{path}: unreadable nnU-Net checkpoint ({lines[0][:200] if lines else type(exc).__name__})"
+                              ) from exc
 
 
 def _list(values) -> str:

@@ -16,6 +16,13 @@ Optimizer state, RNG states and splits stay in the run folder. Opening a bundle 
 it against the sha256 that metadata.json records (and refuses members it does not list), so a changed,
 truncated or padded bundle is one error naming the file, before any model is built. Nothing is extracted:
 members are read from the zip into memory, so a bundle works from a read-only location.
+
+A bundle may come from anyone, so opening one trusts nothing in it: each member is read with a cap on its
+declared and its actual size (`MAX_METADATA_BYTES`, `MAX_CONFIG_BYTES`, `MAX_WEIGHTS_BYTES`, and
+`MAX_BUNDLE_BYTES` for all together), duplicate and symlink members are refused, metadata.json's entries are
+checked (a name by `brats_swap.names`, a known label table, at least one fold), a weights member must be a
+state dict of tensors readable with `weights_only=True`, and each fold's network is priced on the meta device
+(`brats_swap.model.pricing`) and compared to its weights before it is built. Each refusal is one line.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import pickle
 import platform
+import stat
 import time
 import zipfile
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,7 +51,9 @@ from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan
 from brats_swap.evaluate.predictions import Predictor, select_folds
 from brats_swap.model import build_model
+from brats_swap.model.pricing import priced_network, weights_mismatch
 from brats_swap.model.targets import output_names, run_output_count
+from brats_swap.names import checked_name
 from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import RunFolder
@@ -57,6 +67,15 @@ LABELS = "configs/labels.json"
 POSTPROCESSING = "configs/postprocessing.json"
 CV_SUMMARY = "configs/cv_summary.json"
 CHECKPOINTS = ("best", "latest")
+# Caps on what opening a bundle reads into memory, by the size the zip declares and by the bytes it really
+# inflates to (a zip can claim a small size). metadata.json and the configs are a few kilobytes (a large
+# cross-validation summary a few hundred); a fold's weights are at most the largest network built from a file
+# (`brats_swap.model.pricing.MAX_NETWORK_PARAMETERS` float32 parameters) plus the state dict's own framing.
+MAX_METADATA_BYTES = 1 * 2**20
+MAX_CONFIG_BYTES = 16 * 2**20
+MAX_WEIGHTS_BYTES = 4 * 2**30
+MAX_BUNDLE_BYTES = 16 * 2**30
+_READ_CHUNK = 2**20
 # Zip entries get one fixed time, so two exports of the same run differ only in metadata's `created`.
 _ENTRY_TIME = (1980, 1, 1, 0, 0, 0)
 
@@ -196,39 +215,86 @@ class Bundle:
         return str(self.metadata["folds"][0]["checkpoint"])
 
     def config(self) -> Config:
-        return config_from_saved(yaml.safe_load(self.members[CONFIG]) or {})
+        return self._config(CONFIG)
 
     def labels(self) -> dict:
-        return json.loads(self.members[LABELS])
+        return self._json(LABELS)
 
     def fold_config(self, fold: int) -> Config:
-        return config_from_saved(yaml.safe_load(self.members[fold_config(fold)]) or {})
+        return self._config(fold_config(fold))
 
     def state_dict(self, fold: int) -> dict:
-        return torch.load(io.BytesIO(self.members[fold_weights(fold)]), map_location="cpu", weights_only=True)
+        """The fold's weights: a state dict of tensors (one line for a pickle, a foreign file or other values)."""
+        member = fold_weights(fold)
+        try:
+            state = torch.load(io.BytesIO(self.members[member]), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{self.path}: {member}: holds objects torch.load(weights_only=True) refuses "
+                                  f"({_first_line(exc)}); a bundle's weights are a plain state dict") from None
+        except Exception as exc:  # torch raises many types for unreadable or foreign files
+            raise CheckpointError(f"{self.path}: {member}: not a torch state dict ({_first_line(exc)})") from None
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise CheckpointError(f"{self.path}: {member}: holds a {type(state).__name__}, not a state dict")
+        return state
 
     def postprocessing(self) -> PostprocessingPlan | None:
         if POSTPROCESSING not in self.members:
             return None
-        return PostprocessingPlan.from_dict(json.loads(self.members[POSTPROCESSING]),
-                                            where=f"{self.path}: {POSTPROCESSING}")
+        return PostprocessingPlan.from_dict(self._json(POSTPROCESSING), where=f"{self.path}: {POSTPROCESSING}")
+
+    def _json(self, member: str) -> dict:
+        try:
+            record = json.loads(self.members[member])
+        except ValueError as exc:
+            raise CheckpointError(f"{self.path}: {member}: not valid JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{self.path}: {member}: expected a JSON object, got {type(record).__name__}")
+        return record
+
+    def _config(self, member: str) -> Config:
+        where = f"{self.path}: {member}"
+        try:
+            raw = yaml.safe_load(self.members[member])
+        except yaml.YAMLError as exc:
+            raise CheckpointError(f"{where}: not valid YAML ({_first_line(exc)})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{where}: expected a mapping of config sections, got {type(raw).__name__}")
+        try:
+            return config_from_saved(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+def member_cap(name: str) -> int:
+    """The most bytes a bundle member called `name` may inflate to."""
+    if name == METADATA:
+        return MAX_METADATA_BYTES
+    if name.startswith("models/") and name.endswith(".pt"):
+        return MAX_WEIGHTS_BYTES
+    return MAX_CONFIG_BYTES
 
 
 def open_bundle(path: Path) -> Bundle:
     """Read and verify a bundle; CheckpointError (one line naming the bundle and the member) when it is not
-    a zip, is truncated, lacks or adds a member, or a member's sha256 differs from metadata.json's."""
+    a zip, is truncated, lacks or adds a member, or a member's sha256 differs from metadata.json's, and for
+    every check of the module docstring."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: bundle not found")
     try:
         with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-            metadata = _read_metadata(path, archive, names)
+            entries = _entries(path, archive)
+            metadata = _read_metadata(path, archive, entries)
             listed = metadata["files"]
-            extra = sorted(set(names) - set(listed) - {METADATA})
+            extra = sorted(set(entries) - set(listed) - {METADATA})
             if extra:
                 raise CheckpointError(f"{path}: {extra[0]}: not listed in {METADATA} (the bundle was changed)")
-            members = {name: _read_member(path, archive, name, digest) for name, digest in listed.items()}
+            members = {name: _read_member(path, archive, entries, name, digest) for name, digest in listed.items()}
     except zipfile.BadZipFile as exc:
         raise CheckpointError(f"{path}: not a readable bundle zip ({exc}); truncated or not made by "
                               "brats-swap export") from None
@@ -238,11 +304,43 @@ def open_bundle(path: Path) -> Bundle:
     return Bundle(path, metadata, members)
 
 
-def _read_metadata(path: Path, archive: zipfile.ZipFile, names: Sequence[str]) -> dict:
-    if METADATA not in names:
+def _entries(path: Path, archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
+    """The zip's members by name: no name twice (the last would win, unzip shows the first), no symlink,
+    each member's and all members' declared sizes under their caps."""
+    entries: dict[str, zipfile.ZipInfo] = {}
+    for info in archive.infolist():
+        if info.filename in entries:
+            raise CheckpointError(f"{path}: {info.filename}: appears twice in the zip; a bundle holds each member once")
+        if stat.S_ISLNK(info.external_attr >> 16):
+            raise CheckpointError(f"{path}: {info.filename}: a symlink member; a bundle holds plain files only")
+        cap = member_cap(info.filename)
+        if info.file_size > cap:
+            raise CheckpointError(f"{path}: {info.filename}: declares {info.file_size:,} bytes, above the {cap:,} a "
+                                  "bundle member of its kind may hold")
+        entries[info.filename] = info
+    declared = sum(info.file_size for info in entries.values())
+    if declared > MAX_BUNDLE_BYTES:
+        raise CheckpointError(f"{path}: its members declare {declared:,} bytes together, above the "
+                              f"{MAX_BUNDLE_BYTES:,} a bundle may hold")
+    return entries
+
+
+def _inflate(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """The member's bytes, reading at most its cap plus one byte whatever size the zip declares."""
+    cap = member_cap(info.filename)
+    with archive.open(info) as stream:
+        data = stream.read(cap + 1)
+    if len(data) > cap:
+        raise CheckpointError(f"{path}: {info.filename}: inflates past {cap:,} bytes, the most a bundle member of "
+                              "its kind may hold")
+    return data
+
+
+def _read_metadata(path: Path, archive: zipfile.ZipFile, entries: dict[str, zipfile.ZipInfo]) -> dict:
+    if METADATA not in entries:
         raise CheckpointError(f"{path}: {METADATA}: missing; not a brats-swap bundle")
     try:
-        metadata = json.loads(archive.read(METADATA))
+        metadata = json.loads(_inflate(path, archive, entries[METADATA]))
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as exc:
         raise CheckpointError(f"{path}: {METADATA}: unreadable ({exc.__class__.__name__}: {exc})") from None
     if not isinstance(metadata, dict) or metadata.get("format") != BUNDLE_FORMAT:
@@ -250,16 +348,29 @@ def _read_metadata(path: Path, archive: zipfile.ZipFile, names: Sequence[str]) -
     if metadata.get("format_version") != BUNDLE_FORMAT_VERSION:
         raise CheckpointError(f"{path}: {METADATA}: bundle format version {metadata.get('format_version')!r}; this "
                               f"brats-swap reads version {BUNDLE_FORMAT_VERSION}")
-    if not isinstance(metadata.get("files"), dict) or not isinstance(metadata.get("folds"), list):
+    files = metadata.get("files")
+    if not isinstance(files, dict) or not isinstance(metadata.get("folds"), list):
         raise CheckpointError(f"{path}: {METADATA}: no 'files' or 'folds' entry")
+    if not all(isinstance(name, str) and isinstance(digest, str) for name, digest in files.items()):
+        raise CheckpointError(f"{path}: {METADATA}: 'files' must map member names to sha256 strings")
+    where = f"{path}: {METADATA}"
+    checked_name(metadata.get("name"), "bundle name", where)
+    challenge = metadata.get("challenge")
+    if challenge is None:
+        raise CheckpointError(f"{where}: no 'challenge' entry (the label table the folds were trained on)")
+    try:
+        get_challenge(checked_name(challenge, "challenge", where))
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: challenge: {exc.args[0]}") from None
     return metadata
 
 
-def _read_member(path: Path, archive: zipfile.ZipFile, name: str, digest: str) -> bytes:
+def _read_member(path: Path, archive: zipfile.ZipFile, entries: dict[str, zipfile.ZipInfo], name: str,
+                 digest: str) -> bytes:
+    if name not in entries:
+        raise CheckpointError(f"{path}: {name}: missing from the bundle (listed in {METADATA})")
     try:
-        data = archive.read(name)
-    except KeyError:
-        raise CheckpointError(f"{path}: {name}: missing from the bundle (listed in {METADATA})") from None
+        data = _inflate(path, archive, entries[name])
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
         raise CheckpointError(f"{path}: {name}: unreadable, the bundle is damaged or truncated ({exc})") from None
     if _sha256(data) != digest:
@@ -268,10 +379,20 @@ def _read_member(path: Path, archive: zipfile.ZipFile, name: str, digest: str) -
 
 
 def _fold_numbers(path: Path, metadata: dict) -> list[int]:
+    """metadata.json's folds: at least one, each a record with a fold number (once) and a checkpoint name."""
+    records = metadata["folds"]
+    if not records:
+        raise CheckpointError(f"{path}: {METADATA}: 'folds' is empty; a bundle holds at least one fold")
     try:
-        return [int(record["fold"]) for record in metadata["folds"]]
+        folds = [int(record["fold"]) for record in records]
+        checkpoints = {str(record["checkpoint"]) for record in records}
     except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: {METADATA}: malformed 'folds' entry") from None
+        raise CheckpointError(f"{path}: {METADATA}: malformed 'folds' entry (each needs 'fold' and "
+                              "'checkpoint')") from None
+    if len(set(folds)) != len(folds) or min(folds) < 0 or not checkpoints <= set(CHECKPOINTS):
+        raise CheckpointError(f"{path}: {METADATA}: 'folds' must name each fold once, numbers 0 or more, with a "
+                              f"checkpoint of {', '.join(CHECKPOINTS)}")
+    return folds
 
 
 def choose_folds(bundle: Bundle, folds: FoldSelection = ALL_FOLDS) -> list[int]:
@@ -300,12 +421,20 @@ def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postpr
     chosen, members = choose_folds(bundle, folds), []
     for k in chosen:
         trained = bundle.fold_config(k)
-        model = build_model(trained.model, out_channels=run_output_count(bundle.challenge, trained.model))
+        out_channels = run_output_count(bundle.challenge, trained.model)
+        # Priced and compared to its weights on the meta device first: a fold config may ask for any size.
+        expected = priced_network(trained.model, out_channels, f"{bundle.path}: {fold_config(k)}")
+        weights = bundle.state_dict(k)
+        mismatch = weights_mismatch(expected, weights)
+        if mismatch is not None:
+            raise CheckpointError(f"{bundle.path}: {fold_weights(k)}: weights do not match model "
+                                  f"{trained.model.name} of {fold_config(k)} ({mismatch})")
+        model = build_model(trained.model, out_channels=out_channels)
         try:
-            model.load_state_dict(bundle.state_dict(k))
+            model.load_state_dict(weights)
         except RuntimeError as exc:
             raise CheckpointError(f"{bundle.path}: {fold_weights(k)}: weights do not match model "
-                                  f"{trained.model.name} ({str(exc).splitlines()[0]})") from exc
+                                  f"{trained.model.name} ({_first_line(exc)})") from exc
         members.append((model.to(target).eval(), inference_config(trained, config)))
     plan = bundle.postprocessing() if postprocess else None
     return Predictor(config, members, target, plan, Path(f"{bundle.path}:{POSTPROCESSING}"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,16 +50,42 @@ def writable_home(environ: dict | None = None) -> dict[str, tuple[str, str]]:
     `environ` (default os.environ); returns variable -> (the folder it set, why). Call it before importing
     matplotlib: it reads MPLCONFIGDIR once, at import."""
     environ = os.environ if environ is None else environ
-    base = Path(tempfile.gettempdir()) / f"brats-swap-{os.getuid()}"
+    base: Path | None = None
     changed = {}
     for variable, name in CACHE_VARIABLES.items():
         if _writable(environ.get(variable)):
             continue
+        base = base or private_temp_folder()
         folder = base / name
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder.mkdir(exist_ok=True, mode=0o700)
         changed[variable] = (str(folder), "unset" if environ.get(variable) is None else "not writable")
         environ[variable] = str(folder)
     return changed
+
+
+def private_temp_folder() -> Path:
+    """`<temporary folder>/brats-swap-<uid>`, private to this uid: created with mode 0700, or reused only when it
+    is a real folder (not a symlink) owned by this uid, then set to 0700; DataError otherwise. The
+    temporary folder is shared by every user of the machine, so a folder someone else made there first is
+    never used."""
+    uid = os.getuid()
+    base = Path(tempfile.gettempdir()) / f"brats-swap-{uid}"
+    try:
+        base.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise DataError(f"{base}: cannot create the private temporary folder ({exc.strerror})") from None
+    info = base.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise DataError(f"{base}: not a folder but a {'symlink' if stat.S_ISLNK(info.st_mode) else 'file'}; "
+                        "brats-swap uses it only as its own private folder: remove it, or set TMPDIR")
+    if info.st_uid != uid:
+        raise DataError(f"{base}: owned by uid {info.st_uid}, not {uid}; brats-swap uses it only as its own "
+                        "private folder: remove it, or set TMPDIR")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        base.chmod(0o700)  # ours (an older brats-swap made it with the default mode): made private again
+    return base
 
 
 def parse_duration(text: str) -> float:
@@ -126,7 +153,12 @@ def case_folders(input_dir: Path) -> list[Path]:
 
 
 def _check_output(input_dir: Path, output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise DataError(f"{output_dir}: the output is a file, not a folder; give a folder for <case id>.nii.gz")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"{output_dir}: cannot create the output folder ({exc.strerror})") from None
     if not os.access(output_dir, os.W_OK | os.X_OK):
         raise DataError(f"{output_dir}: output folder is not writable by uid {os.getuid()}")
     resolved_in, resolved_out = input_dir.resolve(), output_dir.resolve()

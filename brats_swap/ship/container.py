@@ -33,7 +33,9 @@ import brats_swap
 from brats_swap.atomic import atomic_write_text
 from brats_swap.data.challenges import MODERN_CHALLENGES, get_challenge
 from brats_swap.errors import ConfigError, DataError
-from brats_swap.ship.bundle import Bundle
+from brats_swap.names import script_text, shell_word
+from brats_swap.ship.bundle import METADATA, Bundle
+from brats_swap.ship.challenge import parse_duration
 
 BASE_IMAGE = "nvidia/cuda:12.8.1-base-ubuntu24.04"
 TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
@@ -116,15 +118,24 @@ class ContainerFolder:
 
 def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, image: str | None = None,
                     time_budget: str = "8h") -> ContainerFolder:
-    """Write the build folder (see the module docstring) for `bundle` into `out_dir`."""
+    """Write the build folder (see the module docstring) for `bundle` into `out_dir`.
+
+    Every value the generated files take from the bundle or the command line is checked first (no newline or
+    control character; shell words quoted; `time_budget` parsed as serve-challenge will parse it), so nothing
+    is written for a value that would break or inject a line."""
     task = resolve_task(bundle, task)
-    image = image or f"brats-swap-{task}:latest"
+    parse_duration(time_budget)
+    image = script_text(image or f"brats-swap-{task}:latest", "--image", "container")
+    name = script_text(bundle.metadata.get("name"), "bundle name", f"{bundle.path}: {METADATA}")
     source = Path(brats_swap.__file__).resolve().parent
     project = source.parent
     if not (project / "pyproject.toml").is_file():
         raise DataError(f"{project}: no pyproject.toml next to the brats_swap package; brats-swap container needs "
                         "brats-swap installed from its source checkout (pip install -e .)")
     out_dir = Path(out_dir)
+    script_text(out_dir, "--out", "container")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir}: not a folder; give a new folder for the image's build files")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir}: not empty; give a new folder for the image's build files")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +146,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     requirements = [line for line in pinned_requirements() if line.split("==")[0] not in NO_DEPS]
     atomic_write_text(out_dir / "requirements.txt", "\n".join(requirements) + "\n")
     no_deps = [f"{name}=={_installed(name)}" for name in NO_DEPS if _installed(name)]
-    atomic_write_text(out_dir / "Dockerfile", _dockerfile(bundle, task, no_deps))
+    atomic_write_text(out_dir / "Dockerfile", _dockerfile(bundle, name, task, no_deps))
     atomic_write_text(out_dir / ".dockerignore", "# The build context is this folder; only these go in.\n*\n"
                       + "".join(f"!{name}\n" for name in BUILD_FILES) + "**/__pycache__\n")
     entrypoint = out_dir / "entrypoint.sh"
@@ -143,14 +154,14 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     entrypoint.chmod(0o755)
     entry = brainlesion_entry(task, image)
     atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
-    atomic_write_text(out_dir / "README.md", _readme(bundle, task, image, out_dir))
+    atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir))
     return ContainerFolder(out_dir, task, image, entry)
 
 
-def _dockerfile(bundle: Bundle, task: str, no_deps: list[str]) -> str:
+def _dockerfile(bundle: Bundle, name: str, task: str, no_deps: list[str]) -> str:
     no_deps_line = (f"RUN pip install --no-deps {' '.join(no_deps)}\n" if no_deps else "")
     return f"""\
-# BraTS challenge image: brats-swap bundle {bundle.metadata.get('name')} ({bundle.challenge} table), task {task}.
+# BraTS challenge image: brats-swap bundle {name} ({bundle.challenge} table), task {task}.
 # Written by `brats-swap container`; edit freely. Everything is fetched while building, nothing at run time.
 #
 # CUDA 12.8 base (NVIDIA driver 570 or newer): the cu128 torch build runs on the A10G (sm_86) the 2026
@@ -188,21 +199,25 @@ ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
 
 
 def _entrypoint(task: str, time_budget: str) -> str:
+    task_word = shell_word(task, "--task", "container")
+    budget_word = shell_word(time_budget, "--time-budget", "container")
     return f"""\
 #!/bin/sh
 # The image's entrypoint: segment /input/<case>/ into a flat /output/<case>.nii.gz with the bundle.
 # No arguments (BraTS 2025+), or MLCube's `infer --data_path=DIR --output_path=DIR` (2023-2024): passed on.
 # Change the budget or drop test-time augmentation (--no-tta) here.
 set -e
-exec brats-swap serve-challenge --model {IMAGE_BUNDLE} --task {task} --time-budget {time_budget} "$@"
+exec brats-swap serve-challenge --model {IMAGE_BUNDLE} --task {task_word} --time-budget {budget_word} "$@"
 """
 
 
-def _readme(bundle: Bundle, task: str, image: str, out_dir: Path) -> str:
+def _readme(bundle: Bundle, name: str, task: str, image: str, out_dir: Path) -> str:
     spec = get_challenge(task)
     example = spec.example_id(1)
+    image_word, folder_word = shell_word(image, "--image", "container"), shell_word(out_dir, "--out", "container")
+    saved = shell_word(f"{image.replace(':', '_').replace('/', '_')}.tar.gz", "--image", "container")
     return f"""\
-# BraTS {task.upper()} image of the brats-swap bundle `{bundle.metadata.get('name')}`
+# BraTS {task.upper()} image of the brats-swap bundle `{name}`
 
 Written by `brats-swap container`. The bundle ({', '.join(f'fold {k}' for k in bundle.folds)}, trained on the
 {bundle.challenge} table) is `model.zip`; the image runs `brats-swap serve-challenge` on it (`entrypoint.sh`).
@@ -211,9 +226,9 @@ as below, before submitting.
 
 ## Build
 
-    docker build -t {image} {out_dir}
+    docker build -t {image_word} {folder_word}
 
-(podman: `podman build -t {image} {out_dir}`.) The build downloads the CUDA base image, torch
+(podman: `podman build -t {image_word} {folder_word}`.) The build downloads the CUDA base image, torch
 {torch_release()} (CUDA 12.8 build) and the pinned packages of `requirements.txt`; Ubuntu 24.04's Python 3.12
 runs them.
 
@@ -221,12 +236,12 @@ runs them.
 
     mkdir -p out
     docker run --rm --network none --gpus all --user "$(id -u):$(id -g)" --read-only --tmpfs /tmp \\
-        --shm-size 4g -v "$PWD/in:/input:ro" -v "$PWD/out:/output:rw" {image}
+        --shm-size 4g -v "$PWD/in:/input:ro" -v "$PWD/out:/output:rw" {image_word}
 
 `in/` holds one folder per case, e.g. `in/{example}/{example}{spec.separator}t1c.nii.gz`. Without a GPU,
 leave out `--gpus all` (it runs on the CPU, slowly). The older MLCube form works too:
 
-    docker run --rm --network none --gpus all -v "$PWD/in:/data:ro" -v "$PWD/out:/results" {image} \\
+    docker run --rm --network none --gpus all -v "$PWD/in:/data:ro" -v "$PWD/out:/results" {image_word} \\
         infer --data_path=/data --output_path=/results
 
 ## Check the output as the organisers will
@@ -235,10 +250,10 @@ leave out `--gpus all` (it runs on the CPU, slowly). The older MLCube form works
 
 ## Save or push
 
-    docker save {image} | gzip > {image.replace(':', '_').replace('/', '_')}.tar.gz
+    docker save {image_word} | gzip > {saved}
     docker login docker.synapse.org
-    docker tag {image} docker.synapse.org/<synapse project id>/{image}
-    docker push docker.synapse.org/<synapse project id>/{image}
+    docker tag {image_word} docker.synapse.org/<synapse project id>/{image_word}
+    docker push docker.synapse.org/<synapse project id>/{image_word}
 
 ## BrainLesion `brats` package
 
