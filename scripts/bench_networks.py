@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_networks.py                 # every row (CPU only: meta-device traces; an hour)
     .venv/bin/python scripts/bench_networks.py --acceptance    # the issue's three acceptance plans only
+    .venv/bin/python scripts/bench_networks.py --acceptance mednext [--rows 0 2]   # MedNeXt's (networks_mednext.*)
     .venv/bin/python scripts/bench_networks.py --networks resenc_l --settings patch --dtypes fp16 --out /tmp/a
     .venv/bin/python scripts/bench_networks.py --merge /tmp/a /tmp/b   # partial runs -> one table
 
@@ -112,9 +113,6 @@ def price_acceptance(network: str, overrides: tuple[str, ...], edges: tuple[int,
     shape = "x".join(map(str, edges))
     row = {"network": network, "overrides": list(overrides), "input": list(edges), "batch": batch, "dtype": dtype,
            "card_gb": card, "link_gbs": link_gbs, "target_ratio": limit,
-           "command": (f"brats-swap plan --set model.name={network} " + " ".join(f"--set {o}" for o in overrides)
-                       + f" --size {' '.join(map(str, edges))} --batch {batch} --budget {card:g}"
-                       f" --bandwidth {link_gbs:g} --dtype {dtype} --device gpu"),
            "parameters": sum(p.numel() for p in model.parameters()),
            "none_peak_gib": round(none.peak_bytes / GIB, 2), "none_step_s": round(none.step_s, 4),
            "floor_gib": round((planner.floor_bytes() + DEFAULT_DEVICE_OVERHEAD_GIB * GIB) / GIB, 2),
@@ -135,8 +133,20 @@ def price_acceptance(network: str, overrides: tuple[str, ...], edges: tuple[int,
         row["why"] = (f"the fastest plan that fits is {ratio:.2f}x, {ratio / limit - 1:.0%} over the {limit:g}x "
                       f"goal: {row['plan']['exposed_transfer_s']:.3f} s of copies are not hidden under compute")
     row["label"] = f"{network} {shape} b{batch} {dtype} on {card:g} GB"
+    row["command"] = plan_command(row)
     row["seconds"] = round(time.perf_counter() - started, 1)
     return row
+
+
+def mednext_time_model() -> str:
+    return default_cost_model("gpu", torch.float16).name.replace(ASSUMED_GPU_LINK, f"link {MEDNEXT_LINK_GBS:g} GB/s")
+
+
+def plan_command(row: dict) -> str:
+    """The `brats-swap plan` command line that prices an acceptance row."""
+    return (f"brats-swap plan --set model.name={row['network']} " + " ".join(f"--set {o}" for o in row["overrides"])
+            + f" --size {' '.join(map(str, row['input']))} --batch {row['batch']} --budget {row['card_gb']:g}"
+            f" --bandwidth {row['link_gbs']:g} --dtype {row['dtype']} --device gpu")
 
 
 def acceptance_markdown(rows: list[dict]) -> str:
@@ -150,6 +160,10 @@ def acceptance_markdown(rows: list[dict]) -> str:
                          f"{row['why']} |")
             continue
         policy = plan["mode"] + (" + norm_act" if plan["norm_act"] else "")
+        if plan["recompute_modules"]:
+            policy += f", {len(plan['recompute_modules'])} modules checkpointed"
+        if plan["swapped_gib"]:
+            policy += f", {plan['swapped_gib']:.2f} GiB swapped"
         result = "meets the goal" if row["passes"] else row["why"]
         lines.append(f"| {row['label']} | {goal} | yes | {plan['peak_gib']:.2f} | {plan['step_ratio']:.2f}x | "
                      f"{plan['host_arena_gib']:.2f} | {policy} | {result} |")
@@ -205,6 +219,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def merge_runs(folders: list[Path], out: Path) -> dict:
+    if all((folder / "networks_mednext.json").is_file() for folder in folders):
+        return merge_acceptance(folders, out)
     runs = [json.loads((folder / "networks.json").read_text(encoding="utf-8")) for folder in folders]
     order = {name: i for i, name in enumerate(NETWORK_NAMES)}
     rows = sorted((row for run in runs for row in run["rows"]),
@@ -212,6 +228,20 @@ def merge_runs(folders: list[Path], out: Path) -> dict:
     result = {**runs[0], "rows": rows}
     atomic_write_json(out / "networks.json", result)
     atomic_write_text(out / "networks.md", markdown(rows))
+    return result
+
+
+def merge_acceptance(folders: list[Path], out: Path) -> dict:
+    """Partial `--acceptance mednext --rows ...` runs -> one networks_mednext.json / .md, in the table's order."""
+    runs = [json.loads((folder / "networks_mednext.json").read_text(encoding="utf-8")) for folder in folders]
+    order = [(network, list(edges), batch) for network, _, edges, batch, *_ in MEDNEXT_ACCEPTANCE]
+    rows = sorted((row for run in runs for row in run["acceptance"]),
+                  key=lambda row: order.index((row["network"], row["input"], row["batch"])))
+    for row in rows:
+        row["command"] = plan_command(row)
+    result = {**runs[0], "time_model": mednext_time_model(), "acceptance": rows}
+    atomic_write_json(out / "networks_mednext.json", result)
+    atomic_write_text(out / "networks_mednext.md", acceptance_markdown(rows))
     return result
 
 
@@ -235,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "measured_on_gpu": False, "rows": [], "acceptance": []}
     name = "networks_acceptance.json" if args.acceptance else "networks.json"
     if args.acceptance == "mednext":
+        result["time_model"] = mednext_time_model()
         chosen = [MEDNEXT_ACCEPTANCE[i] for i in args.rows] if args.rows else MEDNEXT_ACCEPTANCE
         for network, overrides, edges, batch, dtype, card, limit in chosen:
             row = price_acceptance(network, overrides, edges, batch, dtype, card, limit, MEDNEXT_LINK_GBS)
