@@ -118,7 +118,7 @@ DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4
                   peak_cube=16,
                   peak_batches=(1,), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
                   emulate_gbs=1.0, augment_cube=16, augment_steps=3, augment_phantom=(24, 24, 20),
-                  augment_prepare_workers=1, mednext_cube=16, mednext_batch=1, mednext_tiny=True, mednext_half=False)
+                  augment_prepare_workers=1, mednext_cube=32, mednext_batch=1, mednext_tiny=True, mednext_half=False)
 
 
 class Check:
