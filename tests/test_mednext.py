@@ -133,3 +133,48 @@ def test_the_loss_weighs_all_five_outputs_as_mednexts_trainer():
     import brats_swap.train.losses as losses
     weights = losses.deep_supervision_weights(5, lowest_on=True)
     assert weights == pytest.approx([1 / 1.9375, 0.5 / 1.9375, 0.25 / 1.9375, 0.125 / 1.9375, 0.0625 / 1.9375])
+
+
+def test_the_planner_predicts_the_engines_bytes_under_norm_act_and_hybrid():
+    """The planner's trace sees the same recipes as the engine (the GELU of each expansion included): the
+    peak resident saved bytes it predicts are the engine's, byte for byte."""
+    from brats_swap.memory.cost import INSTANT
+    from brats_swap.memory.engine import memory_config_from
+    from brats_swap.memory.planner import Planner
+    from brats_swap.train.losses import weighted_dice_loss
+
+    shape = (1, 4, 16, 16, 32)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(*shape, generator=generator), (torch.rand(1, 3, *shape[2:], generator=generator) > 0.8).float()
+    single = ("model.deep_supervision=false",)  # one output: the loss the planner traces takes (output, target)
+    planner = Planner(tiny_mednext("mednext_l", *single), shape, loss_fn=weighted_dice_loss, cost=INSTANT)
+    for name in ("norm_act", "hybrid"):
+        cfg = memory_config_from(POLICIES[name])
+        predicted = planner.predict(name, cfg)
+        model = tiny_mednext("mednext_l", *single)
+        engine = MemoryEngine(model, cfg)
+        with engine.step():
+            loss = weighted_dice_loss(model(x), y)
+        loss.backward()
+        stats = engine.last_stats()
+        assert stats.recomputed_bytes > 0
+        assert (predicted.saved_bytes, predicted.peak_resident_saved_bytes) == \
+            (stats.saved_bytes, stats.peak_resident_saved_bytes), name
+
+
+def test_the_gpu_time_model_prices_depthwise_convolutions_at_a_tenth_of_the_dense_rate():
+    from brats_swap.memory.cost import GPU_GROUPED_EFFICIENCY, default_cost_model
+    from brats_swap.memory.recorder import trace_step
+
+    network = torch.nn.Sequential(torch.nn.Conv3d(8, 8, 5, padding=2, groups=8), torch.nn.Conv3d(8, 8, 1))
+    trace = trace_step(network, (1, 8, 16, 16, 16), loss_fn=lambda out, target: out.square().mean())
+    grouped = [i for i, op in enumerate(trace.ops) if op.grouped]
+    assert {trace.ops[i].name for i in grouped} == {"convolution", "convolution_backward"}  # forward and backward
+    assert not any(op.grouped for op in trace.ops if op.name == "convolution" and op.flops < trace.ops[grouped[0]].flops / 2)
+    cost = default_cost_model("gpu", torch.float16)
+    dense = default_cost_model("gpu", torch.float16)
+    dense.grouped_efficiency = 1.0
+    for i in grouped:
+        op = trace.ops[i]
+        assert cost.durations(trace)[i] - dense.durations(trace)[i] == pytest.approx(
+            op.flops / cost.flops_per_s * (1 / GPU_GROUPED_EFFICIENCY - 1))
