@@ -32,6 +32,8 @@ measurements at the deadline and lists what it skipped):
    192³ (float16), read by the training DataLoader (`data.loader_workers: auto`, pinned) and fed to U-Net
    steps at batch 2; per step the data wait (the loader's `next`) and the device-side augmentation
    (`DeviceBatches.prepare`, synchronised) beside the step's forward + backward.
+8. `mednext`: MedNeXt-L with 5³ kernels at 128³ batch 2, fp16: the plan `auto` chooses for the 16 GiB cap,
+   its measured step time and peak against the plan's prediction, and the no-policy step (uncapped).
 
 Every swapping engine borrows one host arena, pinned once from the largest plan and reused (so no
 step pins or unpins memory); every global setting the script changes is restored when it is done.
@@ -71,7 +73,7 @@ from brats_swap.memory.cost import bytes_per_second  # noqa: E402
 from brats_swap.memory.device_profile import resolve_cost_model  # noqa: E402
 from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from  # noqa: E402
 from brats_swap.memory.link import open_link  # noqa: E402
-from brats_swap.memory.planner import Planner  # noqa: E402
+from brats_swap.memory.planner import BUDGET_HEADROOM, Planner  # noqa: E402
 from brats_swap.memory.presets import PRESET_NAMES, named_policies  # noqa: E402
 from brats_swap.memory.simulate import GIB  # noqa: E402
 from brats_swap.model import build_model  # noqa: E402
@@ -102,17 +104,21 @@ class Sizes:
     augment_steps: int
     augment_phantom: tuple[int, int, int]
     augment_prepare_workers: int
+    mednext_cube: int
+    mednext_batch: int
+    mednext_tiny: bool  # 2 initial filters and one block per stage instead of MedNeXt-L's 32 and 3-4-8-8-8-8-8-4-3
+    mednext_half: bool  # fp16 autocast (its paper's setting); fp32 on the CPU
 
 
 GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128, bitwise_steps=3,
                   peak_cube=192, peak_batches=(1, 2), cap_gib=16.0, time_cube=192, time_steps=3, delay_s=2e-3,
                   min_bytes=None, emulate_gbs=None, augment_cube=192, augment_steps=8, augment_phantom=(240, 240, 155),
-                  augment_prepare_workers=2)
+                  augment_prepare_workers=2, mednext_cube=128, mednext_batch=2, mednext_tiny=False, mednext_half=True)
 DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4, bitwise_cube=16, bitwise_steps=2,
                   peak_cube=16,
                   peak_batches=(1,), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
                   emulate_gbs=1.0, augment_cube=16, augment_steps=3, augment_phantom=(24, 24, 20),
-                  augment_prepare_workers=1)
+                  augment_prepare_workers=1, mednext_cube=32, mednext_batch=1, mednext_tiny=True, mednext_half=False)
 
 
 class Check:
@@ -583,13 +589,71 @@ def stage_augment(check: Check) -> dict:
             "note": "the U-Net of the other stages (not ResEnc L); scripts/bench_pipeline.py has ResEnc L"}
 
 
+def stage_mednext(check: Check) -> dict:
+    """MedNeXt-L with 5³ kernels at its paper's 128³ patch, batch 2, fp16, under the plan `auto` chooses for the
+    16 GiB cap: step time and peak measured against the plan's prediction, and the no-policy step (uncapped) the
+    plan's step ratio is relative to. Deep supervision off (its four small heads aside, the same network) so that
+    the stage's loss is the other stages' Dice of one output."""
+    sizes, device, cuda = check.sizes, check.device, check.device.type == "cuda"
+    dtype = torch.float16 if sizes.mednext_half and cuda else torch.float32
+    overrides = {"name": "mednext_l", "kernel_size": 5, "deep_supervision": False, "features": [32],
+                 "blocks": [3, 4, 8, 8, 8, 8, 8, 4, 3]}
+    if sizes.mednext_tiny:
+        overrides.update(features=[2], blocks=[1] * 9)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**overrides)).to(device)
+    shape = (sizes.mednext_batch, 4, *(sizes.mednext_cube,) * 3)
+    cost = resolve_cost_model(model, device, dtype, loss_fn=weighted_dice_loss)
+    if sizes.emulate_gbs is not None:
+        cost.sync_copies = False
+        cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = bytes_per_second(sizes.emulate_gbs)
+    planner = Planner(model, shape, loss_fn=weighted_dice_loss, dtype=dtype, cost=cost)
+    base = check.base_policy()
+    none_cfg = copy.deepcopy(base)
+    none_prediction = planner.predict("none", none_cfg)
+    budget = sizes.cap_gib
+    if not cuda:  # the dry run's cap: 1% under the tiny network's no-policy peak, so that auto must act
+        budget = 0.99 * planner.memory(none_cfg).peak_bytes / BUDGET_HEADROOM / GIB
+    best, _ = planner.auto(budget * GIB, base)
+    x, y = check.batch(sizes.mednext_cube, sizes.mednext_batch)
+    rows = []
+    for name, cfg, capped in (("none", none_cfg, False), ("auto", best.policy if best else None, True)):
+        if cfg is None or check.time_left() < 0:
+            rows.append({"policy": name, "status": "no plan" if cfg is None else "skipped"})
+            continue
+        prediction = planner.predict(name, cfg, budget * GIB)
+        predicted = prediction.peak_bytes if cuda else prediction.peak_resident_saved_bytes
+        row = {"policy": name, "mode": cfg.mode, "norm_act": cfg.recompute.norm_act, "capped": capped and cuda,
+               "predicted_peak_bytes": predicted, "predicted_step_s": round(prediction.step_s, 4)}
+        try:
+            with memory_cap(check) if capped else contextlib.nullcontext():
+                measured = measure(model, cfg, x, y, device, sizes.time_steps, dtype, hooks_for_none=not cuda,
+                                   host_arena=check.arena(planner.arena_bytes(cfg)))
+        except torch.cuda.OutOfMemoryError:
+            row.update(status="oom")
+            rows.append(row)
+            continue
+        row.update(status="ok", measured_peak_bytes=measured["peak_bytes"], measured_step_s=round(measured["step_s"], 4),
+                   peak_error=relative_error(predicted, measured["peak_bytes"]),
+                   step_error=relative_error(prediction.step_s, measured["step_s"]))
+        rows.append(row)
+    measured = {row["policy"]: row.get("measured_step_s") for row in rows}
+    return {"network": "mednext_l k5" + (" (tiny)" if sizes.mednext_tiny else ""), "input": list(shape),
+            "dtype": str(dtype).split(".")[-1], "budget_gib": round(budget, 4),
+            "predicted_step_ratio": round(best.step_s / none_prediction.step_s, 3) if best else None,
+            "measured_step_ratio": (round(measured["auto"] / measured["none"], 3)
+                                    if measured.get("auto") and measured.get("none") else None),
+            "rows": rows, "status": "failed" if any(row["status"] in ("oom", "no plan") for row in rows) else "ok"}
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 STAGES = {"environment": stage_environment, "bandwidth": stage_bandwidth, "bitwise": stage_bitwise,
-          "peak": stage_peak, "step_time": stage_step_time, "pinned": stage_pinned, "augment": stage_augment}
+          "peak": stage_peak, "step_time": stage_step_time, "pinned": stage_pinned, "augment": stage_augment,
+          "mednext": stage_mednext}
 
 
 def summary(document: dict) -> tuple[str, int]:

@@ -70,6 +70,11 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
     assert augment["steps"] == 3 and augment["loader_workers"] >= 1 and len(augment["data_wait_s"]) == 3
     assert all(v > 0 for v in augment["augment_s"] + augment["step_s"]) and augment["augment_over_step"] > 0
 
+    mednext = {row["policy"]: row for row in stages["mednext"]["rows"]}  # MedNeXt-L k5 (tiny) under its plan
+    assert mednext.keys() == {"none", "auto"} and all(row["status"] == "ok" for row in mednext.values())
+    assert mednext["auto"]["mode"] != "none" and mednext["auto"]["measured_step_s"] > 0
+    assert mednext["auto"]["peak_error"] == 0.0  # the engine's resident saved bytes, as predicted
+
 
 def test_a_failing_stage_exits_1_and_the_json_names_it(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--stages",

@@ -6,7 +6,9 @@ crop 140x171x136 at 1 mm, 4 channels): 6 stages of 32-64-128-256-320-320 feature
 the second stage on, 2 convolutions per encoder and decoder stage for the plain U-Net, residual blocks
 1-3-4-6-6-6 and 1 decoder convolution per stage for the residual-encoder presets. M, L and XL are the same
 network (nnU-Net's presets differ in patch and batch size, hence GPU memory: `NNUNET_PRESETS`). SegResNet
-takes Auto3DSeg's BraTS setting, SwinUNETR MONAI's BraTS tutorial one.
+takes Auto3DSeg's BraTS setting, SwinUNETR MONAI's BraTS tutorial one. MedNeXt S/B/M/L are MONAI's
+`create_mednext` variants (the MICCAI 2023 paper's: 32 initial filters, 4 halvings, the expansion ratios and
+blocks per stage of `MEDNEXT_VARIANTS`), with the depthwise kernel `model.kernel_size` (3 or 5, the paper's).
 
 As nnU-Net's planner does, an axis is halved only while it has at least 8 voxels (no stage below 4 voxels)
 and stages that no axis can pool any more are dropped, so phantom cubes (32³-48³) train the same family
@@ -22,14 +24,40 @@ COMMON_MODEL_KEYS = ("name", "in_channels", "outputs", "regions")
 ISENSEE_KEYS = ("base_filters", "depth", "dropout", "segmentation_levels", "leaky_slope", "seg_layer", "norm_eps")
 NNUNET_KEYS = ("features", "kernels", "strides", "blocks", "decoder_convs", "deep_supervision", "inplace_act")
 NNUNET_NAMES = ("nnunet", "resenc_m", "resenc_l", "resenc_xl")
-NETWORK_NAMES = ("isensee2017", *NNUNET_NAMES, "segresnet", "swinunetr")
+MEDNEXT_NAMES = ("mednext_s", "mednext_b", "mednext_m", "mednext_l")
+MEDNEXT_KEYS = ("features", "blocks", "kernel_size", "deep_supervision")
+NETWORK_NAMES = ("isensee2017", *NNUNET_NAMES, "segresnet", "swinunetr", *MEDNEXT_NAMES)
 
 MODEL_KEYS: dict[str, tuple[str, ...]] = {
     "isensee2017": ISENSEE_KEYS,
     **{name: NNUNET_KEYS for name in NNUNET_NAMES},
     "segresnet": ("features", "blocks", "deep_supervision"),
     "swinunetr": ("features", "blocks"),
+    **{name: MEDNEXT_KEYS for name in MEDNEXT_NAMES},
 }
+
+
+@dataclass(frozen=True)
+class MedNeXtVariant:
+    """One of the paper's MedNeXt sizes as MONAI 1.6.1's `create_mednext` builds it: expansion ratios of the
+    4 encoder stages, the bottleneck and the 4 decoder stages, and blocks in those 9 stages (the default of
+    `model.blocks`)."""
+
+    encoder_expansion: tuple[int, ...]
+    bottleneck_expansion: int
+    decoder_expansion: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
+MEDNEXT_VARIANTS: dict[str, MedNeXtVariant] = {
+    "mednext_s": MedNeXtVariant((2, 2, 2, 2), 2, (2, 2, 2, 2), (2,) * 9),
+    "mednext_b": MedNeXtVariant((2, 3, 4, 4), 4, (4, 4, 3, 2), (2,) * 9),
+    "mednext_m": MedNeXtVariant((2, 3, 4, 4), 4, (4, 4, 3, 2), (3, 4, 4, 4, 4, 4, 4, 4, 3)),
+    "mednext_l": MedNeXtVariant((3, 4, 8, 8), 8, (8, 8, 4, 3), (3, 4, 8, 8, 8, 8, 8, 4, 3)),
+}
+# MedNeXt halves every edge 4 times (stride-2 down blocks): its input edges divide by 16.
+MEDNEXT_DIVISOR = 16
+MEDNEXT_KERNELS = (3, 5)  # the depthwise kernel edges the paper trains (5 through UpKern from a 3)
 
 _NNUNET_PLAN = {"features": [32, 64, 128, 256, 320, 320], "kernels": [3] * 6,
                 "strides": [[1, 1, 1]] + [[2, 2, 2]] * 5}
@@ -43,6 +71,8 @@ NETWORK_DEFAULTS: dict[str, dict] = {
     # MONAI's SwinUNETR BraTS tutorial: feature size 48 (its stages carry 48, 96, 192, 384, 768 channels), and
     # MONAI's 2 transformer blocks in each of its 4 stages.
     "swinunetr": {"features": [48], "blocks": [2, 2, 2, 2]},
+    # MedNeXt: 32 initial filters (doubling per stage), the variant's blocks per stage.
+    **{name: {"features": [32], "blocks": list(variant.blocks)} for name, variant in MEDNEXT_VARIANTS.items()},
 }
 
 
@@ -129,7 +159,7 @@ def derived_model_keys(name: str, unset: set[str], size: list[int], stages: int 
 def foreign_model_keys(name: str, set_keys: set[str]) -> list[str]:
     """The `model.*` keys among `set_keys` that network `name` does not read, in schema order."""
     own = set(COMMON_MODEL_KEYS) | set(MODEL_KEYS[name])
-    every = COMMON_MODEL_KEYS + ISENSEE_KEYS + NNUNET_KEYS
+    every = COMMON_MODEL_KEYS + ISENSEE_KEYS + NNUNET_KEYS + ("kernel_size",)
     return [key for key in every if key in set_keys and key not in own]
 
 
@@ -144,6 +174,8 @@ def input_divisor(model) -> list[int]:
         return divisor
     if model.name == "segresnet":
         return [2 ** (len(model.blocks) - 1)] * 3
+    if model.name in MEDNEXT_NAMES:
+        return [MEDNEXT_DIVISOR] * 3
     return [SWIN_DIVISOR] * 3
 
 
@@ -154,6 +186,9 @@ def input_size_problem(model, size: list[int]) -> str | None:
         edges = str(divisor[0]) if len(set(divisor)) == 1 else "x".join(map(str, divisor))
         why = "2^(model.depth-1)" if model.name == "isensee2017" else f"the strides of {model.name}"
         return f"each size must be divisible by {edges} ({why}), got {list(size)}"
+    if model.name in MEDNEXT_NAMES and all(s == MEDNEXT_DIVISOR for s in size):
+        # A one-voxel bottleneck: GroupNorm (one group per channel) has one value per group at batch 1.
+        return f"MedNeXt needs an edge of at least {2 * MEDNEXT_DIVISOR} (a bottleneck of more than one voxel), got {list(size)}"
     if model.name == "swinunetr" and all(s == SWIN_DIVISOR for s in size):
         # Its bottleneck (edges / 32) would be one voxel, where instance norm cannot train.
         return f"SwinUNETR needs an edge of at least {2 * SWIN_DIVISOR} (a bottleneck of more than one voxel), got {list(size)}"
@@ -183,6 +218,13 @@ def check_network_keys(model, require) -> None:
                 f"SwinUNETR takes one feature size divisible by 12, got {model.features}")
         require(len(model.blocks) == 4, "model.blocks",
                 f"SwinUNETR has 4 transformer stages (blocks per stage), got {model.blocks}")
+    if model.name in MEDNEXT_NAMES:
+        require(len(model.features) == 1, "model.features",
+                f"MedNeXt takes one initial filter count (doubled per stage), got {model.features}")
+        require(len(model.blocks) == 9, "model.blocks",
+                f"MedNeXt has 9 stages (4 encoder, bottleneck, 4 decoder): one block count each, got {model.blocks}")
+        require(model.kernel_size in MEDNEXT_KERNELS, "model.kernel_size",
+                f"MedNeXt's depthwise kernel is 3 or 5 (the paper's), got {model.kernel_size}")
     if model.name != "isensee2017":
         values = [*model.features, *model.kernels, *model.blocks, *model.decoder_convs]
         require(all(v >= 1 for v in values), "model", "features, kernels, blocks and decoder_convs must be positive")

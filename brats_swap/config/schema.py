@@ -46,9 +46,11 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     # isensee2017 (the paper's); nnU-Net's plain (nnunet) and residual-encoder U-Nets (resenc_m|l|xl, one
-    # network: the presets differ in patch and batch); MONAI's segresnet and swinunetr. Each reads its own
+    # network: the presets differ in patch and batch); MONAI's segresnet, swinunetr and MedNeXt
+    # (mednext_s|b|m|l). Each reads its own
     # keys below (brats_swap/config/networks.py); keys set for another network are ignored with a warning.
-    name: Literal["isensee2017", "nnunet", "resenc_m", "resenc_l", "resenc_xl", "segresnet", "swinunetr"] = "isensee2017"
+    name: Literal["isensee2017", "nnunet", "resenc_m", "resenc_l", "resenc_xl", "segresnet", "swinunetr",
+                  "mednext_s", "mednext_b", "mednext_m", "mednext_l"] = "isensee2017"
     in_channels: int = 4  # when not set: the number of data.modalities (the loader derives it)
     base_filters: int = 16
     depth: int = 5
@@ -71,6 +73,7 @@ class ModelConfig:
     # norm's output; "view": that output itself (a view), as nnU-Net builds it, whose backward holds three
     # more full-size gradient buffers. The same values and gradients, bitwise (brats_swap/model/networks.py).
     inplace_act: Literal["base", "view"] = "base"
+    kernel_size: int = 3  # MedNeXt: the depthwise convolutions' kernel edge, 3 or 5 (the paper's two)
 
 
 @dataclass
@@ -133,7 +136,8 @@ class TrainConfig:
     lr: float = 5e-4
     adam_eps: float = 1e-7  # Keras' Adam epsilon
     weight_decay: float = 0.0
-    optimizer: Literal["adam", "sgd"] = "adam"  # sgd: Nesterov, momentum train.momentum (nnU-Net's)
+    # sgd: Nesterov, momentum train.momentum (nnU-Net's); adamw: decoupled weight decay (MedNeXt's)
+    optimizer: Literal["adam", "sgd", "adamw"] = "adam"
     momentum: float = 0.99  # sgd only
     schedule: Literal["plateau", "poly"] = "plateau"  # poly: lr * (1 - epoch / max_epochs) ** poly_exponent
     poly_exponent: float = 0.9

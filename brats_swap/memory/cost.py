@@ -57,6 +57,10 @@ class OpCostModel:
     # bf16 transport converts on the device through a staging buffer the size of the bf16 copy (CUDA);
     # the CPU links convert on the host.
     staged_conversion: bool = False
+    # Grouped (depthwise) convolutions, MedNeXt's k³ layers, run on the CUDA cores at a fraction of the
+    # tensor-core rate `flops_per_s` assumes; a measured profile of such a network folds the rest into its
+    # scales. 0.1: cuDNN's 3D depthwise kernels reach about a tenth of dense half-precision throughput.
+    grouped_efficiency: float = 1.0
 
     def durations(self, trace) -> list[float]:
         """Seconds of each op of `trace` (0 for ops that launch no kernel)."""
@@ -64,7 +68,8 @@ class OpCostModel:
         for i, op in enumerate(trace.ops):
             if not op.kernel:
                 continue
-            raw = op.flops / self.flops_per_s + op.bytes_accessed / self.bytes_per_s + self.launch_s
+            rate = self.flops_per_s * (self.grouped_efficiency if op.grouped else 1.0)
+            raw = op.flops / rate + op.bytes_accessed / self.bytes_per_s + self.launch_s
             out[i] = raw * (self.fwd_scale if op.phase == FORWARD else self.bwd_scale)
         return out
 
@@ -122,16 +127,19 @@ DEFAULT_BANDWIDTH_GBS = 50.0
 # Roofline constants when nothing was measured. CPU: this project's CI machine at 32³-48³ (about 60
 # GFLOP/s per step for the U-Net). GPU: an H200-class card in fp32 (TF32 convolutions) and in half
 # precision (bf16 and fp16 run on the same tensor cores at the same rate), on a PCIe 5 x16 link.
+GPU_GROUPED_EFFICIENCY = 0.1  # see OpCostModel.grouped_efficiency
 ASSUMED_GPU_LINK = f"PCIe 5 link {DEFAULT_BANDWIDTH_GBS:g} GB/s"
 DEFAULT_COSTS = {
     "cpu": OpCostModel(name="cpu (assumed)", flops_per_s=60e9, bytes_per_s=20e9, launch_s=20e-6,
                        h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True),
     "gpu-float32": OpCostModel(name=f"H200-class GPU, fp32/TF32, {ASSUMED_GPU_LINK} (assumed)", flops_per_s=60e12,
                                bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
-                               d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
+                               d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True,
+                            grouped_efficiency=GPU_GROUPED_EFFICIENCY),
     "gpu-half": OpCostModel(name=f"H200-class GPU, bf16/fp16, {ASSUMED_GPU_LINK} (assumed)", flops_per_s=150e12,
                             bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,
-                            d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True),
+                            d2h_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9, staged_conversion=True,
+                            grouped_efficiency=GPU_GROUPED_EFFICIENCY),
 }
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 

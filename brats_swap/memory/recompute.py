@@ -28,6 +28,9 @@ autocast state, so it is only learned where that replay gives bitwise the tensor
   registered by its parent; a class merely named `*Norm` is not a norm. BatchNorm / InstanceNorm in
   train mode with running statistics are replayed on scratch copies of their buffers: their output
   uses the batch statistics only, and the running statistics are updated once, by the forward;
+- an activation (not in place) of a convolution's output that the engine stores anyway, as GELU stores its
+  input for its own backward: in MedNeXt's GroupNorm -> 1x1x1 expansion -> GELU -> 1x1x1 compression the
+  expansion's output (the block's widest tensor) is stored once, not twice;
 - a *follower* of a recipe: an activation (`LeakyReLU`, `ReLU`, `ReLU6`, `ELU`, `CELU`, `SELU`, `GELU`,
   `SiLU`, `Mish`, `Hardswish`, `Hardsigmoid`, `Sigmoid`, `Tanh`, `Softplus`; in place or not, and a class
   whose own `forward` is declared an elementwise function of `x` by `norm_act_follower = "act"` in its
@@ -314,6 +317,12 @@ def _replay_as_in_forward(module: nn.Module, x: torch.Tensor) -> Callable[[torch
     return replay
 
 
+def _convolution_output(x) -> bool:
+    """`x` is the output of a convolution (as autograd recorded it): the one input an activation recipe of its
+    own starts from; the output of anything else (a refused norm, a hooked module) is left as it is."""
+    return isinstance(x, torch.Tensor) and type(x.grad_fn).__name__.startswith("ConvolutionBackward")
+
+
 @dataclass
 class _Entry:
     weak: StorageWeakRef
@@ -449,7 +458,8 @@ class NormActRecipes:
         source = None
         if kind != "norm":
             source = self._lookup(x) if isinstance(x, torch.Tensor) else None
-            if source is None:
+            if source is None and not (kind == "act" and _convolution_output(x)
+                                       and not getattr(module, "inplace", False)):
                 return  # not applied to a recipe's output: nothing to recompute, nothing to report
         problem = self._call_problem(module, args, kwargs)
         if problem is None and source is not None and _layout(x) != source.layout:
@@ -493,6 +503,8 @@ class NormActRecipes:
             return
         if kind == "norm":
             self._learn_norm(name, args[0], output, call)
+        elif call.source is None:
+            self._learn_root_act(args[0], output, call, name)
         elif _data_signature(output) != call.signature and self._lookup(output) is None:
             # (The same data is an identity, e.g. eval-mode dropout: the input's recipe covers it. An
             # in-place follower whose save arrived already has its recipe.)
@@ -505,5 +517,16 @@ class NormActRecipes:
         record = self.engine.lookup(x)
         if record is None or record.decision not in ("keep", "swap"):
             self._skip(name, "its input is not a tensor the engine stores; a recipe would have to keep it alive")
+            return
+        self._register(out, Recipe(call.replay, [self.engine.pack(x)], out, name))
+
+    def _learn_root_act(self, x: torch.Tensor, out: torch.Tensor, call: _Call, name: str) -> None:
+        """An activation (not in place) of a tensor that is no recipe's output, e.g. MedNeXt's GELU after its
+        1x1x1 expansion: recomputable when its input is stored anyway (GELU saves its input for its own
+        backward), silently stored otherwise (ReLU after a convolution saves only its output)."""
+        if out.untyped_storage()._cdata == x.untyped_storage()._cdata:
+            return
+        record = self.engine.lookup(x)
+        if record is None or record.decision not in ("keep", "swap"):
             return
         self._register(out, Recipe(call.replay, [self.engine.pack(x)], out, name))

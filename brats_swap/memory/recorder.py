@@ -238,10 +238,16 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         recompute = self.phase == BACKWARD and (bool(self.module_stack) or self._recomputing > 0)
         inputs = tensors_in((args, kwargs))
         self.ops.append(OpInfo(name, self.phase, flops, _bytes_accessed(inputs + outputs), name not in _NO_KERNEL,
-                               module, recompute))
+                               module, recompute, _grouped_convolution(name, args)))
         for tensor in outputs:
             self.storage_id(tensor.untyped_storage())
         return out
+
+
+def _grouped_convolution(name: str, args: tuple) -> bool:
+    """aten.convolution (groups is its 9th argument) or convolution_backward (10th) with groups > 1."""
+    index = {"convolution": 8, "convolution_backward": 9}.get(name)
+    return index is not None and len(args) > index and isinstance(args[index], int) and args[index] > 1
 
 
 def _bytes_accessed(tensors: list[torch.Tensor]) -> int:

@@ -47,6 +47,7 @@ class OpInfo:
     kernel: bool  # False for view-like ops that launch nothing
     module: str = ""  # innermost running module ("" in backward outside recomputation)
     recompute: bool = False  # part of a recomputation in backward (checkpoint or norm_act recipe)
+    grouped: bool = False  # a grouped (e.g. depthwise) convolution or its backward: no tensor-core rate
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The registry of networks `model.name` builds: the Isensee 2017 U-Net, nnU-Net's plain and residual-encoder
 U-Nets (built by dynamic-network-architectures, the package nnU-Net itself builds them with), and MONAI's
-SegResNet (Auto3DSeg's deep-supervised SegResNetDS) and SwinUNETR.
+SegResNet (Auto3DSeg's deep-supervised SegResNetDS), SwinUNETR and MedNeXt (MONAI's, the MICCAI 2023 paper's
+S/B/M/L).
 
 One output contract for all: in eval mode the forward returns sigmoid probabilities (B, C, D, H, W), what
 validation, evaluation and prediction read. In training mode the Isensee U-Net returns the same
@@ -23,7 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from brats_swap.config import ConfigError, ModelConfig
-from brats_swap.config.networks import NETWORK_NAMES, NNUNET_NAMES, input_divisor
+from brats_swap.config.networks import (
+    MEDNEXT_NAMES,
+    MEDNEXT_VARIANTS,
+    NETWORK_NAMES,
+    NNUNET_NAMES,
+    input_divisor,
+)
 from brats_swap.model.unet import Isensee2017UNet, ModelInputError
 
 
@@ -148,6 +155,42 @@ def _build_swinunetr(cfg: ModelConfig, out_channels: int) -> nn.Module:
                          depths=tuple(cfg.blocks), spatial_dims=3)
 
 
+class _MedNeXtOutputs(SigmoidInEval):
+    """MONAI's MedNeXt computes its deep-supervision heads whenever it was built with them and returns them
+    in training mode only; in eval mode they are skipped (the full-resolution head alone, as its authors
+    predict)."""
+
+    deep_supervision: bool
+    # MedNeXt's nnU-Net trainer weighs all 5 outputs (1, 1/2, ..., 1/16, normalised), nnU-Net's the lowest off.
+    weighs_lowest_output = True
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.do_ds = self.deep_supervision and mode
+        return self
+
+
+def _build_mednext(cfg: ModelConfig, out_channels: int) -> nn.Module:
+    """MONAI's MedNeXt with the arguments its `create_mednext` passes for the variant (residual blocks and
+    resampling, GroupNorm with one group per channel, no GRN), at `model.features[0]` initial filters and
+    `model.blocks` blocks per stage. With deep supervision it returns 5 outputs in training, full resolution
+    first (1, 1/2, ..., 1/16), as the MedNeXt nnU-Net trainer takes them."""
+    from monai.networks.nets import MedNeXt
+
+    variant = MEDNEXT_VARIANTS[cfg.name]
+    network_class = _with_outputs(_MedNeXtOutputs, MedNeXt)
+    network = network_class(
+        spatial_dims=3, init_filters=cfg.features[0], in_channels=cfg.in_channels, out_channels=out_channels,
+        encoder_expansion_ratio=variant.encoder_expansion, decoder_expansion_ratio=variant.decoder_expansion,
+        bottleneck_expansion_ratio=variant.bottleneck_expansion, kernel_size=cfg.kernel_size,
+        deep_supervision=cfg.deep_supervision, use_residual_connection=True, blocks_down=tuple(cfg.blocks[:4]),
+        blocks_bottleneck=cfg.blocks[4], blocks_up=tuple(cfg.blocks[5:]), norm_type="group",
+        global_resp_norm=False)
+    network.deep_supervision = cfg.deep_supervision
+    network.train()
+    return network
+
+
 def build_model(model_cfg: ModelConfig, out_channels: int = 3) -> nn.Module:
     """The network described by the `model` config section (as the loader resolved it), freshly initialised."""
     name = model_cfg.name
@@ -162,6 +205,8 @@ def build_model(model_cfg: ModelConfig, out_channels: int = 3) -> nn.Module:
         network = _build_nnunet(model_cfg, out_channels)
     elif name == "segresnet":
         network = _build_segresnet(model_cfg, out_channels)
+    elif name in MEDNEXT_NAMES:
+        network = _build_mednext(model_cfg, out_channels)
     else:
         network = _build_swinunetr(model_cfg, out_channels)
     network.out_channels = out_channels

@@ -75,6 +75,7 @@ from brats_swap.errors import ConfigError, NumericalError, TrainingInterrupted
 from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions, targets_from_labels
+from brats_swap.model.upkern import initial_weights
 from brats_swap.progress import ProgressLines, progress_bar
 from brats_swap.run.checkpoint import (
     capture_rng_states,
@@ -428,7 +429,8 @@ class FoldRecipe:
         seed_everything(config.seed)
         self.model = build_model(config.model, out_channels=self.out_channels).to(device)
         if train_cfg.init_from and not resumed:
-            self.model.load_state_dict(load_checkpoint(Path(train_cfg.init_from))["model"])
+            weights = load_checkpoint(Path(train_cfg.init_from))["model"]
+            self.model.load_state_dict(initial_weights(self.model, weights, train_cfg.init_from))
         # The weighted Dice looked up here, when the fold is built: the tests' seam for a faulty loss.
         self.loss = training_loss(train_cfg.loss, self.model, dice=weighted_dice_loss,
                                   distributed=self.ctx.is_distributed)

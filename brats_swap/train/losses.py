@@ -37,10 +37,14 @@ def weighted_dice_loss(probs: torch.Tensor, target: torch.Tensor, smooth: float 
     return -dice.mean()
 
 
-def deep_supervision_weights(outputs: int, distributed: bool = False) -> list[float]:
+def deep_supervision_weights(outputs: int, distributed: bool = False, lowest_on: bool = False) -> list[float]:
     """nnU-Net's weights for `outputs` deep-supervision outputs (full resolution first): halving per level,
     the lowest-resolution output off, normalised to sum 1; a single output weighs 1. `distributed`: the
-    lowest weighs 1e-6 instead, as in nnU-Net under DDP, whose gradient reduction waits for every parameter."""
+    lowest weighs 1e-6 instead, as in nnU-Net under DDP, whose gradient reduction waits for every parameter.
+    `lowest_on`: MedNeXt's trainer, which plans one level more than its network has outputs, so that the
+    lowest-resolution output keeps its halved weight."""
+    if lowest_on and outputs > 1:
+        return deep_supervision_weights(outputs + 1)[:outputs]
     if outputs == 1:
         return [1.0]
     weights = [1.0 / 2**level for level in range(outputs)]
@@ -82,10 +86,11 @@ class SegmentationLoss:
     """
 
     def __init__(self, name: str, from_logits: bool, dice: Callable = weighted_dice_loss,
-                 distributed: bool = False) -> None:
+                 distributed: bool = False, lowest_on: bool = False) -> None:
         if name == "dice_ce" and not from_logits:
             raise ValueError("dice_ce needs a network whose training outputs are logits")
         self.name, self.from_logits, self.dice, self.distributed = name, from_logits, dice, distributed
+        self.lowest_on = lowest_on
         self.dice_ce = None
         if name == "dice_ce":
             from monai.losses import DiceCELoss  # imported where used: MONAI takes seconds to import
@@ -104,7 +109,7 @@ class SegmentationLoss:
         outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
         target = target.float()
         total = None
-        for weight, output in zip(deep_supervision_weights(len(outputs), self.distributed), outputs, strict=True):
+        for weight, output in zip(deep_supervision_weights(len(outputs), self.distributed, self.lowest_on), outputs, strict=True):
             if weight > 0:
                 term = weight * self.single(output, _at_resolution(target, output))
                 total = term if total is None else total + term
@@ -115,4 +120,5 @@ def training_loss(loss: str, model: torch.nn.Module, dice: Callable = weighted_d
                   distributed: bool = False) -> SegmentationLoss:
     """The loss `train.loss` names, for `model`'s training outputs (logits or probabilities); `dice` is the
     weighted Dice the `dice` loss applies to probabilities; `distributed`: trained under DDP."""
-    return SegmentationLoss(loss, from_logits=emits_logits(model), dice=dice, distributed=distributed)
+    return SegmentationLoss(loss, from_logits=emits_logits(model), dice=dice, distributed=distributed,
+                            lowest_on=bool(getattr(model, "weighs_lowest_output", False)))

@@ -1,7 +1,8 @@
 """The optimiser, learning-rate schedule and gradient clipping of `train.*`.
 
 adam (the paper's: Keras' epsilon, `train.weight_decay`) or sgd (nnU-Net's: Nesterov momentum
-`train.momentum` 0.99, weight decay 3e-5 in its configs). The schedule is plateau (the paper's
+`train.momentum` 0.99, weight decay 3e-5 in its configs) or adamw (MedNeXt's: decoupled weight decay, epsilon
+`train.adam_eps`). The schedule is plateau (the paper's
 ReduceLROnPlateau on the validation loss) or poly (nnU-Net's PolyLR: lr * (1 - epoch / max_epochs) ** 0.9,
 stepped once per epoch). `train.grad_clip` bounds the global gradient norm (nnU-Net clips at 12), on the
 unscaled gradients under fp16 AMP.
@@ -22,6 +23,9 @@ def build_optimizer(parameters: Iterable[torch.nn.Parameter], train_cfg: TrainCo
     if train_cfg.optimizer == "sgd":
         return torch.optim.SGD(parameters, lr=train_cfg.lr, momentum=train_cfg.momentum, nesterov=True,
                                weight_decay=train_cfg.weight_decay)
+    if train_cfg.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=train_cfg.lr, eps=train_cfg.adam_eps,
+                                 weight_decay=train_cfg.weight_decay)
     return torch.optim.Adam(parameters, lr=train_cfg.lr, eps=train_cfg.adam_eps, weight_decay=train_cfg.weight_decay)
 
 

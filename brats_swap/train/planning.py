@@ -44,7 +44,7 @@ from brats_swap.train.losses import training_loss, weighted_dice_loss
 PLAN_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16}
 # Device bytes of optimizer state per parameter byte: Adam keeps two moments, SGD with momentum one buffer.
-OPTIMIZER_STATE_FACTOR = {"adam": 2, "sgd": 1}
+OPTIMIZER_STATE_FACTOR = {"adam": 2, "adamw": 2, "sgd": 1}
 GLIOMA_LABEL_VALUES = 4  # background and the three tumour labels of every glioma table (2017-2021, GLI)
 
 
