@@ -151,7 +151,10 @@ def train_challenge(
         _say(f"{variable}: {why}, using {folder}")
     budget = parse_duration(time_budget) if time_budget is not None else None
     from brats_swap.ship.bundle import open_bundle
-    from brats_swap.ship.retrain import retrain
+    from brats_swap.ship.retrain import retrain, user_name_for_any_uid
+
+    if (name := user_name_for_any_uid()) is not None:
+        _say(f"USER: uid {name[3:]} has no user name, using {name}")
 
     retrain(open_bundle(model), data, output, time_budget_s=budget, device=device, say=_say)
 

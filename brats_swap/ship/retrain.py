@@ -75,6 +75,22 @@ class Card:
         return f"card: {self.name} ({self.kind}), {self.memory_gib:.1f} GiB ({self.source}){link}"
 
 
+def user_name_for_any_uid(environ: dict | None = None) -> str | None:
+    """Set `USER` when this uid has no passwd entry (a container run with `--user 4242`) and no name variable is
+    set: MONAI reads the user name at import (`getpass.getuser`) and fails without one. Returns the name set."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(variable) for variable in ("LOGNAME", "USER", "LNAME", "USERNAME")):
+        return None
+    import pwd
+
+    try:
+        pwd.getpwuid(os.getuid())
+        return None
+    except KeyError:
+        environ["USER"] = f"uid{os.getuid()}"
+        return environ["USER"]
+
+
 def device_memory_override(environ: dict | None = None) -> int | None:
     """Bytes of `BRATS_SWAP_DEVICE_MEMORY` ("12", "12GB", "24 GiB": GB as `memory.budget_gib` counts them), None
     when unset; ConfigError for anything else."""
