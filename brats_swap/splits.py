@@ -16,7 +16,7 @@ from brats_swap.atomic import atomic_write_json
 from brats_swap.config import Config
 from brats_swap.data.cache import list_prepared
 from brats_swap.errors import ConfigError, DataError
-from brats_swap.run.folder import RunFolder
+from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
 
 # BraTS 2023+ ids are BraTS-GLI-<subject>-<timepoint>; older editions have one scan per subject.
 _TIMEPOINT = re.compile(r"^(?P<subject>.+)-\d{3}$")
@@ -98,7 +98,13 @@ def read_splits(path: Path) -> dict:
 
 
 def fold_cases(splits: dict, fold: int) -> tuple[list[str], list[str]]:
+    """(train, val) case ids of `fold`. The all-cases model (`ALL_CASES_FOLD`) trains on every case of the
+    splits and, as nnU-Net's fold `all` does, "validates" on the same cases: its val numbers only steer the
+    schedule and are no held-out estimate."""
     folds = splits["folds"]
+    if fold == ALL_CASES_FOLD:
+        every = sorted({case for entry in folds for case in entry["train"] + entry["val"]})
+        return every, list(every)
     if not 0 <= fold < len(folds):
         raise ConfigError(f"--fold {fold}: the run has folds 0..{len(folds) - 1}")
     return list(folds[fold]["train"]), list(folds[fold]["val"])

@@ -1,6 +1,8 @@
-"""`brats-swap export`, `container`, `serve-challenge` and `check-submission`: thin shells over brats_swap/ship/.
+"""`brats-swap export`, `container`, `serve-challenge`, `train-challenge` and `check-submission`: thin shells over
+brats_swap/ship/.
 
-Exit codes: 0 ok; 1 bad input (a damaged bundle, a failed case, a submission problem); 2 usage/config.
+Exit codes: 0 ok; 1 bad input (a damaged bundle, a failed case, a submission problem); 2 usage/config;
+130 train-challenge stopped (SIGTERM) with the checkpoint written: the same command continues.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def container(
                                               show_default=False)] = None,
     time_budget: Annotated[str, typer.Option("--time-budget", help="The entrypoint's budget for the whole "
                                              "test set.")] = "8h",
+    trainable: Annotated[bool, flag("--trainable/--inference-only", "Also give the image a `train` entry that "
+                                    "retrains the bundle's recipe on /data into /output/model.zip (BraTS "
+                                    "GoAT: the organisers retrain every submission).")] = False,
 ) -> None:
     """Write a BraTS challenge image's build folder: Dockerfile, .dockerignore, entrypoint.sh, the bundle,
     pinned requirements, brats-swap's source and a README with the build, run and save commands; print the
@@ -65,7 +70,7 @@ def container(
     from brats_swap.ship.bundle import open_bundle
     from brats_swap.ship.container import write_container
 
-    written = write_container(open_bundle(model), out, task, image, time_budget)
+    written = write_container(open_bundle(model), out, task, image, time_budget, trainable=trainable)
     _say(f"wrote {written.folder}: Dockerfile, .dockerignore, entrypoint.sh, README.md (task {written.task}); "
          f"build with: docker build -t {written.image} {written.folder}")
     _say("entry for the BrainLesion brats package (also in brainlesion.yml; add authors, paper, rank to meta):")
@@ -120,6 +125,41 @@ def serve_challenge(
 
 
 @handle_errors
+def train_challenge(
+    model: Annotated[Path, typer.Option("--model", help="The bundle whose recipe is trained (its weights are "
+                                        "not used).")],
+    data: Annotated[Path, typer.Option("--data", help="The training cases (BraTS-format folder, nnU-Net raw or "
+                                       "Decathlon; read only).")] = Path("/data"),
+    output: Annotated[Path, typer.Option("--output", help="Run folder, cache and the new bundle model.zip.")]
+    = Path("/output"),
+    time_budget: Annotated[str | None, typer.Option("--time-budget", help="The whole training's time, e.g. 72h: "
+                                                    "the schedule is shortened up front (epochs, then folds).",
+                                                    show_default=False)] = None,
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")] = "auto",
+) -> None:
+    """The trainable image's `train` entry (works without a container too): measure the card, plan memory
+    policy, batch and patch-or-whole within the bundle's recipe, print and record the plan, train the
+    recipe's folds from scratch on --data and write --output/model.zip (with the plan, logs and figures).
+    Run again after a stop or a restart: it continues where it stopped, exactly.
+    BRATS_SWAP_DEVICE_MEMORY=<GB> plans for another card's memory.
+
+    Example: brats-swap train-challenge --model model.zip --data data/GoAT --output out/ --time-budget 72h
+    """
+    from brats_swap.ship.challenge import parse_duration, writable_home
+
+    for variable, (folder, why) in writable_home().items():  # before matplotlib could read them
+        _say(f"{variable}: {why}, using {folder}")
+    budget = parse_duration(time_budget) if time_budget is not None else None
+    from brats_swap.ship.bundle import open_bundle
+    from brats_swap.ship.retrain import retrain, user_name_for_any_uid
+
+    if (name := user_name_for_any_uid()) is not None:
+        _say(f"USER: uid {name[3:]} has no user name, using {name}")
+
+    retrain(open_bundle(model), data, output, time_budget_s=budget, device=device, say=_say)
+
+
+@handle_errors
 def check_submission(
     output_dir: Annotated[Path, typer.Argument(help="The output folder to check.")],
     input_dir: Annotated[Path, typer.Option("--input", help="The input folder (one folder per case).")],
@@ -149,8 +189,9 @@ def check_submission(
 
 
 def register(app: typer.Typer) -> None:
-    """Add the four commands to the top-level app (called from cli/main.py)."""
+    """Add the five commands to the top-level app (called from cli/main.py)."""
     app.command("export")(export)
     app.command("container")(container)
     app.command("serve-challenge")(serve_challenge)
+    app.command("train-challenge")(train_challenge)
     app.command("check-submission")(check_submission)

@@ -40,7 +40,7 @@ from brats_swap.cv.stop_control import StopControl
 from brats_swap.cv.summary import utc_now, write_cv_summary
 from brats_swap.evaluate.predictions import evaluate_fold
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
-from brats_swap.run.folder import RunFolder
+from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
 from brats_swap.splits import fold_cases, load_run_splits
 from brats_swap.train.data import prepare_run_data
 from brats_swap.train.loop import train_fold
@@ -158,10 +158,12 @@ class FoldRunner:
         """Close an invocation: why it stopped, which folds are done, and the refreshed summary."""
         outcome.stop_reason = self.stop.reason
         states = self.states(list(range(self.n_folds)))
-        outcome.done = [k for k in outcome.folds if states[k].done]
+        outcome.done = [k for k in outcome.folds if (states.get(k) or read_fold_state(self.run_dir, k)).done]
         # Whichever call finishes the run's last fold (another machine may have done the others) summarises
-        # every fold; until then a call summarises the folds it was asked for.
-        summarised = list(range(self.n_folds)) if all(s.done for s in states.values()) else outcome.folds
+        # every fold; until then a call summarises the folds it was asked for. The all-cases model is never
+        # in a cross-validation summary: its "validation" cases are its training cases.
+        summarised = list(range(self.n_folds)) if all(s.done for s in states.values()) else \
+            [k for k in outcome.folds if k != ALL_CASES_FOLD]
         with shared_files(self.run):
             tune_after_cv(self.config, self.run, self.splits, say=self._say)  # once every fold is done
             outcome.summary = self.write_summary(summarised)

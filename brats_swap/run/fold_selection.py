@@ -2,6 +2,8 @@
 
 `all` is every fold; `K` one fold number; `K,K` several (order and repeats do not matter). Every command
 that picks folds (cv, evaluate, predict, compare) parses it here, so the same text means the same folds.
+`all-cases` is the one model trained on every case (nnU-Net's fold `all`, folder `fold_all/`): spelled
+apart from `all`, so that "every fold" and "the model of every case" cannot be mistaken for each other.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from brats_swap.errors import ConfigError
+from brats_swap.run.folder import ALL_CASES_FOLD
 
 ALL_FOLDS = "all"
+ALL_CASES = "all-cases"
 FoldSelection = str | int | Sequence[int]
 
 
@@ -19,6 +23,10 @@ def parse_fold_selection(selection: FoldSelection, option: str = "--folds") -> s
     ConfigError naming `option` for anything else (a negative number, a word, an empty list)."""
     if isinstance(selection, str) and selection.strip().lower() == ALL_FOLDS:
         return ALL_FOLDS
+    if isinstance(selection, str) and selection.strip().lower() == ALL_CASES:
+        return [ALL_CASES_FOLD]
+    if isinstance(selection, int) and selection == ALL_CASES_FOLD:
+        return [ALL_CASES_FOLD]
     try:
         if isinstance(selection, str):
             # Empty items are skipped, so "3," is fold 3 (how `compare` names a single fold, see its help).
@@ -30,7 +38,8 @@ def parse_fold_selection(selection: FoldSelection, option: str = "--folds") -> s
     except (TypeError, ValueError):
         chosen = []
     if not chosen or min(chosen) < 0:
-        raise ConfigError(f"{option} {selection!r}: expected 'all', a fold number or numbers like 0,2")
+        raise ConfigError(f"{option} {selection!r}: expected 'all', 'all-cases', a fold number or "
+                          "numbers like 0,2")
     return sorted(set(chosen))
 
 
@@ -41,7 +50,7 @@ def resolve_folds(selection: FoldSelection, n_folds: int, option: str = "--fold"
     if chosen == ALL_FOLDS:
         return list(range(n_folds))
     for k in chosen:
-        if k >= n_folds:
+        if k != ALL_CASES_FOLD and k >= n_folds:
             raise ConfigError(f"{option} {k}: the run has folds 0..{n_folds - 1} (see splits.json)")
     return chosen
 
@@ -56,4 +65,4 @@ def compare_fold_selection(selection: str) -> str | int | list[int]:
     return parse_fold_selection(selection)
 
 
-__all__ = ["ALL_FOLDS", "FoldSelection", "compare_fold_selection", "parse_fold_selection", "resolve_folds"]
+__all__ = ["ALL_CASES", "ALL_FOLDS", "FoldSelection", "compare_fold_selection", "parse_fold_selection", "resolve_folds"]

@@ -5,12 +5,17 @@ Like nnU-Net's output folder, the layout is a contract users script against:
 ```
 <run>/config.yaml  env.json  splits.json  .lock  cv.log  cv_summary.json  cv_summary.md
       postprocessing.json  compare.json  compare.md  figures/*.png
+      training_plan.json                 (train-challenge: the card, the plan and the schedule it chose)
       fold_<k>/checkpoint_latest.pt  checkpoint_prev.pt  checkpoint_best.pt  checkpoint_nnunet.pt
                train.log  tb/  state.json  memory_plan.json  cv_worker.log
                metrics.csv  summary.json  summary.md  dice_boxplot.png  predictions/<case>.nii.gz
                official.csv  official_summary.json      (the official BraTS lesion-wise metrics)
       full/  patch/                      (compare --patch: each arm is a run folder of its own)
+      fold_all/                          (the all-cases model: nnU-Net's fold `all`, trained on every case)
 ```
+
+The all-cases model is `ALL_CASES_FOLD` wherever a fold number is passed around and `fold_all/` on disk;
+`existing_folds` lists the numbered folds only, so "every fold" (`--folds all`) never takes it in.
 
 `RunFolder` and `FoldFolder` are plain path arithmetic: building one touches no file, so they are
 cheap to create anywhere (CLI, training, evaluation, cv) and safe to pass between processes.
@@ -56,12 +61,24 @@ DICE_BOXPLOT = "dice_boxplot.png"
 OFFICIAL_CSV = "official.csv"
 OFFICIAL_SUMMARY_JSON = "official_summary.json"
 PREDICTIONS_DIR = "predictions"
+TRAINING_PLAN = "training_plan.json"
 FOLD_PREFIX = "fold_"
+# nnU-Net's fold `all`: one model trained on every case, none held out. A negative number, so that it is
+# never one of splits.json's folds; its folder is `fold_all`.
+ALL_CASES_FOLD = -1
+ALL_CASES_NAME = "all"
+
+
+def fold_name(fold: int) -> str:
+    """`<k>` for a numbered fold, `all` for the all-cases model (`fold_<name>`: its folder and bundle member)."""
+    return ALL_CASES_NAME if int(fold) == ALL_CASES_FOLD else str(int(fold))
 
 
 def _fold_index(name: str) -> int | None:
     """k for a folder named `fold_<k>`, else None."""
     suffix = name[len(FOLD_PREFIX):] if name.startswith(FOLD_PREFIX) else ""
+    if suffix == ALL_CASES_NAME:
+        return ALL_CASES_FOLD
     return int(suffix) if suffix.isdigit() else None
 
 
@@ -170,12 +187,12 @@ class RunFolder:
         return cls(Path(runs_root) / config_name)
 
     def fold(self, k: int) -> FoldFolder:
-        return FoldFolder(self.root / f"{FOLD_PREFIX}{int(k)}", int(k))
+        return FoldFolder(self.root / f"{FOLD_PREFIX}{fold_name(k)}", int(k))
 
     def existing_folds(self) -> list[int]:
-        """Fold indices that have a `fold_<k>/` folder, sorted."""
+        """Numbered fold indices that have a `fold_<k>/` folder, sorted (`fold_all/` is not one of them)."""
         indices = (_fold_index(path.name) for path in self.root.glob(f"{FOLD_PREFIX}*") if path.is_dir())
-        return sorted(index for index in indices if index is not None)
+        return sorted(index for index in indices if index is not None and index >= 0)
 
     @property
     def config(self) -> Path:
@@ -208,6 +225,10 @@ class RunFolder:
     @property
     def postprocessing(self) -> Path:
         return self.root / POSTPROCESSING_FILE
+
+    @property
+    def training_plan(self) -> Path:
+        return self.root / TRAINING_PLAN
 
     @property
     def compare_json(self) -> Path:

@@ -8,9 +8,14 @@ model.zip  configs/metadata.json        format version, versions, task, architec
            configs/labels.json          the label table, evaluation groups, modalities and their file suffixes
            configs/postprocessing.json  the run's cv-tuned postprocessing (when it has one)
            configs/cv_summary.json      the run's cross-validation summary (when it has one)
+           configs/training_plan.json   the card, plan and schedule `train-challenge` chose (when it made the run)
            models/fold_<k>/model.pt     the fold's weights: a state dict, loadable with weights_only=True
            models/fold_<k>/config.yaml  the config the fold was trained with (its architecture)
+           models/fold_<k>/train.log    the fold's training log (when the run has it)
+           figures/<name>.png           the run's figures (when it has them)
 ```
+
+`fold_all/` is the all-cases model (`--folds all-cases`).
 
 Optimizer state, RNG states and splits stay in the run folder. Opening a bundle reads every member and checks
 it against the sha256 that metadata.json records (and refuses members it does not list), so a changed,
@@ -56,7 +61,7 @@ from brats_swap.model.targets import output_names, run_output_count
 from brats_swap.names import checked_name
 from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
-from brats_swap.run.folder import RunFolder
+from brats_swap.run.folder import RunFolder, fold_name
 from brats_swap.run.trained import inference_config, load_run_config, load_trained_model
 
 BUNDLE_FORMAT = "brats-swap-bundle"
@@ -66,6 +71,7 @@ CONFIG = "configs/config.yaml"
 LABELS = "configs/labels.json"
 POSTPROCESSING = "configs/postprocessing.json"
 CV_SUMMARY = "configs/cv_summary.json"
+TRAINING_PLAN = "configs/training_plan.json"
 CHECKPOINTS = ("best", "latest")
 # Caps on what opening a bundle reads into memory, by the size the zip declares and by the bytes it really
 # inflates to (a zip can claim a small size). metadata.json and the configs are a few kilobytes (a large
@@ -81,11 +87,15 @@ _ENTRY_TIME = (1980, 1, 1, 0, 0, 0)
 
 
 def fold_weights(fold: int) -> str:
-    return f"models/fold_{int(fold)}/model.pt"
+    return f"models/fold_{fold_name(fold)}/model.pt"
 
 
 def fold_config(fold: int) -> str:
-    return f"models/fold_{int(fold)}/config.yaml"
+    return f"models/fold_{fold_name(fold)}/config.yaml"
+
+
+def fold_log(fold: int) -> str:
+    return f"models/fold_{fold_name(fold)}/train.log"
 
 
 def _sha256(data: bytes) -> str:
@@ -163,6 +173,8 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
         torch.save(model.state_dict(), buffer)
         files[fold_weights(k)] = buffer.getvalue()
         files[fold_config(k)] = config_to_yaml(trained).encode("utf-8")
+        if run.fold(k).train_log.is_file():
+            files[fold_log(k)] = run.fold(k).train_log.read_bytes()
         editions[k] = state["edition"]
         records.append({"fold": k, "checkpoint": checkpoint, "epoch": state.get("epoch"),
                         "weights": fold_weights(k), "config": fold_config(k),
@@ -174,9 +186,12 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
     first = trained_configs[chosen[0]]
     labels = label_record(challenge, replace(config, model=first.model))
     files[LABELS] = _json_bytes(labels)
-    for member, source in ((POSTPROCESSING, run.postprocessing), (CV_SUMMARY, run.cv_summary_json)):
+    for member, source in ((POSTPROCESSING, run.postprocessing), (CV_SUMMARY, run.cv_summary_json),
+                           (TRAINING_PLAN, run.training_plan)):
         if source.is_file():
             files[member] = source.read_bytes()
+    for figure in sorted(run.figures.glob("*.png")) if run.figures.is_dir() else []:
+        files[f"figures/{figure.name}"] = figure.read_bytes()
     metadata = {
         "format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION, "name": config.name,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions(),

@@ -117,8 +117,9 @@ class ContainerFolder:
 
 
 def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, image: str | None = None,
-                    time_budget: str = "8h") -> ContainerFolder:
-    """Write the build folder (see the module docstring) for `bundle` into `out_dir`.
+                    time_budget: str = "8h", *, trainable: bool = False) -> ContainerFolder:
+    """Write the build folder (see the module docstring) for `bundle` into `out_dir`; `trainable` adds the
+    entrypoint's `train` branch (ship/retrain.py).
 
     Every value the generated files take from the bundle or the command line is checked first (no newline or
     control character; shell words quoted; `time_budget` parsed as serve-challenge will parse it), so nothing
@@ -150,7 +151,8 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     atomic_write_text(out_dir / ".dockerignore", "# The build context is this folder; only these go in.\n*\n"
                       + "".join(f"!{name}\n" for name in BUILD_FILES) + "**/__pycache__\n")
     entrypoint = out_dir / "entrypoint.sh"
-    atomic_write_text(entrypoint, _entrypoint(task, time_budget))
+    script = _entrypoint(task, time_budget)
+    atomic_write_text(entrypoint, script.replace("set -e\n", "set -e\n" + _train_branch(), 1) if trainable else script)
     entrypoint.chmod(0o755)
     entry = brainlesion_entry(task, image)
     atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
@@ -195,6 +197,18 @@ COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
 # folders under /tmp when they are not writable, and writes nothing but /output and /tmp.
 WORKDIR /tmp
 ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
+"""
+
+
+def _train_branch() -> str:
+    # A trainable image: `docker run ... IMAGE train [--time-budget 72h]` retrains the bundle's recipe on /data
+    # into /output (brats_swap/ship/retrain.py). Later options replace the defaults given here.
+    return f"""\
+# `train`: retrain the bundle's recipe on /data (read only) into /output/model.zip; run it again to continue.
+if [ "$1" = "train" ]; then
+    shift
+    exec brats-swap train-challenge --model {IMAGE_BUNDLE} --data /data --output /output "$@"
+fi
 """
 
 

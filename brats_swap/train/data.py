@@ -352,7 +352,7 @@ def build_train_data(
     train_cfg = config.train
     cache = Path(config.data.cache)
     crop = train_cfg.patch if train_cfg.mode == "patch" else None
-    seed = config.seed * 1000 + fold  # folds draw different streams from one config seed
+    seed = config.seed * 1000 + fold % 1000  # folds draw different streams from one config seed (fold_all: 999)
     world_size = ctx.world_size if ctx is not None else 1
     train_dataset = CubeDataset(
         cache, train_ids, crop=crop, patches_per_case=train_cfg.patches_per_case, augment=train_cfg.augment,

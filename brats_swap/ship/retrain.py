@@ -1,0 +1,397 @@
+"""`brats-swap train-challenge`: the training entry of a trainable challenge image (BraTS 2026 GoAT's organisers
+retrain every submission on the complete dataset, on a card the participant never sees).
+
+A thin composition of what exists: measure the card -> plan within the bundle's recipe -> shorten the schedule
+to the time budget -> train the recipe's folds from scratch (`cv`'s sequential runner: fold locks, exact resume,
+evaluation, the cv-tuned postprocessing) -> export the new bundle (`ship.bundle.export_bundle`).
+
+- The recipe is the bundle's config: network, augmentation, schedule, loss, postprocessing rule, and its folds
+  (the cross-validation folds it shipped, or the all-cases model). What the card decides is only what leaves
+  the trained weights' recipe alone: the memory policy (swap and recompute are bitwise-neutral), the batch
+  (lowered only when even the leanest policy cannot hold the recipe's) and, last, patches of the recipe's
+  `train.patch` instead of whole volumes.
+- The card: a CUDA device's memory (and its link, measured); `BRATS_SWAP_DEVICE_MEMORY` (GB) simulates another
+  card's memory; without CUDA, training runs on the CPU within the host's available memory, slowly.
+- `--time-budget 72h`: the schedule is shortened up front from the planner's predicted step time: fewer
+  epochs (down to half the recipe's), then fewer folds, then fewer epochs again; each change is printed and
+  recorded. Nothing is cut mid-way.
+- The run folder is `<output>/run` and its cache `<output>/cache`: a restart of the same command reads the
+  recorded plan back (the card is not measured again, so the config is the same) and resumes each fold
+  exactly as `train --resume` does. SIGTERM stops at the next step with the checkpoint written.
+- The plan is `<output>/run/training_plan.json` and goes into the bundle (`configs/training_plan.json`), with
+  every fold's train.log and the run's figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from brats_swap.atomic import atomic_write_json
+from brats_swap.config import Config, config_from_saved, config_to_dict
+from brats_swap.errors import ConfigError, DataError, TrainingInterrupted
+from brats_swap.memory.arena import available_host_bytes
+from brats_swap.memory.planner import GIB
+from brats_swap.run.figures import pyplot, savefig_deterministic
+from brats_swap.run.fold_selection import ALL_CASES
+from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
+from brats_swap.ship.bundle import Bundle, export_bundle
+
+DEVICE_MEMORY_VARIABLE = "BRATS_SWAP_DEVICE_MEMORY"
+PLAN_FORMAT_VERSION = 1
+RUN_FOLDER, CACHE_FOLDER, BUNDLE_FILE = "run", "cache", "model.zip"
+# Epochs are shortened to this share of the recipe's before folds are dropped (then epochs again).
+EPOCHS_KEPT_BEFORE_FOLDS = 0.5
+# Of the time budget, this share is kept for preparing the data, evaluating the folds and exporting.
+BUDGET_RESERVE = 0.05
+FOLD_CURVES = "fold_curves.png"
+_MEMORY = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?:g|gb|gib)?\s*$", re.IGNORECASE)
+
+
+@dataclass
+class Card:
+    """The device training will run on: what kind, its memory, and where that number came from."""
+
+    kind: str  # "cuda" or "cpu"
+    name: str
+    memory_bytes: int  # the card's memory, or the host's available memory on a CPU
+    source: str  # "measured", "BRATS_SWAP_DEVICE_MEMORY", "host memory"
+    bandwidth_gbs: float | None = None  # host<->device, slower direction (measured on CUDA)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+    def line(self) -> str:
+        link = f", link {self.bandwidth_gbs:.1f} GB/s" if self.bandwidth_gbs else ""
+        return f"card: {self.name} ({self.kind}), {self.memory_gib:.1f} GiB ({self.source}){link}"
+
+
+def user_name_for_any_uid(environ: dict | None = None) -> str | None:
+    """Set `USER` when this uid has no passwd entry (a container run with `--user 4242`) and no name variable is
+    set: MONAI reads the user name at import (`getpass.getuser`) and fails without one. Returns the name set."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(variable) for variable in ("LOGNAME", "USER", "LNAME", "USERNAME")):
+        return None
+    import pwd
+
+    try:
+        pwd.getpwuid(os.getuid())
+        return None
+    except KeyError:
+        environ["USER"] = f"uid{os.getuid()}"
+        return environ["USER"]
+
+
+def device_memory_override(environ: dict | None = None) -> int | None:
+    """Bytes of `BRATS_SWAP_DEVICE_MEMORY` ("12", "12GB", "24 GiB": GB as `memory.budget_gib` counts them), None
+    when unset; ConfigError for anything else."""
+    text = (os.environ if environ is None else environ).get(DEVICE_MEMORY_VARIABLE)
+    if text is None or not text.strip():
+        return None
+    match = _MEMORY.match(text)
+    if match is None or float(match["number"]) <= 0:
+        raise ConfigError(f"{DEVICE_MEMORY_VARIABLE}={text!r}: expected a positive memory size like 12 or 24GB")
+    return int(float(match["number"]) * GIB)
+
+
+def measure_card(device: str = "auto", environ: dict | None = None) -> Card:
+    """The card of this machine (`device`: auto, cpu, cuda, cuda:N), its memory replaced by
+    `BRATS_SWAP_DEVICE_MEMORY` when that is set."""
+    override = device_memory_override(environ)
+    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+        from brats_swap.memory.device_profile import measure_bandwidth
+
+        target = torch.device(device if device != "auto" else "cuda")
+        props = torch.cuda.get_device_properties(target)
+        bandwidth = min(measure_bandwidth(target)) / 1e9
+        memory, source = (override, DEVICE_MEMORY_VARIABLE) if override else (int(props.total_memory), "measured")
+        return Card(str(target), props.name, memory, source, bandwidth)
+    if device not in ("auto", "cpu"):
+        raise ConfigError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if override:
+        return Card("cpu", "CPU (simulated card)", override, DEVICE_MEMORY_VARIABLE)
+    available = available_host_bytes()
+    if available is None:
+        raise DataError(f"this machine's available memory is unknown; set {DEVICE_MEMORY_VARIABLE}=<GB>")
+    return Card("cpu", "CPU", available, "host memory")
+
+
+@dataclass
+class TrainingPlan:
+    """What `train-challenge` chose, recorded in `training_plan.json` and the output bundle."""
+
+    card: dict
+    mode: str  # "full" or "patch"
+    batch: int
+    sample: list[int]
+    memory: dict  # the concrete memory policy (memory.* keys)
+    peak_gib: float
+    step_s: float  # the planner's predicted step time
+    folds: list[int]  # fold numbers, or [ALL_CASES_FOLD]
+    epochs: int
+    recipe: dict  # what the bundle's recipe asked for: mode, batch, folds, epochs
+    projected_hours: float
+    time_budget_hours: float | None
+    changes: list[str] = field(default_factory=list)  # each departure from the recipe, said in one line
+    format_version: int = PLAN_FORMAT_VERSION
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict, where: Path) -> TrainingPlan:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(record, dict) or record.get("format_version") != PLAN_FORMAT_VERSION or \
+                not names - {"changes", "format_version"} <= set(record):
+            raise DataError(f"{where}: not a training plan of this brats-swap; remove it to plan again")
+        return cls(**{k: v for k, v in record.items() if k in names})
+
+    def fold_text(self) -> str:
+        return "the all-cases model" if self.folds == [ALL_CASES_FOLD] else \
+            f"fold(s) {', '.join(map(str, self.folds))}"
+
+    def screen(self) -> list[str]:
+        """The plan on one screen: the lines printed at the start."""
+        budget = f"{self.time_budget_hours:g} h" if self.time_budget_hours is not None else "none"
+        lines = [
+            f"card: {self.card['name']} ({self.card['kind']}), {self.card['memory_bytes'] / GIB:.1f} GiB "
+            f"({self.card['source']})",
+            f"training: {self.mode} {'x'.join(map(str, self.sample))}, batch {self.batch}, "
+            f"memory.mode {self.memory['mode']} (predicted peak {self.peak_gib:.2f} GiB, "
+            f"{self.step_s:.3f} s/step)",
+            f"schedule: {self.fold_text()}, {self.epochs} epoch(s) each; projected {self.projected_hours:.1f} h, "
+            f"time budget {budget}",
+            f"recipe: {self.recipe['mode']}, batch {self.recipe['batch']}, {self.recipe['epochs']} epoch(s), "
+            f"{len(self.recipe['folds'])} fold(s)",
+        ]
+        return lines + [f"changed: {change}" for change in self.changes]
+
+
+def recipe_folds(bundle: Bundle) -> list[int]:
+    """The folds the bundle's recipe trains: its own fold numbers (the all-cases model is [ALL_CASES_FOLD])."""
+    return sorted(bundle.folds)
+
+
+def _sample(config: Config) -> list[int]:
+    return list(config.train.patch if config.train.mode == "patch" else config.data.cube)
+
+
+def _fit(config: Config, card: Card, time_model: str):
+    """The planner's report for `config` on `card` (fastest policy under the card's memory)."""
+    from brats_swap.train.planning import plan_for_config
+
+    memory = dataclasses.replace(config.memory, mode="auto", budget_gib=card.memory_gib)
+    if card.bandwidth_gbs and memory.bandwidth_gbs is None:
+        memory.bandwidth_gbs = card.bandwidth_gbs
+    planned = dataclasses.replace(config, memory=memory)
+    report, _ = plan_for_config(planned, budget_gib=card.memory_gib, device=time_model)
+    return report
+
+
+def _layouts(config: Config):
+    """The recipe's batch first, then halved down to 1; then, for a whole-volume recipe, its `train.patch`."""
+    batch = config.train.batch_size
+    while batch >= 1:
+        yield dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch))
+        batch //= 2
+    if config.train.mode == "full":
+        patch = dataclasses.replace(config.train, mode="patch")
+        batch = config.train.batch_size
+        while batch >= 1:
+            yield dataclasses.replace(config, train=dataclasses.replace(patch, batch_size=batch))
+            batch //= 2
+
+
+def plan_training(config: Config, card: Card, folds: list[int], train_cases: int, val_cases: int,
+                  time_budget_s: float | None = None) -> TrainingPlan:
+    """The plan for `config` (the bundle's recipe) on `card` within `time_budget_s` (module docstring).
+
+    `train_cases` / `val_cases`: cases of one fold (the all-cases model: every case, and as many "validated").
+    ConfigError when even one sample of the recipe's patch does not fit the card."""
+    time_model = "cuda" if card.kind == "cuda" else ("gpu" if card.source == DEVICE_MEMORY_VARIABLE else "cpu")
+    changes: list[str] = []
+    chosen = report = None
+    for layout in _layouts(config):
+        report = _fit(layout, card, time_model)
+        if report.chosen is not None:
+            chosen = layout
+            break
+    if chosen is None:
+        raise ConfigError(f"the {card.memory_gib:.1f} GiB card cannot train this recipe even with batch 1 "
+                          f"{'patches' if config.train.mode == 'full' else ''}: {report.reason}")
+    if chosen.train.batch_size != config.train.batch_size:
+        changes.append(f"batch {config.train.batch_size} -> {chosen.train.batch_size}: the recipe's batch does "
+                       f"not fit {card.memory_gib:.1f} GiB with any memory policy")
+    if chosen.train.mode != config.train.mode:
+        changes.append(f"whole volumes -> patches of {'x'.join(map(str, chosen.train.patch))}: a whole "
+                       f"volume does not fit {card.memory_gib:.1f} GiB with any memory policy")
+    step_s = float(report.chosen.step_s)
+    batch = chosen.train.batch_size
+    steps = chosen.train.steps_per_epoch or math.ceil(train_cases / batch)
+    # Validation: a forward pass per case (about a third of a training step), every `val_every` epochs.
+    epoch_s = steps * step_s + val_cases * step_s / (3 * batch) / max(chosen.train.val_every, 1)
+    epochs, kept = chosen.train.max_epochs, list(folds)
+
+    def projected(n_epochs: int, n_folds: int) -> float:
+        return n_epochs * n_folds * epoch_s
+
+    if time_budget_s is not None:
+        usable = time_budget_s * (1 - BUDGET_RESERVE)
+        if projected(epochs, len(kept)) > usable:
+            floor = max(1, math.ceil(epochs * EPOCHS_KEPT_BEFORE_FOLDS))
+            fitting = max(floor, int(usable // (len(kept) * epoch_s)))
+            if fitting < epochs:
+                changes.append(f"epochs {epochs} -> {fitting}: {len(kept)} fold(s) of {epochs} epochs project to "
+                               f"{projected(epochs, len(kept)) / 3600:.1f} h, over the time budget")
+                epochs = fitting
+            if projected(epochs, len(kept)) > usable and len(kept) > 1:
+                n_folds = max(1, int(usable // (epochs * epoch_s)))
+                changes.append(f"folds {len(kept)} -> {n_folds} ({', '.join(map(str, kept[:n_folds]))}): "
+                               f"{epochs} epochs of {len(kept)} folds still project past the time budget")
+                kept = kept[:n_folds]
+            if projected(epochs, len(kept)) > usable:
+                fitting = max(1, int(usable // (len(kept) * epoch_s)))
+                if fitting < epochs:
+                    changes.append(f"epochs {epochs} -> {fitting}: one fold of {epochs} epochs projects past "
+                                   "the time budget")
+                    epochs = fitting
+    return TrainingPlan(
+        card=dataclasses.asdict(card), mode=chosen.train.mode, batch=batch, sample=_sample(chosen),
+        memory=dataclasses.asdict(report.chosen.policy), peak_gib=report.chosen.peak_bytes / GIB, step_s=step_s,
+        folds=kept, epochs=epochs,
+        recipe={"mode": config.train.mode, "batch": config.train.batch_size, "folds": list(folds),
+                "epochs": config.train.max_epochs},
+        projected_hours=projected(epochs, len(kept)) / 3600,
+        time_budget_hours=time_budget_s / 3600 if time_budget_s is not None else None, changes=changes)
+
+
+def planned_config(recipe: Config, plan: TrainingPlan) -> Config:
+    """The recipe with what the plan chose: batch, mode, memory policy, epochs and the card's device."""
+    from brats_swap.config import MemoryConfig
+    from brats_swap.config.loader import from_dict
+
+    train = dataclasses.replace(recipe.train, batch_size=plan.batch, mode=plan.mode, max_epochs=plan.epochs,
+                                device=plan.card["kind"], init_from=None)
+    return dataclasses.replace(recipe, train=train, memory=from_dict(MemoryConfig, plan.memory, "memory"))
+
+
+def recipe_config(bundle: Bundle, data: Path, output: Path) -> Config:
+    """The bundle's config pointed at `data`, its cache under `output`."""
+    config = bundle.config()
+    raw = config_to_dict(config)
+    raw["data"].update(root=str(data), cache=str(Path(output) / CACHE_FOLDER))
+    return config_from_saved(raw)
+
+
+@dataclass
+class RetrainReport:
+    plan: TrainingPlan
+    run: Path
+    bundle: Path | None  # None when a stop (SIGTERM) ended the call first
+    resumed: bool
+
+
+def _fold_counts(config: Config, run: RunFolder, folds: list[int]) -> tuple[int, int]:
+    from brats_swap.splits import fold_cases, load_run_splits
+
+    train, val = fold_cases(load_run_splits(config, run), folds[0])
+    return len(train), len(val)
+
+
+def retrain(bundle: Bundle, data: Path, output: Path, *, time_budget_s: float | None = None, device: str = "auto",
+            say: Callable[[str], None] = print, console=None) -> RetrainReport:
+    """Train `bundle`'s recipe from scratch on `data` into `output` and export `output/model.zip` (module
+    docstring); a second call with the same arguments continues where the first stopped."""
+    from brats_swap.cv.lock import shared_files
+    from brats_swap.cv.runner import run_sequential
+    from brats_swap.train.data import prepare_run_data
+
+    data, output = Path(data), Path(output)
+    if not data.is_dir():
+        raise DataError(f"{data}: training data folder not found")
+    output.mkdir(parents=True, exist_ok=True)
+    if not os.access(output, os.W_OK | os.X_OK):
+        raise DataError(f"{output}: output folder is not writable by uid {os.getuid()}")
+    run = RunFolder(output / RUN_FOLDER)
+    run.root.mkdir(exist_ok=True)
+    recipe = recipe_config(bundle, data, output)
+    folds = recipe_folds(bundle)
+    resumed = run.training_plan.is_file()
+    if resumed:
+        plan = TrainingPlan.from_dict(_read_json(run.training_plan), run.training_plan)
+        say(f"{run.training_plan}: continuing with the recorded plan (the card is not measured again)")
+    else:
+        card = measure_card(device)
+        say(card.line())
+        with shared_files(run.root):
+            prepare_run_data(recipe.data, progress=console is not None)
+        train_cases, val_cases = _fold_counts(recipe, run, folds)
+        plan = plan_training(recipe, card, folds, train_cases, val_cases, time_budget_s)
+        atomic_write_json(run.training_plan, plan.as_dict())
+    for line in plan.screen():
+        say(line)
+    config = planned_config(recipe, plan)
+    selection = ALL_CASES if plan.folds == [ALL_CASES_FOLD] else ",".join(map(str, plan.folds))
+    outcome = run_sequential(config, run.root, selection, console=console)
+    if not outcome.complete:
+        raise TrainingInterrupted(f"{output}: {outcome.describe()}; run the same command again to continue")
+    fold_curves(run, plan.folds)
+    if not run.postprocessing.is_file() and bundle.postprocessing() is not None:
+        from brats_swap.ship.bundle import POSTPROCESSING
+
+        run.postprocessing.write_bytes(bundle.members[POSTPROCESSING])
+        say(f"{run.postprocessing}: the bundle's postprocessing rule (not tuned again: "
+            f"{'no fold validates' if plan.folds == [ALL_CASES_FOLD] else 'not every fold was trained'})")
+    checkpoint = "latest" if plan.folds == [ALL_CASES_FOLD] else bundle.checkpoint
+    exported = export_bundle(run, output / BUNDLE_FILE, selection, checkpoint)
+    say(f"wrote {exported.path}: {plan.fold_text()} ({checkpoint} checkpoint), the plan, logs and figures")
+    return RetrainReport(plan, run.root, exported.path, resumed)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable ({exc.__class__.__name__}); remove it to plan again") from None
+
+
+def fold_curves(run: RunFolder, folds: list[int]) -> Path | None:
+    """`figures/fold_curves.png`: training loss and validation Dice per epoch of each fold (None: no history)."""
+    from brats_swap.cv.fold_progress import read_fold_state
+
+    histories = {k: read_fold_state(run.root, k).history for k in folds}
+    if not any(histories.values()):
+        return None
+    plt = pyplot()
+    fig, (loss_ax, dice_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for k, history in histories.items():
+        label = "all cases" if k == ALL_CASES_FOLD else f"fold {k}"
+        epochs = [record["epoch"] for record in history]
+        loss_ax.plot(epochs, [record["train_loss"] for record in history], label=label)
+        scored = [(record["epoch"], record["val_dice_mean"]) for record in history if "val_dice_mean" in record]
+        if scored:
+            dice_ax.plot(*zip(*scored, strict=True), marker="o", label=label)
+    loss_ax.set(xlabel="epoch", ylabel="training loss")
+    dice_ax.set(xlabel="epoch", ylabel="mean validation Dice")
+    loss_ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = run.figure(FOLD_CURVES)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    savefig_deterministic(fig, path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["Card", "TrainingPlan", "measure_card", "plan_training", "planned_config", "retrain"]
