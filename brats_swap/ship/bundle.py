@@ -61,7 +61,7 @@ from brats_swap.model.targets import output_names, run_output_count
 from brats_swap.names import checked_name
 from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
-from brats_swap.run.folder import RunFolder, fold_name
+from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder, fold_name
 from brats_swap.run.trained import inference_config, load_run_config, load_trained_model
 
 BUNDLE_FORMAT = "brats-swap-bundle"
@@ -404,9 +404,10 @@ def _fold_numbers(path: Path, metadata: dict) -> list[int]:
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path}: {METADATA}: malformed 'folds' entry (each needs 'fold' and "
                               "'checkpoint')") from None
-    if len(set(folds)) != len(folds) or min(folds) < 0 or not checkpoints <= set(CHECKPOINTS):
-        raise CheckpointError(f"{path}: {METADATA}: 'folds' must name each fold once, numbers 0 or more, with a "
-                              f"checkpoint of {', '.join(CHECKPOINTS)}")
+    numbered = [k for k in folds if k != ALL_CASES_FOLD]  # the all-cases model (fold_all) is the one exception
+    if len(set(folds)) != len(folds) or min(numbered, default=0) < 0 or not checkpoints <= set(CHECKPOINTS):
+        raise CheckpointError(f"{path}: {METADATA}: 'folds' must name each fold once, numbers 0 or more (or "
+                              f"{ALL_CASES_FOLD}, the all-cases model), with a checkpoint of {', '.join(CHECKPOINTS)}")
     return folds
 
 
