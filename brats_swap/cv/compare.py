@@ -39,6 +39,7 @@ from brats_swap.cv.stop_control import StopControl
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.folder import COMPARE_ARMS, SPLITS_FILE, RunFolder
 from brats_swap.splits import load_run_splits, read_splits
+from brats_swap.stop_reasons import StopReason
 from brats_swap.train.data import prepare_run_data
 
 
@@ -47,7 +48,7 @@ class CompareOutcome:
     run_dir: Path
     folds: list[int]
     arms: dict[str, CVOutcome] = field(default_factory=dict)
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     seconds: float = 0.0
     comparison: dict = field(default_factory=dict)
 
