@@ -37,12 +37,13 @@ from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import fold_locks, shared_files
 from brats_swap.cv.out_of_fold_tuning import tune_after_cv
 from brats_swap.cv.stop_control import StopControl
-from brats_swap.cv.summary import utc_now, write_cv_summary
+from brats_swap.cv.summary import write_cv_summary
 from brats_swap.evaluate.predictions import evaluate_fold
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import fold_cases, load_run_splits
 from brats_swap.stop_reasons import StopReason
+from brats_swap.timestamps import utc_now
 from brats_swap.train.data import prepare_run_data
 from brats_swap.train.loop import train_fold
 
