@@ -330,7 +330,7 @@ def validate_config(config: Config) -> None:
     # Values that otherwise fail late, deep inside torch/numpy, with a traceback instead of the key.
     require(bool(config.name.strip()) and not set(config.name) & set("/\\") and config.name not in (".", ".."),
             "name", f"must be a plain folder name (runs/<name>), got {config.name!r}")
-    known = ("t1", "t1ce", "t2", "flair")  # brats_swap.data.editions.CANONICAL_MODALITIES
+    known = ("t1", "t1ce", "t2", "flair")  # brats_swap.data.challenges.CANONICAL_MODALITIES
     unknown = [m for m in data.modalities if m not in known]
     require(not unknown, "data.modalities", f"unknown modality {unknown[0]!r} (known: {', '.join(known)})"
             if unknown else "")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.cv.fold_progress import FoldState
-from brats_swap.data.editions import REGIONS
+from brats_swap.data.challenges import REGIONS
 from brats_swap.errors import DataError
 from brats_swap.evaluate.official import (
     json_safe,
