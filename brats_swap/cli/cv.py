@@ -23,7 +23,7 @@ from brats_swap.cli.common import (
     resolve_config,
 )
 from brats_swap.errors import ConfigError
-from brats_swap.run.console import line_console
+from brats_swap.run.console import line_console, warn
 from brats_swap.run.fold_selection import compare_fold_selection, parse_fold_selection
 from brats_swap.run.folder import RunFolder
 
@@ -232,7 +232,8 @@ def compare(
     set_: SetOption = None,
     run: RunOption = None,
     folds: Annotated[str, typer.Option("--folds", "--fold", "-f", help="Folds: all, folds K,K (a single fold: "
-                                       "K,); a bare number K keeps its old meaning, the first K folds.")] = "all",
+                                       "K,); a bare number K still means the first K folds, with a notice (next "
+                                       "release: fold K, as in cv).")] = "all",
     max_hours: MaxHoursOption = None,
 ) -> None:
     """Train and evaluate the same folds twice (whole volume and patches) and compare them.
@@ -247,8 +248,10 @@ def compare(
     resolved = resolve_config(config, set_)
     # Not runs/<name>: that is where `brats-swap cv` / `train` put the same config's plain run.
     run_dir = run if run is not None else RunFolder.default_for(f"{resolved.name}-compare").root
-    outcome = run_compare(resolved, run_dir, folds=compare_fold_selection(folds), max_hours=max_hours,
-                          console=line_console)
+    selection, notice = compare_fold_selection(folds)
+    if notice is not None:
+        warn(notice)
+    outcome = run_compare(resolved, run_dir, folds=selection, max_hours=max_hours, console=line_console)
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
     _say(f"comparison: {RunFolder(run_dir).compare_md}")
     raise typer.Exit(0)
