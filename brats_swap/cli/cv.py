@@ -21,10 +21,11 @@ stderr).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from brats_swap.cli.common import (
     ConfigOption,
@@ -90,6 +91,22 @@ class CVCommands(TyperGroup):
         if not args or (args[0].startswith("-") and args[0] not in ctx.help_option_names):
             args = [OLD_SPELLINGS_COMMAND, *args]
         return super().parse_args(ctx, args)
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name == OLD_SPELLINGS_COMMAND:
+            return self.old_spellings()
+        return super().get_command(ctx, cmd_name)
+
+    def old_spellings(self) -> TyperCommand:
+        """The hidden command of the old spellings, from the options of `cv run` and `cv submit` (one
+        declaration of each) and the old mode flags."""
+        options: dict[str, typer.core.TyperOption] = {}
+        for command in (self.commands["run"], self.commands["submit"], typer.main.get_command(_old_mode_flags)):
+            for param in command.params:
+                if isinstance(param, typer.core.TyperOption):
+                    options.setdefault(param.name, param)
+        return _OldSpellings(OLD_SPELLINGS_COMMAND, params=list(options.values()), hidden=True,
+                             help="`cv` as spelled before the subcommands (this release only).")
 
 
 OLD_SPELLINGS_COMMAND = "options"
@@ -209,44 +226,43 @@ _MODE_READS_TEXT = {
 }
 
 
-@app.command(OLD_SPELLINGS_COMMAND, hidden=True)
-@handle_errors
-def cv_options(
-    ctx: typer.Context,
-    config: ConfigOption = None,
-    set_: SetOption = None,
-    run: RunOption = None,
-    folds: FoldsOption = "all",
-    max_hours: MaxHoursOption = None,
-    parallel_folds: ParallelFoldsOption = 1,
-    nproc: NprocOption = None,
+# The options only the old spellings have; `CVCommands.old_spellings` adds those of `cv run` and `cv submit`.
+_old_mode_flags = typer.Typer()
+
+
+@_old_mode_flags.command()
+def _old_mode_options(
     status: Annotated[bool, typer.Option("--status", help="Now `cv status`.")] = False,
     summary: Annotated[bool, typer.Option("--summary", help="Now `cv summary`.")] = False,
     submit: Annotated[str | None, _submit_option("--submit", help="Now `cv submit slurm`.")] = None,
-    partition: PartitionOption = None,
-    time_limit: TimeOption = None,
-    gpus_per_fold: GpusOption = None,
-    cpus_per_fold: CpusOption = None,
-    mem: MemOption = None,
-    account: AccountOption = None,
-    qos: QosOption = None,
-    grace: GraceOption = 600,
-    sbatch_arg: SbatchArgOption = None,
-    dry_run: DryRunOption = False,
-    summary_partition: SummaryPartitionOption = None,
-    summary_time: SummaryTimeOption = None,
 ) -> None:
+    """Never run: its options are read by `CVCommands.old_spellings`."""
+
+
+class _OldSpellings(TyperCommand):
+    """`cv` as spelled before the subcommands: the options of `cv run`, `cv submit` and the mode flags."""
+
+    def invoke(self, ctx):
+        return cv_options(ctx, **ctx.params)
+
+
+@handle_errors
+def cv_options(ctx: typer.Context, *, status: bool, summary: bool, submit: str | None, **given) -> None:
     """`cv` as it was spelled before the subcommands (this release only): the options choose the mode."""
     mode = check_option_combination(ctx)
     old, new = NEW_SPELLING[mode]
     warn(f"`brats-swap cv {old}` is now `brats-swap {new}`; the old spelling works until the next release")
+    # Typer converts a command's values when it builds the callback; this command is built by hand.
+    config, run = (None if given[key] is None else Path(given[key]) for key in ("config", "run"))
+    set_ = list(given["set_"] or [])
     if status:
         return _print_status(run, "--status")
     if submit is not None:
-        return _submit(submit, config, set_, run, _slurm_options(locals()), dry_run)
+        return _submit(submit, config, set_, run, _slurm_options(given), given["dry_run"])
     if summary:
         return _summarise(config, set_, run)
-    _train(config, set_, run, folds, max_hours, parallel_folds, nproc, _with_run_subcommand(sys.argv[1:]))
+    _train(config, set_, run, given["folds"], given["max_hours"], given["parallel_folds"], given["nproc"],
+           _with_run_subcommand(sys.argv[1:]))
 
 
 def _with_run_subcommand(argv: list[str]) -> list[str]:
