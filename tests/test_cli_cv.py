@@ -130,3 +130,19 @@ def test_compare_takes_cvs_fold_selection_and_a_bare_count_once_more_with_a_noti
     assert asked == [[0, 2], [2], [0, 1]]
     assert _notices(named) == _notices(single) == []
     assert len(_notices(counted)) == 1 and "write --folds 0,1" in _notices(counted)[0]
+
+
+@pytest.mark.parametrize("spelling", [["--nproc", "2"], ["run", "--nproc", "2"]])
+def test_nproc_hands_torchrun_the_new_spelling(fake, run, monkeypatch, spelling):
+    from brats_swap import distributed
+    from brats_swap.train import data as train_data
+
+    launched: list = []
+    monkeypatch.setattr(distributed, "launch_torchrun", lambda nproc, argv: launched.append((nproc, argv)) or 0)
+    monkeypatch.setattr(train_data, "prepare_run_data", lambda data_cfg: None)
+    tail = [*spelling, "--run", str(run)]
+    monkeypatch.setattr("sys.argv", ["brats-swap", "cv", *tail])
+    result = _invoke(*tail)
+    assert result.exit_code == 0, result.output
+    assert launched == [(2, ["cv", "run", "--nproc", "2", "--run", str(run)])]
+    assert len(_notices(result)) == (1 if spelling[0] == "--nproc" else 0)
