@@ -9,7 +9,7 @@ Two cross-validation runs share one `splits.json`:
 
 Folds are advanced alternately (full fold 0, patch fold 0, full fold 1, ...) so that a run stopped by
 `--max-hours` already holds comparable pairs. Each arm is an ordinary cv run folder (its own lock,
-`state.json`s, `cv.log`, `cv_summary.*`), so `brats-swap cv --run run_dir/full` works on it too.
+`state.json`s, `cv.log`, `cv_summary.*`), so `brats-swap cv run --run run_dir/full` works on it too.
 
 Outputs in `run_dir/` (cv/comparison.py, cv/compare_figures.py): `compare.json`, `compare.md`, and
 `figures/compare_dice_boxplot.png` (paired box plots per region, the paper's Fig. 5),

@@ -1,4 +1,4 @@
-"""`brats-swap cv --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
+"""`brats-swap cv run --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
 
 `run_cv` (cv/dispatch.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
 runner does (the same `cv_invocation`: run lock first, `--max-hours`, SIGTERM, the cv.log line; missing

@@ -89,7 +89,7 @@ class CVOutcome:
         action = "; ".join(parts) if parts else "nothing to train or evaluate, summary refreshed"
         if self.complete:
             state = f"all {len(self.folds)} fold(s) done"
-        elif self.stop_reason is None:  # `cv --summary`: nothing was asked to train
+        elif self.stop_reason is None:  # `cv summary`: nothing was asked to train
             state = f"{len(self.done)}/{len(self.folds)} fold(s) done"
         else:
             why = self.stop_reason.prose
@@ -169,7 +169,7 @@ class FoldRunner:
 
 
 def summarise_run(config: Config, run_dir: Path, *, console=None) -> CVOutcome:
-    """`cv --summary`: train and evaluate nothing; write cv_summary.* (and tune postprocessing.json once every
+    """`cv summary`: train and evaluate nothing; write cv_summary.* (and tune postprocessing.json once every
     fold is done) from the folds as they are, e.g. in the job that follows a SLURM array."""
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
     with cv_invocation(run_dir, config, None, outcome, outcome.describe_or_not_started) as stop:
