@@ -28,7 +28,6 @@ class StopReason(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
-
     @classmethod
     def from_signal(cls, signum: int) -> StopReason:
         """`signal.SIGTERM` -> `StopReason.SIGTERM` (one of `stop_signals.STOP_SIGNALS`)."""

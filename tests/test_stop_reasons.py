@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import queue
@@ -11,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from brats_swap import stop_signals
 from brats_swap.config import Config
@@ -41,9 +43,14 @@ def test_every_stop_signal_is_a_reason_and_only_ctrl_c_interrupts():
 def test_the_training_loops_flag_is_a_reason_and_sets_the_level():
     signals = StopSignals()
     signals._handle(signal.SIGTERM, None)
-    assert signals.requested is StopReason.SIGTERM and signals.level == StopSignals.STOP
+    assert signals.requested == StopReason.SIGTERM and signals.level == StopSignals.STOP
+    # The training result carries the flag out as a plain string: a torch.save of it loads with weights_only.
+    buffer = io.BytesIO()
+    torch.save({"reason": signals.requested}, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == {"reason": "SIGTERM"}
     signals._handle(signal.SIGINT, None)  # Ctrl-C after a scheduler's warning still means "stop and tell me"
-    assert signals.requested is StopReason.SIGINT and signals.level == StopSignals.INTERRUPT
+    assert signals.requested == StopReason.SIGINT and signals.level == StopSignals.INTERRUPT
     with pytest.raises(KeyboardInterrupt):
         signals._handle(signal.SIGINT, None)
 
