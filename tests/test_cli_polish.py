@@ -60,7 +60,13 @@ def test_one_spelling_of_fold_selection():
     for bad in ("", "one", "-1", "1,x"):
         with pytest.raises(ConfigError, match="--folds"):
             parse_fold_selection(bad)
-    # compare: a bare K keeps its old meaning (the first K folds); lists and "K," name folds.
-    assert compare_fold_selection("2") == 2
-    assert compare_fold_selection("2,") == [2] and compare_fold_selection("0,2") == [0, 2]
-    assert compare_fold_selection("all") == "all"
+    # compare: a bare K keeps its old meaning (the first K folds) for a release, with a notice naming the
+    # spelling in the one meaning; lists and "K," name folds as everywhere, without a notice.
+    first, notice = compare_fold_selection("2")
+    assert first == [0, 1] and "write --folds 0,1" in notice and "fold 2, as in cv" in notice
+    first, notice = compare_fold_selection("1")
+    assert first == [0] and "write --folds 0," in notice
+    assert compare_fold_selection("2,") == ([2], None) and compare_fold_selection("0,2") == ([0, 2], None)
+    assert compare_fold_selection("all") == ("all", None)
+    with pytest.raises(ConfigError, match="--folds '0'"):
+        compare_fold_selection("0")

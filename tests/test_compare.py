@@ -34,7 +34,7 @@ def config(tmp_path):
 
 def test_compare_trains_both_arms_on_the_same_folds_and_writes_the_comparison(fake, config, tmp_path):
     run_dir = tmp_path / "cmp"
-    outcome = compare.run_compare(config, run_dir, folds=2)
+    outcome = compare.run_compare(config, run_dir, folds=[0, 1])
     assert outcome.complete and outcome.folds == [0, 1]
     # Alternating arms, fold by fold; the patch arm without the memory engine.
     assert fake.modes == [("full", "swap", 0), ("patch", "none", 0), ("full", "swap", 1), ("patch", "none", 1)]
@@ -71,11 +71,11 @@ def test_compare_resumes_where_the_window_closed(fake, config, tmp_path):
         now[0] += 60.0
 
     fake.during_epoch = one_minute_epochs
-    first = compare.run_compare(config, run_dir, folds=1, max_hours=150 / 3600, clock=lambda: now[0])
+    first = compare.run_compare(config, run_dir, folds=[0], max_hours=150 / 3600, clock=lambda: now[0])
     assert not first.complete and first.stop_reason == "max-hours"
     assert (run_dir / "full" / "fold_0" / "state.json").exists()
     fake.during_epoch = None
-    second = compare.run_compare(config, run_dir, folds=1)
+    second = compare.run_compare(config, run_dir, folds=[0])
     assert second.complete
     for arm in COMPARE_ARMS:
         assert epochs_trained(run_dir / arm, 0) == [1, 2]
@@ -86,21 +86,21 @@ def test_compare_is_locked_per_folder(fake, config, tmp_path):
     run_dir = tmp_path / "cmp"
     with run_lock(run_dir / "patch"):  # e.g. `brats-swap cv --run cmp/patch` still running
         with pytest.raises(RunLockedError, match="patch"):
-            compare.run_compare(config, run_dir, folds=1)
+            compare.run_compare(config, run_dir, folds=[0])
     assert fake.calls == []
 
 
 def test_compare_refuses_diverging_splits_and_bad_fold_counts(fake, config, tmp_path):
     run_dir = tmp_path / "cmp"
-    compare.run_compare(config, run_dir, folds=1)
-    with pytest.raises(ConfigError, match="--folds 4"):
-        compare.run_compare(config, run_dir, folds=4)
+    compare.run_compare(config, run_dir, folds=[0])
+    with pytest.raises(ConfigError, match=r"--folds 3: the run has folds 0\.\.2"):
+        compare.run_compare(config, run_dir, folds=[0, 1, 2, 3])
     patch_splits = run_dir / "patch" / "splits.json"
     edited = json.loads(patch_splits.read_text())
     edited["folds"].reverse()
     patch_splits.write_text(json.dumps(edited))
     with pytest.raises(DataError, match="same folds"):
-        compare.run_compare(config, run_dir, folds=1)
+        compare.run_compare(config, run_dir, folds=[0])
 
 
 def test_arm_configs_reject_a_patch_larger_than_the_cube(config):

@@ -174,7 +174,7 @@ def test_max_hours_stops_at_an_epoch_boundary_with_the_checkpoint_written(tiny_d
 def test_compare_patch_on_tiny_phantoms_writes_both_result_sets_the_table_and_figures(tiny_data, tmp_path):
     run_dir = tmp_path / "cmp"
     config = load_config(None, tiny_overrides(tiny_data, "train.max_epochs=1"))
-    outcome = compare.run_compare(config, run_dir, folds=1)
+    outcome = compare.run_compare(config, run_dir, folds=[0])
     assert outcome.complete
     for arm in COMPARE_ARMS:
         assert (run_dir / arm / "fold_0" / "metrics.csv").exists()

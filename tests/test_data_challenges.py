@@ -10,11 +10,12 @@ from typer.testing import CliRunner
 
 from brats_swap.cli.data import app as data_app
 from brats_swap.config import load_config
-from brats_swap.config.schema import Challenge
+from brats_swap.config.schema import Challenge, Edition
 from brats_swap.data.challenges import (
     CANONICAL_MODALITIES,
     CHALLENGES,
-    LEGACY_EDITIONS,
+    FORCED_EDITIONS,
+    LEGACY_CHALLENGES,
     MODERN_CHALLENGES,
     REGIONS,
     TISSUES,
@@ -35,7 +36,7 @@ OFFICIAL_GROUPS = {
     "ped": {"ET": (1,), "NETC": (2,), "CC": (3,), "ED": (4,), "TC": (1, 2, 3), "WT": (1, 2, 3, 4)},
     # GLI pre-op: the GLI groups without RC (its table has no label 4).
     "gli": {"ET": (3,), "NETC": (1,), "SNFH": (2,), "TC": (1, 3), "WT": (1, 2, 3)},
-    **{year: {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)} for year in LEGACY_EDITIONS},
+    **{year: {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)} for year in LEGACY_CHALLENGES},
 }
 
 
@@ -70,6 +71,15 @@ def test_labels_of_the_2024_tables():
     assert get_challenge("2023") is get_challenge("gli")
     with pytest.raises(KeyError, match="unknown BraTS edition or challenge 'brats'"):
         get_challenge("brats")
+
+
+def test_one_module_holds_the_table_and_the_keys_data_edition_may_force():
+    import importlib.util
+
+    assert importlib.util.find_spec("brats_swap.data.editions") is None  # the alias layer is gone
+    assert set(typing.get_args(Edition)) == {"auto", *FORCED_EDITIONS}
+    assert FORCED_EDITIONS == ("2017", "2018", "2019", "2020", "2021", "2023")
+    assert all(spec.legacy for spec in map(get_challenge, LEGACY_CHALLENGES))
 
 
 def test_config_challenge_key_matches_the_table_and_is_validated():

@@ -4,9 +4,14 @@ import numpy as np
 import pytest
 from data_helpers import SCHEMES, write_case, write_volume
 
-from brats_swap.data.challenges import CHALLENGES, get_challenge
+from brats_swap.data.challenges import (
+    CANONICAL_MODALITIES,
+    CHALLENGES,
+    FORCED_EDITIONS,
+    get_challenge,
+    region_masks,
+)
 from brats_swap.data.discovery import detect_edition, discover_cases, parse_file_name
-from brats_swap.data.editions import CANONICAL_MODALITIES, EDITIONS, get_edition, region_masks
 from brats_swap.errors import DataError
 
 
@@ -149,13 +154,13 @@ def test_missing_empty_and_unrecognised_folders(tmp_path):
 
 def test_label_table_per_edition():
     for year in ("2017", "2018", "2019", "2020", "2021"):
-        spec = get_edition(year)
+        spec = get_challenge(year)
         assert spec.label_values == (1, 2, 4)
         assert spec.region_labels == {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}
-    spec = get_edition("2023")
+    spec = get_challenge("2023")
     assert spec is get_challenge("gli") and spec.label_values == (1, 2, 3)
     assert spec.region_labels == {"WT": (1, 2, 3), "TC": (1, 3), "ET": (3,)}
-    assert set(EDITIONS) == {"2017", "2018", "2019", "2020", "2021", "2023"}
+    assert set(FORCED_EDITIONS) == {"2017", "2018", "2019", "2020", "2021", "2023"}
     label = np.array([0, 1, 2, 3, 4])
     masks = region_masks(label, "2023")
     assert masks["ET"].tolist() == [False, False, False, True, False]

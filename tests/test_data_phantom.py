@@ -10,9 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from brats_swap.cli.data import app as data_app
-from brats_swap.data.challenges import CHALLENGES, get_challenge
+from brats_swap.data.challenges import CHALLENGES, get_challenge, region_masks
 from brats_swap.data.discovery import discover_cases
-from brats_swap.data.editions import get_edition, region_masks
 from brats_swap.data.nifti import load_case
 from brats_swap.data.phantom import synthesize_case, synthesize_dataset
 
@@ -54,12 +53,12 @@ def test_phantoms_use_real_brats_names_and_pass_validation(tmp_path, edition, ca
         [*(p.name for p in case.images.values()), case.seg.name])  # no other file
     loaded = load_case(case, shipped)  # validates shapes, affines, labels against the table
     assert loaded.shape == SHAPE and loaded.spacing == (1.0, 1.0, 1.0)
-    assert set(np.unique(loaded.seg)) - {0} <= set(get_edition(edition).label_values)
+    assert set(np.unique(loaded.seg)) - {0} <= set(get_challenge(edition).label_values)
     assert np.allclose(loaded.affine[:3, :3], np.diag([-1, -1, 1]))
 
 
 def test_tumour_is_nested_inside_the_brain_with_plausible_contrasts():
-    spec = get_edition("2021")
+    spec = get_challenge("2021")
     found_enhancing = 0
     for index in range(4):
         case = synthesize_case((48, 48, 36), seed=11, index=index)

@@ -53,7 +53,7 @@ def test_status_right_after_a_submit_dry_run_reports_every_fold_not_started(tmp_
     assert not (run / "splits.json").exists()  # the jobs make it; on 06237a0 --status failed here
     status = CliRunner().invoke(app, ["cv", "--status", "--run", str(run)])
     assert status.exit_code == 0, status.output
-    assert status.output.splitlines() == [f"fold {k}: not started" for k in range(3)]
+    assert status.stdout.splitlines() == [f"fold {k}: not started" for k in range(3)]  # the notice: stderr
 
 
 def test_status_of_a_finished_train_run_says_trained_then_done(tmp_path):

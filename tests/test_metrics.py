@@ -11,7 +11,7 @@ import pytest
 import torch
 from medpy.metric import binary as medpy_binary
 
-from brats_swap.data.editions import get_edition
+from brats_swap.data.challenges import get_challenge
 from brats_swap.evaluate.metrics import (
     case_metrics,
     dice_sensitivity_specificity,
@@ -105,7 +105,7 @@ def test_against_medpy_on_random_masks(seed):
 
 
 def test_case_metrics_regions_and_keys():
-    spec = get_edition("2021")
+    spec = get_challenge("2021")
     truth = np.zeros(SHAPE, dtype=np.uint8)
     truth[2:6, 2:6, 2:6] = spec.edema
     truth[3:5, 3:5, 3:5] = 1  # core

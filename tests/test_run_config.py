@@ -76,7 +76,7 @@ def test_submit_dry_run_writes_plain_scripts_and_without_sbatch_is_one_line(fake
     for line in ("#SBATCH --array=0,1", "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", "#SBATCH --exclusive",
                  "#SBATCH --open-mode=append", "#SBATCH --time=01:00:00", "#SBATCH --partition=debug",
                  "#SBATCH --gres=gpu:2", f"#SBATCH --output={run.resolve()}/fold_%a/slurm-%A_%a.log",
-                 'cv --config "$RUN/config.yaml" --run "$RUN" --fold "$fold" --nproc 2 &',
+                 'cv run --config "$RUN/config.yaml" --run "$RUN" --fold "$fold" --nproc 2 &',
                  'scontrol requeue "$SLURM_JOB_ID"'):
         assert line in script, line
     assert "#SBATCH --dependency=afterany:ARRAY_JOB_ID" in (run / "slurm" / "summary.sbatch").read_text()

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from brats_swap.data.challenges import CHALLENGES, get_challenge
-from brats_swap.data.editions import get_edition
 from brats_swap.errors import ConfigError
 from brats_swap.model.targets import (
     labels_from_probs,
@@ -21,7 +20,7 @@ from brats_swap.model.targets import (
 
 
 def random_label(edition: str, shape, seed: int = 0) -> np.ndarray:
-    values = np.array((0,) + get_edition(edition).label_values, dtype=np.uint8)
+    values = np.array((0,) + get_challenge(edition).label_values, dtype=np.uint8)
     return np.random.default_rng(seed).choice(values, size=shape).astype(np.uint8)
 
 
@@ -46,7 +45,7 @@ def test_round_trip(edition, outputs, backend, batched):
 
 
 def test_label_channels_follow_the_edition_table():
-    spec = get_edition("2021")
+    spec = get_challenge("2021")
     label = torch.tensor([[[[0, 1, 2, 4]]]], dtype=torch.uint8)  # (B=1, 1, 1, 4)
     targets = targets_from_labels(label, spec, "labels")[0, :, 0, 0]
     assert targets.tolist() == [[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
@@ -74,7 +73,7 @@ def test_regions_are_nested():
                       [0.1, 0.9, 0.9, 0.9, 0.1, 0.2],
                       [0.1, 0.1, 0.9, 0.9, 0.9, 0.9]], dtype=np.float32).reshape(3, 1, 1, 6)
     for edition in ("2021", "2023"):
-        spec = get_edition(edition)
+        spec = get_challenge(edition)
         expected = [spec.edema, region_tree(spec)["TC"].own_label, spec.enhancing, 0, 0, spec.edema]
         assert labels_from_probs(probs, edition, "regions").ravel().tolist() == expected
         batched = torch.from_numpy(probs)[None]
@@ -144,7 +143,7 @@ def _legacy_nested_rule(probs: np.ndarray, spec, threshold: float) -> np.ndarray
 @pytest.mark.parametrize("threshold", [0.3, 0.5])
 def test_legacy_regions_decode_exactly_as_before(threshold):
     probs = np.random.default_rng(5).random((3, 9, 8, 7), dtype=np.float32)
-    spec = get_edition("2021")
+    spec = get_challenge("2021")
     expected = _legacy_nested_rule(probs, spec, threshold)
     assert np.array_equal(labels_from_probs(probs, "2021", "regions", threshold), expected)
     assert np.array_equal(labels_from_probs(torch.from_numpy(probs), "2021", "regions", threshold).numpy(), expected)

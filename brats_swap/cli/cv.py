@@ -1,4 +1,15 @@
-"""`brats-swap cv` and `brats-swap compare --patch`: resumable, cron-safe cross-validation runs.
+"""`brats-swap cv run | status | summary | submit` and `brats-swap compare --patch`: resumable, cron-safe
+cross-validation runs.
+
+- `cv run`: train and evaluate the folds, continuing where the last call stopped (`--parallel-folds N`,
+  `--nproc N` for torchrun);
+- `cv status`: each fold's state, from the run folder alone;
+- `cv summary`: train nothing; write cv_summary.* (and postprocessing.json once every fold is done);
+- `cv submit [slurm]`: write the SLURM job scripts of the unfinished folds and the summary, and sbatch them.
+
+The spellings before the subcommands (`cv --status`, `cv --summary`, `cv --submit slurm`, a plain `cv ...`)
+keep working for this release through `cv_options`, with a one-line notice on stderr naming the new
+spelling: `CVCommands` routes a `cv` call without a subcommand there.
 
 Exit codes: 0 = the run is consistent (complete, or stopped by --max-hours at an epoch boundary or by
 SIGTERM/SIGUSR1 at a step, and continued by the next invocation); 75 = another process holds the fold (or the
@@ -9,9 +20,12 @@ stderr).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from brats_swap.cli.common import (
     ConfigOption,
@@ -23,7 +37,7 @@ from brats_swap.cli.common import (
     resolve_config,
 )
 from brats_swap.errors import ConfigError
-from brats_swap.run.console import line_console
+from brats_swap.run.console import line_console, warn
 from brats_swap.run.fold_selection import compare_fold_selection, parse_fold_selection
 from brats_swap.run.folder import RunFolder
 
@@ -32,19 +46,141 @@ MaxHoursOption = Annotated[
     typer.Option("--max-hours", help="Stop at the epoch boundary that would overrun this many hours; "
                                      "the next invocation continues (exit 0).", show_default=False),
 ]
+ParallelFoldsOption = Annotated[int, typer.Option("--parallel-folds", help="Train this many folds at once, one "
+                                                  "worker process per GPU (or per CPU share).")]
+NprocOption = Annotated[int | None, typer.Option("--nproc", help="Train each fold with N processes on this node "
+                                                 "(torchrun + DDP).", show_default=False)]
 
 
-# The `cv --submit slurm` options (brats_swap/cv/slurm.py); they only matter with --submit.
-SUBMIT_PANEL = "Submitting to a cluster (--submit slurm)"
+# The `cv submit slurm` options (brats_swap/cv/slurm.py).
+SUBMIT_PANEL = "Submitting to a cluster (cv submit slurm)"
 
 
 def _submit_option(*names: str, help: str, **kwargs):  # noqa: A002 - typer's keyword
     return typer.Option(*names, help=help, rich_help_panel=SUBMIT_PANEL, show_default=False, **kwargs)
 
 
-# `cv` does one of five things; each reads only some options. A given option another mode would read is a
-# usage error (exit 2), never silently ignored (e.g. --parallel-folds with --submit) or outranked (--status
-# with --submit). The mode options themselves exclude each other.
+PartitionOption = Annotated[str | None, _submit_option("--partition", help="SLURM partition of the fold tasks.")]
+TimeOption = Annotated[str | None, _submit_option("--time", help="Time limit per fold task, e.g. 24:00:00.")]
+GpusOption = Annotated[int | None, _submit_option("--gpus-per-fold", help="GPUs per fold task (default 1, 0 when "
+                                                  "train.device is cpu); N > 1 runs under torchrun.")]
+CpusOption = Annotated[int | None, _submit_option("--cpus-per-fold", help="CPUs per fold task (default: "
+                                                  "data.loader_workers + train.threads, else 1, per GPU).")]
+MemOption = Annotated[str | None, _submit_option("--mem", help="Memory per fold task, e.g. 64G (default: from the "
+                                                 "config and the plan, as the script's comment says).")]
+AccountOption = Annotated[str | None, _submit_option("--account", help="SLURM account.")]
+QosOption = Annotated[str | None, _submit_option("--qos", help="SLURM quality of service.")]
+GraceOption = Annotated[int, _submit_option("--grace", help="Seconds of warning (SIGUSR1) before the time limit: "
+                                            "the fold checkpoints and requeues itself (default 600).")]
+SbatchArgOption = Annotated[list[str] | None, _submit_option("--sbatch-arg", help="Extra #SBATCH line, passed "
+                                                             "through (repeatable), e.g. --sbatch-arg=--exclusive.")]
+DryRunOption = Annotated[bool, _submit_option("--dry-run", help="Write and print the scripts, submit nothing.")]
+SummaryPartitionOption = Annotated[str | None, _submit_option("--summary-partition", help="SLURM partition of the "
+                                                              "summary job, which needs no GPU (default: the "
+                                                              "cluster's default partition).")]
+SummaryTimeOption = Annotated[str | None, _submit_option("--summary-time", help="Time limit of the summary job "
+                                                         "(default one hour).")]
+
+
+class CVCommands(TyperGroup):
+    """`cv`'s subcommands; a call that starts with an option instead (`cv --status`, `cv --config X`) or has
+    no argument goes to the hidden `cv_options` command, which reads the spellings from before the
+    subcommands. (`cv` never took a positional argument, so `cv bogus` stays an unknown command.)"""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if not args or (args[0].startswith("-") and args[0] not in ctx.help_option_names):
+            args = [OLD_SPELLINGS_COMMAND, *args]
+        return super().parse_args(ctx, args)
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name == OLD_SPELLINGS_COMMAND:
+            return self.old_spellings()
+        return super().get_command(ctx, cmd_name)
+
+    def old_spellings(self) -> TyperCommand:
+        """The hidden command of the old spellings, from the options of `cv run` and `cv submit` (one
+        declaration of each) and the old mode flags."""
+        options: dict[str, typer.core.TyperOption] = {}
+        for command in (self.commands["run"], self.commands["submit"], typer.main.get_command(_old_mode_flags)):
+            for param in command.params:
+                if isinstance(param, typer.core.TyperOption):
+                    options.setdefault(param.name, param)
+        return _OldSpellings(OLD_SPELLINGS_COMMAND, params=list(options.values()), hidden=True,
+                             help="`cv` as spelled before the subcommands (this release only).")
+
+
+OLD_SPELLINGS_COMMAND = "options"
+app = typer.Typer(cls=CVCommands, name="cv", add_completion=False,
+                  help="Cross-validation runs, resumable and safe under cron and on a cluster: cv run | status | "
+                       "summary | submit.")
+
+
+@app.command("run")
+@handle_errors
+def cv_run(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    run: RunOption = None,
+    folds: FoldsOption = "all",
+    max_hours: MaxHoursOption = None,
+    parallel_folds: ParallelFoldsOption = 1,
+    nproc: NprocOption = None,
+) -> None:
+    """Train and evaluate the folds of a cross-validation run, continuing where the last call stopped.
+
+    Each fold has its own lock (a second call on the same fold exits 75; other folds run at once, also on
+    other machines sharing the run folder); --max-hours stops at an epoch boundary, SIGTERM/SIGUSR1 at the
+    next step, with the checkpoint written (exit 0). With --run and no --config, the run's own config.yaml
+    is used (a --set is recorded there). Writes cv_summary.{json,md}, figures/ and one line per call in
+    cv.log. Under torchrun every fold trains on all ranks.
+    """
+    if nproc is not None and parallel_folds != 1:
+        raise ConfigError(f"cv run: --parallel-folds does not apply with --nproc; {_MODE_READS_TEXT['nproc']}")
+    _train(config, set_, run, folds, max_hours, parallel_folds, nproc, sys.argv[1:])
+
+
+@app.command("status")
+@handle_errors
+def cv_status(run: RunOption = None) -> None:
+    """Print each fold's state (done, running on which job, epoch/step, last checkpoint) and exit."""
+    _print_status(run, "cv status")
+
+
+@app.command("summary")
+@handle_errors
+def cv_summary(config: ConfigOption = None, set_: SetOption = None, run: RunOption = None) -> None:
+    """Train nothing: write cv_summary.* (and postprocessing.json once every fold is done) from the folds as
+    they are, e.g. in the job that follows a SLURM array."""
+    _summarise(config, set_, run)
+
+
+@app.command("submit")
+@handle_errors
+def cv_submit(
+    scheduler: Annotated[str, typer.Argument(help="The scheduler: slurm (the only one).")] = "slurm",
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    run: RunOption = None,
+    partition: PartitionOption = None,
+    time_limit: TimeOption = None,
+    gpus_per_fold: GpusOption = None,
+    cpus_per_fold: CpusOption = None,
+    mem: MemOption = None,
+    account: AccountOption = None,
+    qos: QosOption = None,
+    grace: GraceOption = 600,
+    sbatch_arg: SbatchArgOption = None,
+    dry_run: DryRunOption = False,
+    summary_partition: SummaryPartitionOption = None,
+    summary_time: SummaryTimeOption = None,
+) -> None:
+    """Write RUN/slurm/cv.sbatch (one array task per unfinished fold) and summary.sbatch, and sbatch them."""
+    _submit(scheduler, config, set_, run, _slurm_options(locals()), dry_run)
+
+
+# `cv` without a subcommand, as before them, does one of five things; each reads only some options. A given
+# option another mode would read is a usage error (exit 2), never silently ignored (e.g. --parallel-folds with
+# --submit) or outranked (--status with --submit). The mode options themselves exclude each other.
 MODE_OPTIONS = ("status", "summary", "submit", "nproc")
 _SUBMIT_KNOBS = frozenset({"partition", "time_limit", "gpus_per_fold", "cpus_per_fold", "mem", "account", "qos",
                            "grace", "sbatch_arg", "dry_run", "summary_partition", "summary_time"})
@@ -56,6 +192,10 @@ MODE_READS: dict[str, frozenset[str]] = {
     "nproc": _RUN | {"folds", "max_hours"},
     "train": _RUN | {"folds", "max_hours", "parallel_folds"},
 }
+# What each mode is called now (the notice that an old spelling prints names it).
+NEW_SPELLING = {"status": ("--status", "cv status"), "summary": ("--summary", "cv summary"),
+                "submit": ("--submit slurm", "cv submit slurm"), "nproc": ("--nproc N", "cv run --nproc N"),
+                "train": ("without a subcommand", "cv run")}
 
 
 def check_option_combination(ctx: typer.Context) -> str:
@@ -86,85 +226,84 @@ _MODE_READS_TEXT = {
 }
 
 
-@handle_errors
-def cv(
-    ctx: typer.Context,
-    config: ConfigOption = None,
-    set_: SetOption = None,
-    run: RunOption = None,
-    folds: FoldsOption = "all",
-    max_hours: MaxHoursOption = None,
-    parallel_folds: Annotated[int, typer.Option("--parallel-folds", help="Train this many folds at once, one "
-                                                "worker process per GPU (or per CPU share).")] = 1,
-    nproc: Annotated[int | None, typer.Option("--nproc", help="Train each fold with N processes on this node "
-                                              "(torchrun + DDP).", show_default=False)] = None,
-    status: Annotated[bool, typer.Option("--status", help="Print each fold's state (done, running on which job, "
-                                         "epoch/step, last checkpoint) and exit.")] = False,
-    summary: Annotated[bool, typer.Option("--summary", help="Train nothing: write cv_summary.* (and "
-                                          "postprocessing.json once every fold is done) from the folds as they are."
-                                          )] = False,
-    submit: Annotated[str | None, _submit_option("--submit", help="'slurm': write RUN/slurm/cv.sbatch (one array "
-                                                 "task per unfinished fold) and summary.sbatch, and sbatch them.")] = None,
-    partition: Annotated[str | None, _submit_option("--partition", help="SLURM partition of the fold tasks.")] = None,
-    time_limit: Annotated[str | None, _submit_option("--time", help="Time limit per fold task, e.g. 24:00:00.")] = None,
-    gpus_per_fold: Annotated[int | None, _submit_option("--gpus-per-fold", help="GPUs per fold task (default 1, "
-                                                        "0 when train.device is cpu); N > 1 runs under torchrun.")] = None,
-    cpus_per_fold: Annotated[int | None, _submit_option("--cpus-per-fold", help="CPUs per fold task (default: "
-                                                        "data.loader_workers + train.threads, else 1, per GPU).")] = None,
-    mem: Annotated[str | None, _submit_option("--mem", help="Memory per fold task, e.g. 64G (default: from the "
-                                              "config and the plan, as the script's comment says).")] = None,
-    account: Annotated[str | None, _submit_option("--account", help="SLURM account.")] = None,
-    qos: Annotated[str | None, _submit_option("--qos", help="SLURM quality of service.")] = None,
-    grace: Annotated[int, _submit_option("--grace", help="Seconds of warning (SIGUSR1) before the time limit: "
-                                         "the fold checkpoints and requeues itself (default 600).")] = 600,
-    sbatch_arg: Annotated[list[str] | None, _submit_option("--sbatch-arg", help="Extra #SBATCH line, passed "
-                                                           "through (repeatable), e.g. --sbatch-arg=--exclusive.")] = None,
-    dry_run: Annotated[bool, _submit_option("--dry-run", help="With --submit: write and print the scripts, "
-                                            "submit nothing.")] = False,
-    summary_partition: Annotated[str | None, _submit_option("--summary-partition", help="SLURM partition of the "
-                                                            "summary job, which needs no GPU (default: the "
-                                                            "cluster's default partition).")] = None,
-    summary_time: Annotated[str | None, _submit_option("--summary-time", help="Time limit of the summary job "
-                                                       "(default one hour).")] = None,
-) -> None:
-    """Train and evaluate the folds of a cross-validation run, continuing where the last call stopped.
+# The options only the old spellings have; `CVCommands.old_spellings` adds those of `cv run` and `cv submit`.
+_old_mode_flags = typer.Typer()
 
-    Safe under cron and on a cluster: each fold has its own lock (a second call on the same fold exits 75;
-    other folds run at once, also on other machines sharing the run folder); --max-hours stops at an epoch
-    boundary, SIGTERM/SIGUSR1 at the next step, with the checkpoint written (exit 0). With --run and no
-    --config, the run's own config.yaml is used (a --set is recorded there). Writes cv_summary.{json,md},
-    figures/ and one line per call in cv.log. Under torchrun every fold trains on all ranks.
-    """
+
+@_old_mode_flags.command()
+def _old_mode_options(
+    status: Annotated[bool, typer.Option("--status", help="Now `cv status`.")] = False,
+    summary: Annotated[bool, typer.Option("--summary", help="Now `cv summary`.")] = False,
+    submit: Annotated[str | None, _submit_option("--submit", help="Now `cv submit slurm`.")] = None,
+) -> None:
+    """Never run: its options are read by `CVCommands.old_spellings`."""
+
+
+class _OldSpellings(TyperCommand):
+    """`cv` as spelled before the subcommands: the options of `cv run`, `cv submit` and the mode flags."""
+
+    def invoke(self, ctx):
+        return cv_options(ctx, **ctx.params)
+
+
+@handle_errors
+def cv_options(ctx: typer.Context, *, status: bool, summary: bool, submit: str | None, **given) -> None:
+    """`cv` as it was spelled before the subcommands (this release only): the options choose the mode."""
+    mode = check_option_combination(ctx)
+    old, new = NEW_SPELLING[mode]
+    warn(f"`brats-swap cv {old}` is now `brats-swap {new}`; the old spelling works until the next release")
+    # Typer converts a command's values when it builds the callback; this command is built by hand.
+    config, run = (None if given[key] is None else Path(given[key]) for key in ("config", "run"))
+    set_ = list(given["set_"] or [])
+    if status:
+        return _print_status(run, "--status")
+    if submit is not None:
+        return _submit(submit, config, set_, run, _slurm_options(given), given["dry_run"])
+    if summary:
+        return _summarise(config, set_, run)
+    _train(config, set_, run, given["folds"], given["max_hours"], given["parallel_folds"], given["nproc"],
+           _with_run_subcommand(sys.argv[1:]))
+
+
+def _with_run_subcommand(argv: list[str]) -> list[str]:
+    """The command line of `cv --nproc N ...` as `cv run --nproc N ...`, for the ranks torchrun starts."""
+    if "cv" not in argv:
+        return argv
+    at = argv.index("cv") + 1
+    return [*argv[:at], "run", *argv[at:]]
+
+
+def _train(config, set_, run, folds, max_hours, parallel_folds: int, nproc: int | None, argv: list[str]) -> None:
     from brats_swap.cv import run_cv
 
-    check_option_combination(ctx)
-    if status:
-        return _print_status(run)
     resolved, run_dir = _run_and_config(config, set_, run)
-    if submit is not None:
-        from brats_swap.cv.slurm import SlurmOptions
-
-        options = SlurmOptions(partition=partition, time=time_limit, gpus_per_fold=gpus_per_fold,
-                               cpus_per_fold=cpus_per_fold, mem=mem, account=account, qos=qos,
-                               summary_partition=summary_partition, summary_time=summary_time, grace=grace,
-                               sbatch_args=list(sbatch_arg or []))
-        return _submit(submit, resolved, run_dir, options, dry_run)
-    if summary:
-        from brats_swap.cv.runner import summarise_run
-
-        outcome = summarise_run(resolved, run_dir, console=line_console)
-    elif nproc is not None:
-        import sys
-
+    if nproc is not None:
         from brats_swap.distributed import launch_torchrun
         from brats_swap.train.data import prepare_run_data
 
         prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
-        raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
-    else:
-        outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
-                         parallel_folds=parallel_folds, console=line_console)
+        raise typer.Exit(launch_torchrun(nproc, argv))
+    outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
+                     parallel_folds=parallel_folds, console=line_console)
     _report(outcome, run_dir)
+
+
+def _summarise(config, set_, run) -> None:
+    from brats_swap.cv.runner import summarise_run
+
+    resolved, run_dir = _run_and_config(config, set_, run)
+    _report(summarise_run(resolved, run_dir, console=line_console), run_dir)
+
+
+def _slurm_options(given: dict):
+    """The `SlurmOptions` of the submit options among a command's arguments (`locals()`)."""
+    from brats_swap.cv.slurm import SlurmOptions
+
+    return SlurmOptions(partition=given["partition"], time=given["time_limit"], gpus_per_fold=given["gpus_per_fold"],
+                        cpus_per_fold=given["cpus_per_fold"], mem=given["mem"], account=given["account"],
+                        qos=given["qos"], summary_partition=given["summary_partition"],
+                        summary_time=given["summary_time"], grace=given["grace"],
+                        sbatch_args=list(given["sbatch_arg"] or []))
 
 
 def _report(outcome, run_dir) -> None:
@@ -190,23 +329,24 @@ def _run_and_config(config, set_, run):
     return run_config(run, config, set_, say=_say), run
 
 
-def _print_status(run) -> None:
+def _print_status(run, spelled: str) -> None:
     from brats_swap.cv.status_report import run_status
 
     if run is None:
-        raise ConfigError("--status: name the run folder with --run")
+        raise ConfigError(f"{spelled}: name the run folder with --run")
     for fold_status in run_status(run):
         _say(fold_status.line())
 
 
-def _submit(scheduler: str, config, run_dir, options, dry_run: bool) -> None:
-    """`--submit slurm`: record the run's config (the jobs read it), write the scripts, submit them."""
+def _submit(scheduler: str, config, set_, run, options, dry_run: bool) -> None:
+    """`cv submit slurm`: record the run's config (the jobs read it), write the scripts, submit them."""
     from brats_swap.atomic import atomic_write_text
     from brats_swap.config import config_to_yaml
     from brats_swap.cv.slurm import ARRAY_PLACEHOLDER, submit_cv
 
+    config, run_dir = _run_and_config(config, set_, run)
     if scheduler != "slurm":
-        raise ConfigError(f"--submit {scheduler!r}: the only scheduler is 'slurm'")
+        raise ConfigError(f"cv submit {scheduler!r}: the only scheduler is 'slurm'")
     run = RunFolder(run_dir)
     if not run.config.is_file():
         run.root.mkdir(parents=True, exist_ok=True)
@@ -221,7 +361,7 @@ def _submit(scheduler: str, config, run_dir, options, dry_run: bool) -> None:
     _say(f"submitted folds {', '.join(map(str, submission.folds))} as array job {submission.array_job} "
          f"({submission.cv_script}) and the summary as job {submission.summary_job} ({submission.summary_script})")
     _say(f"follow them with: squeue -j {submission.array_job},{submission.summary_job}   or   "
-         f"brats-swap cv --status --run {run_dir}")
+         f"brats-swap cv status --run {run_dir}")
 
 
 @handle_errors
@@ -232,23 +372,26 @@ def compare(
     set_: SetOption = None,
     run: RunOption = None,
     folds: Annotated[str, typer.Option("--folds", "--fold", "-f", help="Folds: all, folds K,K (a single fold: "
-                                       "K,); a bare number K keeps its old meaning, the first K folds.")] = "all",
+                                       "K,); a bare number K still means the first K folds, with a notice (next "
+                                       "release: fold K, as in cv).")] = "all",
     max_hours: MaxHoursOption = None,
 ) -> None:
     """Train and evaluate the same folds twice (whole volume and patches) and compare them.
 
     Writes RUN/full/ and RUN/patch/ (two cv runs), RUN/compare.md, RUN/compare.json and RUN/figures/*.png.
-    Resumable and locked like `brats-swap cv`.
+    Resumable and locked like `brats-swap cv run`.
     """
     from brats_swap.cv.compare import run_compare
 
     if not patch:
         raise ConfigError("compare: choose what to compare; the only comparison is --patch (whole volume vs patches)")
     resolved = resolve_config(config, set_)
-    # Not runs/<name>: that is where `brats-swap cv` / `train` put the same config's plain run.
+    # Not runs/<name>: that is where `brats-swap cv run` / `train` put the same config's plain run.
     run_dir = run if run is not None else RunFolder.default_for(f"{resolved.name}-compare").root
-    outcome = run_compare(resolved, run_dir, folds=compare_fold_selection(folds), max_hours=max_hours,
-                          console=line_console)
+    selection, notice = compare_fold_selection(folds)
+    if notice is not None:
+        warn(notice)
+    outcome = run_compare(resolved, run_dir, folds=selection, max_hours=max_hours, console=line_console)
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
     _say(f"comparison: {RunFolder(run_dir).compare_md}")
     raise typer.Exit(0)

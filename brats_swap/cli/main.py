@@ -49,7 +49,7 @@ app.add_typer(data_cmd.app, name="data")
 app.add_typer(config_cmd.app, name="config")
 train_cmd.register(app)  # train, evaluate, predict
 app.command("plan", context_settings=plan_cmd.CONTEXT)(plan_cmd.plan)
-app.command("cv")(cv_cmd.cv)
+app.add_typer(cv_cmd.app, name="cv")
 app.command("compare")(cv_cmd.compare)
 ship_cmd.register(app)  # export, container, serve-challenge, check-submission
 app.command("import-nnunet")(nnunet_cmd.import_nnunet)

@@ -333,7 +333,7 @@ def validate_config(config: Config) -> None:
     # Values that otherwise fail late, deep inside torch/numpy, with a traceback instead of the key.
     bad_name = name_problem(config.name)  # it names runs/<name>, SLURM jobs and bundles: brats_swap.names decides
     require(bad_name is None, "name", f"{config.name!r} {bad_name}")
-    known = ("t1", "t1ce", "t2", "flair")  # brats_swap.data.editions.CANONICAL_MODALITIES
+    known = ("t1", "t1ce", "t2", "flair")  # brats_swap.data.challenges.CANONICAL_MODALITIES
     unknown = [m for m in data.modalities if m not in known]
     require(not unknown, "data.modalities", f"unknown modality {unknown[0]!r} (known: {', '.join(known)})"
             if unknown else "")

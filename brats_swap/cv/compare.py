@@ -9,7 +9,7 @@ Two cross-validation runs share one `splits.json`:
 
 Folds are advanced alternately (full fold 0, patch fold 0, full fold 1, ...) so that a run stopped by
 `--max-hours` already holds comparable pairs. Each arm is an ordinary cv run folder (its own lock,
-`state.json`s, `cv.log`, `cv_summary.*`), so `brats-swap cv --run run_dir/full` works on it too.
+`state.json`s, `cv.log`, `cv_summary.*`), so `brats-swap cv run --run run_dir/full` works on it too.
 
 Outputs in `run_dir/` (cv/comparison.py, cv/compare_figures.py): `compare.json`, `compare.md`, and
 `figures/compare_dice_boxplot.png` (paired box plots per region, the paper's Fig. 5),
@@ -36,9 +36,11 @@ from brats_swap.cv.invocation import cv_invocation, logged_invocation
 from brats_swap.cv.lock import run_lock
 from brats_swap.cv.runner import CVOutcome, FoldRunner
 from brats_swap.cv.stop_control import StopControl
-from brats_swap.errors import ConfigError, DataError
-from brats_swap.run.folder import COMPARE_ARMS, SPLITS_FILE, RunFolder
+from brats_swap.errors import DataError
+from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
+from brats_swap.run.folder import COMPARE_ARMS, RunFolder
 from brats_swap.splits import load_run_splits, read_splits
+from brats_swap.stop_reasons import StopReason
 from brats_swap.train.data import prepare_run_data
 
 
@@ -47,7 +49,7 @@ class CompareOutcome:
     run_dir: Path
     folds: list[int]
     arms: dict[str, CVOutcome] = field(default_factory=dict)
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     seconds: float = 0.0
     comparison: dict = field(default_factory=dict)
 
@@ -85,11 +87,11 @@ def share_splits(run: RunFolder, arm: RunFolder) -> None:
                         f"(copy {run.splits} over it, or start a new comparison folder)")
 
 
-def run_compare(config: Config, run_dir: Path, folds: int | str | list[int] | None = None,
+def run_compare(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS,
                 max_hours: float | None = None, *, console=None,
                 clock: Callable[[], float] = time.monotonic) -> CompareOutcome:
-    """Train and evaluate folds in both arms, then compare: `folds` an int K is the first K folds (the
-    meaning `compare --folds K` always had), a list those folds, None or "all" every fold of cv.folds.
+    """Train and evaluate folds in both arms, then compare: `folds` is a selection as `run_cv` reads it
+    ("all", a fold number, a list of them), of the folds in the run's splits.json.
 
     Resumable and locked like `run_cv` (the same `cv_invocation`): the comparison folder and each arm
     folder are locked; cv.log lines go to the comparison folder and to each arm. Cases of `data.root` the
@@ -111,18 +113,9 @@ def run_compare(config: Config, run_dir: Path, folds: int | str | list[int] | No
     return outcome
 
 
-def _compared_folds(config: Config, run: RunFolder, folds: int | str | list[int] | None) -> list[int]:
-    """Folds of the run's splits.json (made here once): 0..K-1 for an int K, the listed ones, or all."""
-    n_folds = len(load_run_splits(config, run)["folds"])
-    if isinstance(folds, list):
-        outside = [k for k in folds if k >= n_folds]
-        if outside:
-            raise ConfigError(f"--folds: fold {outside[0]} is not in {SPLITS_FILE} (folds 0..{n_folds - 1})")
-        return folds
-    count = n_folds if folds is None or folds == "all" else folds
-    if not 1 <= count <= n_folds:
-        raise ConfigError(f"--folds {count}: must be between 1 and {n_folds} (the folds in {SPLITS_FILE})")
-    return list(range(count))
+def _compared_folds(config: Config, run: RunFolder, folds: FoldSelection) -> list[int]:
+    """The selected folds of the run's splits.json (made here once)."""
+    return resolve_folds(folds, len(load_run_splits(config, run)["folds"]), option="--folds")
 
 
 def _advance_arms(configs: dict[str, Config], arms: dict[str, RunFolder], outcome: CompareOutcome,

@@ -15,7 +15,7 @@ from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import Config
 from brats_swap.cv.compare_figures import overlay_figure, paired_boxplot, training_curves
 from brats_swap.cv.fold_progress import FoldState, read_fold_state
-from brats_swap.cv.summary import METRIC_TITLES, METRICS, format_mean_std, mean_std, read_case_rows, utc_now
+from brats_swap.cv.summary import METRIC_TITLES, METRICS, format_mean_std, mean_std, read_case_rows
 from brats_swap.evaluate.official import (
     format_official,
     json_safe,
@@ -27,6 +27,7 @@ from brats_swap.evaluate.official import (
 from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.folder import COMPARE_ARMS, RunFolder
 from brats_swap.run.summary_stats import STD_NOTE
+from brats_swap.timestamps import utc_now
 
 
 def _paired_rows(run: RunFolder, folds: list[int]) -> dict[str, list[dict]]:

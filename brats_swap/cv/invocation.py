@@ -24,9 +24,9 @@ from typing import Protocol
 from brats_swap.config import Config
 from brats_swap.cv.lock import run_share, shared_files
 from brats_swap.cv.stop_control import StopControl
-from brats_swap.cv.summary import utc_now
 from brats_swap.errors import BratsSwapError, ConfigError, RunLockedError
 from brats_swap.run.folder import RunFolder
+from brats_swap.timestamps import utc_now
 
 
 class TimedOutcome(Protocol):

@@ -1,4 +1,4 @@
-"""`brats-swap cv --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
+"""`brats-swap cv run --parallel-folds N`: the same cross-validation as the sequential runner, N folds at a time.
 
 `run_cv` (cv/dispatch.py) comes here when `parallel_folds > 1`. The parent process does what the sequential
 runner does (the same `cv_invocation`: run lock first, `--max-hours`, SIGTERM, the cv.log line; missing
@@ -27,6 +27,7 @@ terminal; the parent prints one line per fold as it finishes.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -34,7 +35,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from brats_swap import stop_signals
 from brats_swap.config import Config
@@ -45,6 +46,7 @@ from brats_swap.cv.runner import CVOutcome, FoldRunner, prepared_runner, resolve
 from brats_swap.cv.stop_control import StopControl
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import CV_WORKER_LOG, RunFolder
+from brats_swap.stop_reasons import StopReason
 
 
 @dataclass
@@ -110,8 +112,9 @@ def _run_folds(config: Config, run_dir: Path, pending: list[int], stop: StopCont
         if console is not None:
             console.print(text)
 
-    with ProcessPoolExecutor(max_workers=n_workers, mp_context=context, initializer=_init_worker,
-                             initargs=(stop_event, devices, os.getpid(), threads)) as pool:
+    shared = WorkerContext(stop_event=stop_event, devices=devices, parent_pid=os.getpid(), threads=threads)
+    with ProcessPoolExecutor(max_workers=n_workers, mp_context=context, initializer=WorkerContext.enter,
+                             initargs=(shared,)) as pool:
         futures: dict[Future, int] = {
             pool.submit(_advance_fold, config, run_dir, k, stop.deadline): k for k in pending
         }
@@ -158,17 +161,48 @@ def _merge(outcome: ParallelCVOutcome, fold: int, report: dict[str, Any]) -> Non
 # --------------------------------------------------------------------------------------------------
 # Inside a worker process
 
-_WORKER: dict[str, Any] = {}
+@dataclass
+class WorkerContext:
+    """What the workers of one pool share, handed to each by the pool's initializer (`enter`).
+
+    The stop event and the device queue can only reach a worker when it starts (multiprocessing shares them
+    by inheritance, not through a task's arguments), so the initializer keeps the context as the process's
+    `WorkerContext.current` for the folds that worker then advances.
+    """
+
+    stop_event: Any  # set by the parent: stop at the next epoch boundary
+    devices: Any  # a queue of the devices not yet taken; each worker takes one when it starts
+    parent_pid: int
+    threads: int  # torch threads when the config does not set train.threads
+    device: str = ""  # the one this worker took
+
+    current: ClassVar[WorkerContext | None] = None  # this process's context (None outside a worker)
+
+    def enter(self) -> None:
+        """The pool's initializer, in the new worker process: take a device, set threads and signals."""
+        import torch
+
+        self.device = self.devices.get()
+        if self.device.startswith("cuda:"):
+            torch.cuda.set_device(torch.device(self.device))  # code that says just "cuda" means this GPU too
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        torch.set_num_threads(self.threads)
+        _own_the_process()
+        WorkerContext.current = self
+
+    def stop_control(self, deadline: float | None) -> WorkerStop:
+        return WorkerStop(deadline, self.stop_event, self.parent_pid)
+
+    def fold_config(self, config: Config) -> Config:
+        """`config` trained on this worker's device, with its thread share unless train.threads says."""
+        train = dataclasses.replace(config.train, device=self.device)
+        if train.threads is None:
+            train = dataclasses.replace(train, threads=self.threads)
+        return dataclasses.replace(config, train=train)
 
 
-def _init_worker(stop_event, devices, parent_pid: int, threads: int) -> None:
-    import torch
-
-    device = devices.get()
-    if device.startswith("cuda:"):
-        torch.cuda.set_device(torch.device(device))  # code that says just "cuda" means this GPU too
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+def _own_the_process() -> None:
+    """Signals, start method and the parent's death as a fold worker needs them."""
     # Between folds the parent decides and tells us through stop_event; the training loop installs its own
     # handlers while a fold trains (a group signal then stops it at the next step).
     stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)
@@ -178,7 +212,6 @@ def _init_worker(stop_event, devices, parent_pid: int, threads: int) -> None:
     if "fork" in multiprocessing.get_all_start_methods():
         multiprocessing.set_start_method("fork", force=True)
     _die_with_parent()
-    _WORKER.update(stop_event=stop_event, device=device, parent_pid=parent_pid, threads=threads)
 
 
 def _die_with_parent() -> None:
@@ -208,9 +241,9 @@ class WorkerStop(StopControl):
 
     def _check_parent(self) -> None:
         if self.stop_event.is_set():
-            self.request("stopped by the parent")
+            self.request(StopReason.PARENT_STOPPED)
         elif os.getppid() != self.parent_pid:
-            self.request("parent exited")
+            self.request(StopReason.PARENT_EXITED)
 
     def __call__(self) -> bool:
         self._check_parent()
@@ -222,14 +255,13 @@ class WorkerStop(StopControl):
 
 
 def _advance_fold(config: Config, run_dir: Path, fold: int, deadline: float | None) -> dict[str, Any]:
-    import dataclasses
-
     started = time.monotonic()
-    stop = WorkerStop(deadline, _WORKER["stop_event"], _WORKER["parent_pid"])
-    device = _WORKER["device"]
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, device=device))
-    if config.train.threads is None:
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, threads=_WORKER["threads"]))
+    worker = WorkerContext.current
+    if worker is None:
+        raise RuntimeError("_advance_fold runs in a fold worker, after WorkerContext.enter")
+    stop = worker.stop_control(deadline)
+    device = worker.device
+    config = worker.fold_config(config)
     part = CVOutcome(run_dir=Path(run_dir), folds=[fold])
     log_path = RunFolder(run_dir).fold(fold).cv_worker_log
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +271,7 @@ def _advance_fold(config: Config, run_dir: Path, fold: int, deadline: float | No
     state = read_fold_state(run_dir, fold)
     reason = None if completed else stop.reason
     # The parent's own stop (event) is not news to it; report only what this worker decided by itself.
-    if reason in ("stopped by the parent",):
+    if reason is StopReason.PARENT_STOPPED:
         reason = None
     summary = ("done" if state.done else f"stopped after epoch {state.epochs_completed}") + \
         f" (worker pid {os.getpid()}, {device})"
@@ -275,4 +307,4 @@ class _redirect_output:
         self.file.close()
 
 
-__all__ = ["ParallelCVOutcome", "WorkerStop", "run_parallel_folds", "worker_devices"]
+__all__ = ["ParallelCVOutcome", "WorkerContext", "WorkerStop", "run_parallel_folds", "worker_devices"]

@@ -37,11 +37,13 @@ from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import fold_locks, shared_files
 from brats_swap.cv.out_of_fold_tuning import tune_after_cv
 from brats_swap.cv.stop_control import StopControl
-from brats_swap.cv.summary import utc_now, write_cv_summary
+from brats_swap.cv.summary import write_cv_summary
 from brats_swap.evaluate.predictions import evaluate_fold
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
 from brats_swap.splits import fold_cases, load_run_splits
+from brats_swap.stop_reasons import StopReason
+from brats_swap.timestamps import utc_now
 from brats_swap.train.data import prepare_run_data
 from brats_swap.train.loop import train_fold
 
@@ -55,7 +57,7 @@ class CVOutcome:
     resumed: list[int] = field(default_factory=list)  # training continued from checkpoint_latest
     evaluated: list[int] = field(default_factory=list)  # evaluated in this invocation
     epochs_trained: dict[int, int] = field(default_factory=dict)  # fold -> epochs trained now
-    stop_reason: str | None = None  # "max-hours" | "SIGTERM" when stopped before completing
+    stop_reason: StopReason | None = None  # why this invocation stopped before completing
     seconds: float = 0.0
     summary: dict = field(default_factory=dict)
     exit_code: int = 0  # see the module docstring: a planned stop is success
@@ -87,11 +89,10 @@ class CVOutcome:
         action = "; ".join(parts) if parts else "nothing to train or evaluate, summary refreshed"
         if self.complete:
             state = f"all {len(self.folds)} fold(s) done"
-        elif self.stop_reason is None:  # `cv --summary`: nothing was asked to train
+        elif self.stop_reason is None:  # `cv summary`: nothing was asked to train
             state = f"{len(self.done)}/{len(self.folds)} fold(s) done"
         else:
-            why = {"max-hours": "the --max-hours window closed at an epoch boundary",
-                   "SIGTERM": "SIGTERM received", "SIGUSR1": "SIGUSR1 received"}.get(self.stop_reason or "", "stopped")
+            why = self.stop_reason.prose
             state = (f"{len(self.done)}/{len(self.folds)} fold(s) done; stopped ({why}) with the checkpoint "
                      "written, the next invocation continues")
         return f"{action}; {state}"
@@ -139,7 +140,7 @@ class FoldRunner:
             state.record_training(result, trained_now)
             state.write(self.run_dir)
             if not result.finished:
-                self.stop.request(getattr(result, "stop_reason", None) or "interrupted")
+                self.stop.request(getattr(result, "stop_reason", None) or StopReason.UNFINISHED)
                 return False
         if self.stop.time_is_up():
             return False
@@ -170,7 +171,7 @@ class FoldRunner:
 
 
 def summarise_run(config: Config, run_dir: Path, *, console=None) -> CVOutcome:
-    """`cv --summary`: train and evaluate nothing; write cv_summary.* (and tune postprocessing.json once every
+    """`cv summary`: train and evaluate nothing; write cv_summary.* (and tune postprocessing.json once every
     fold is done) from the folds as they are, e.g. in the job that follows a SLURM array."""
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
     with cv_invocation(run_dir, config, None, outcome, outcome.describe_or_not_started) as stop:

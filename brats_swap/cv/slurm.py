@@ -1,15 +1,15 @@
-"""`brats-swap cv --submit slurm`: the folds of a run as a SLURM array job, plus a summary job.
+"""`brats-swap cv submit slurm`: the folds of a run as a SLURM array job, plus a summary job.
 
 Two plain job scripts are written into `RUN/slurm/` (users read and edit them; re-submitting by hand is
 `sbatch RUN/slurm/cv.sbatch`):
 
-- `cv.sbatch`: an array with one task per unfinished fold. Each task runs `brats-swap cv --config
+- `cv.sbatch`: an array with one task per unfinished fold. Each task runs `brats-swap cv run --config
   RUN/config.yaml --run RUN --fold K` (the run folder remembers its config, `--set`s included), its log is
   `RUN/fold_K/slurm-<array job>_<K>.log` (appended across restarts). SLURM warns the batch shell with SIGUSR1
   `--grace` seconds before the time limit (`--signal=B:USR1@N`); the script passes it on to brats-swap,
   which checkpoints at the next step (mid-epoch) and exits 0, and then requeues its own task
   (`scontrol requeue`, allowed by `--requeue`); the requeued task resumes inside the epoch.
-- `summary.sbatch`: after the array (`--dependency=afterany:<array>`), `brats-swap cv --summary`: the run's
+- `summary.sbatch`: after the array (`--dependency=afterany:<array>`), `brats-swap cv summary`: the run's
   cv_summary.* and postprocessing.json from the folds that are done (the task that finishes the last fold
   writes them too; this job makes sure, and reports). It needs no GPU: it asks for none, runs on
   `--summary-partition` (default: the cluster's default partition, not the folds' GPU partition) with a
@@ -60,7 +60,7 @@ AUTO_JOB_LOADER_WORKERS = 4
 
 @dataclass
 class SlurmOptions:
-    """The `cv --submit slurm` options; None = leave it to the cluster's defaults."""
+    """The `cv submit slurm` options; None = leave it to the cluster's defaults."""
 
     partition: str | None = None
     time: str | None = None  # per task, SLURM's formats (e.g. 24:00:00, 2-00:00:00)
@@ -121,7 +121,7 @@ def fold_resources(config: Config, gpus: int) -> tuple[int, str, str]:
 
 def _line(value: object, what: str) -> str:
     """A value for a line of a job script: one line, no control character (`brats_swap.names`, rule 3)."""
-    return script_text(value, what, "cv --submit slurm")
+    return script_text(value, what, "cv submit slurm")
 
 
 def _directives(config: Config, options: SlurmOptions) -> list[str]:
@@ -146,7 +146,7 @@ def _script_values(config: Config, run: RunFolder) -> tuple[str, str, str]:
     """(run folder, config name, working folder) as the scripts' `#SBATCH` lines take them: checked for one
     line each (a `#SBATCH` line cannot be quoted; a newline in a value would start a command)."""
     root = _line(run.root.resolve(), "the run folder")
-    name = checked_name(config.name, "config name", "cv --submit slurm")
+    name = checked_name(config.name, "config name", "cv submit slurm")
     return root, name, _line(Path.cwd().resolve(), "the working folder")
 
 
@@ -160,7 +160,7 @@ def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOp
     return "\n".join([
         "#!/bin/bash",
         f"# brats-swap cross-validation of {root}: one array task per fold.",
-        "# Written by `brats-swap cv --submit slurm`; edit freely, resubmit it with `sbatch <this file>`.",
+        "# Written by `brats-swap cv submit slurm`; edit freely, resubmit it with `sbatch <this file>`.",
         f"#SBATCH --job-name=cv-{name}",
         f"#SBATCH --array={','.join(str(k) for k in folds)}",
         f"#SBATCH --output={root}/fold_%a/slurm-%A_%a.log",
@@ -181,7 +181,7 @@ def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOp
         "# resumes inside the epoch.",
         "warned=0",
         "trap 'warned=1; kill -USR1 \"$pid\" 2>/dev/null' USR1",
-        f'"${{BRATS_SWAP[@]}}" cv --config "$RUN/config.yaml" --run "$RUN" --fold "$fold"{nproc} &',
+        f'"${{BRATS_SWAP[@]}}" cv run --config "$RUN/config.yaml" --run "$RUN" --fold "$fold"{nproc} &',
         "pid=$!",
         "# `wait` returns when a trapped signal arrives; wait again until brats-swap itself has exited.",
         'while true; do wait "$pid"; status=$?; kill -0 "$pid" 2>/dev/null || break; done',
@@ -202,7 +202,7 @@ def summary_script(config: Config, run: RunFolder, array_job: str, options: Slur
     lines = [
         "#!/bin/bash",
         f"# brats-swap cross-validation of {root}: the summary, after the folds' array job.",
-        "# Written by `brats-swap cv --submit slurm`; edit freely.",
+        "# Written by `brats-swap cv submit slurm`; edit freely.",
         f"#SBATCH --job-name=cv-{name}-summary",
         f"#SBATCH --dependency=afterany:{_line(array_job, 'the array job id')}",
         f"#SBATCH --output={root}/{SLURM_FOLDER}/summary-%j.log",
@@ -219,7 +219,7 @@ def summary_script(config: Config, run: RunFolder, array_job: str, options: Slur
         "",
         f"BRATS_SWAP=({brats_swap_command()})",
         f"RUN={shlex.quote(str(root))}",
-        '"${BRATS_SWAP[@]}" cv --config "$RUN/config.yaml" --run "$RUN" --summary',
+        '"${BRATS_SWAP[@]}" cv summary --config "$RUN/config.yaml" --run "$RUN"',
         "",
     ]
     return "\n".join(lines)
@@ -247,7 +247,7 @@ def submit_cv(config: Config, run_dir: RunFolder | Path, options: SlurmOptions, 
     submission = SlurmSubmission(cv_script=folder / "cv.sbatch", summary_script=folder / "summary.sbatch",
                                  folds=folds)
     if not folds:
-        raise DataError(f"{run.root}: every fold is done; nothing to submit (see `brats-swap cv --status --run "
+        raise DataError(f"{run.root}: every fold is done; nothing to submit (see `brats-swap cv status --run "
                         f"{run.root}`)")
     if not dry_run and shutil.which("sbatch") is None:
         raise DataError("sbatch: not found on the PATH; run this on a SLURM login node (or use --dry-run to "

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from brats_swap import stop_signals
+from brats_swap.stop_reasons import StopReason
 
 
 class StopControl:
@@ -29,7 +30,7 @@ class StopControl:
         self._clock = clock
         self.started = clock()
         self.deadline = None if max_hours is None else self.started + max_hours * 3600.0
-        self.reason: str | None = None
+        self.reason: StopReason | None = None
         self._last_boundary: float | None = None
         self._epoch_estimate = 0.0
 
@@ -39,12 +40,12 @@ class StopControl:
             self._epoch_estimate = now - self._last_boundary
         self._last_boundary = now
         if self.reason is None and self.deadline is not None and now + self._epoch_estimate >= self.deadline:
-            self.reason = "max-hours"
+            self.reason = StopReason.MAX_HOURS
         return self.reason is not None
 
     def time_is_up(self) -> bool:
         if self.reason is None and self.deadline is not None and self._clock() >= self.deadline:
-            self.reason = "max-hours"
+            self.reason = StopReason.MAX_HOURS
         return self.reason is not None
 
     def fold_started(self) -> None:
@@ -52,9 +53,9 @@ class StopControl:
         on the side of stopping early), not from the previous fold's last epoch and evaluation."""
         self._last_boundary = self._clock()
 
-    def request(self, reason: str) -> None:
+    def request(self, reason: StopReason | str) -> None:
         if self.reason is None:
-            self.reason = reason
+            self.reason = StopReason(reason)  # a member, or the string one was written as
 
     @property
     def elapsed_seconds(self) -> float:
@@ -69,12 +70,12 @@ class StopControl:
         reason from the loop's result.
         """
         def handler(signum, frame):  # noqa: ARG001 - signal handler signature
-            name = stop_signals.name(signum)
+            reason = StopReason.from_signal(signum)
             if self.reason is None:
                 # The message explains why nothing stops at once.
-                stop_signals.say(f"{name}: stopping at the next step (checkpoint written there); the next "
+                stop_signals.say(f"{reason}: stopping at the next step (checkpoint written there); the next "
                                  "invocation continues")
-            self.request(name)
+            self.request(reason)
 
         with stop_signals.handled(stop_signals.SCHEDULER_SIGNALS, handler):
             yield self

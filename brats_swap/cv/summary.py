@@ -12,12 +12,11 @@ from __future__ import annotations
 import csv
 import math
 import statistics
-from datetime import datetime, timezone
 from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.cv.fold_progress import FoldState
-from brats_swap.data.editions import REGIONS
+from brats_swap.data.challenges import REGIONS
 from brats_swap.errors import DataError
 from brats_swap.evaluate.official import (
     json_safe,
@@ -32,14 +31,11 @@ from brats_swap.run.dice import dice_column, regions_of_columns
 from brats_swap.run.figures import dice_boxplot
 from brats_swap.run.folder import POSTPROCESSING_FILE, RunFolder
 from brats_swap.run.summary_stats import STD_NOTE, sample_std
+from brats_swap.timestamps import utc_now
 
 METRICS = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
 CASE_COLUMNS = ("case_id", "case", "subject")
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def metric_columns(regions: tuple[str, ...] = REGIONS) -> list[str]:

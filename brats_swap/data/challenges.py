@@ -25,6 +25,11 @@ region owns exactly one label (the one not covered by a smaller region inside it
 `brats_swap.model.targets`. WT/TC/ET everywhere, plus RC where the challenge has a resection cavity, plus
 CC for PED (TC holds NETC and CC, which WT/TC/ET alone cannot tell apart), and GTV for MEN-RT.
 
+One word: a *challenge* is an entry of this table and its key (the legacy years included: "the BraTS 2021
+challenge"). The config keeps its two historical keys, `data.edition` (a legacy year or "2023") and
+`data.challenge` (a 2023+ key); both force a challenge of this table. The files written keep their
+spelling too: checkpoints and the prepared cache's metadata store the key under "edition".
+
 Case ids (matched case-insensitively, whole id): `Brats17_*`, `BraTS18_*` ... `BraTS2021_*`,
 `BraTS-GLI-<subject>-<timepoint>` (a timepoint of 100 or more, as the 2024+ post-treatment release numbers
 its scans, means gli-post; otherwise gli), `BraTS-MET-*`, `BraTS-MEN-*`, `BraTS-MEN-RT-*`, `BraTS-PED-*`,
@@ -174,8 +179,10 @@ CHALLENGES.update({
 
 # Other names accepted wherever a key is (the 2023 release's one table is GLI pre-op's).
 ALIASES: dict[str, str] = {"2023": "gli"}
-LEGACY_EDITIONS: tuple[str, ...] = tuple(key for key, spec in CHALLENGES.items() if spec.legacy)
+LEGACY_CHALLENGES: tuple[str, ...] = tuple(key for key, spec in CHALLENGES.items() if spec.legacy)
 MODERN_CHALLENGES: tuple[str, ...] = tuple(key for key, spec in CHALLENGES.items() if not spec.legacy)
+# The keys the config's `data.edition` may force (its schema's `Edition`): the legacy years and the aliases.
+FORCED_EDITIONS: tuple[str, ...] = (*LEGACY_CHALLENGES, *ALIASES)
 
 
 def get_challenge(key: str | ChallengeSpec) -> ChallengeSpec:

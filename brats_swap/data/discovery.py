@@ -37,11 +37,11 @@ from pathlib import Path
 from brats_swap.data.challenges import (
     CANONICAL_MODALITIES,
     CHALLENGES,
+    FORCED_EDITIONS,
     MODERN_CHALLENGES,
     challenge_of_case_id,
     get_challenge,
 )
-from brats_swap.data.editions import EDITIONS
 from brats_swap.data.layouts import Layout, LayoutCase, find_layout
 from brats_swap.errors import DataError
 from brats_swap.names import checked_name
@@ -154,8 +154,8 @@ def _layout_case(entry: LayoutCase, layout: Layout, edition: str, challenge: str
 
 def check_forced_convention(edition: str, challenge: str) -> None:
     """DataError naming the key when `data.edition` / `data.challenge` is unknown or they contradict."""
-    if edition != "auto" and edition not in EDITIONS:
-        raise DataError(f"data.edition: unknown edition {edition!r} (known: auto, {', '.join(EDITIONS)})")
+    if edition != "auto" and edition not in FORCED_EDITIONS:
+        raise DataError(f"data.edition: unknown edition {edition!r} (known: auto, {', '.join(FORCED_EDITIONS)})")
     if challenge != "auto" and challenge not in MODERN_CHALLENGES:
         raise DataError(f"data.challenge: unknown challenge {challenge!r} "
                         f"(known: auto, {', '.join(MODERN_CHALLENGES)})")

@@ -35,9 +35,8 @@ from rich.progress import Progress
 from brats_swap.atomic import atomic_path
 from brats_swap.config import Config
 from brats_swap.data.cache import load_prepared
-from brats_swap.data.challenges import MODERN_CHALLENGES, evaluation_groups
+from brats_swap.data.challenges import MODERN_CHALLENGES, evaluation_groups, get_challenge
 from brats_swap.data.discovery import discover_cases
-from brats_swap.data.editions import get_edition
 from brats_swap.data.nifti import from_table_values, read_volume, save_label_nifti, to_table_values
 from brats_swap.data.preprocess import header_from_meta, probabilities_to_original_grid
 from brats_swap.errors import ConfigError, DataError
@@ -112,10 +111,10 @@ def _read_label(case_id: str, path: Path, edition: str, case=None) -> tuple[np.n
     layout (`case.label_map`) is first read in the table's values."""
     data, affine, header = read_volume(case_id, path, as_float=False)
     if case is not None and case.label_map is not None:
-        data = to_table_values(f"case {case_id}: file {path.name}", data, case.label_map, get_edition(edition),
+        data = to_table_values(f"case {case_id}: file {path.name}", data, case.label_map, get_challenge(edition),
                                case.description)
     values = np.unique(data)
-    allowed = {0, *get_edition(edition).label_values}
+    allowed = {0, *get_challenge(edition).label_values}
     unknown = [v for v in values.tolist() if v not in allowed]
     if unknown:
         raise DataError(f"case {case_id}: file {path.name}: label value {unknown[0]} is not one of "

@@ -20,7 +20,7 @@ Safety rules implemented here (both back ends):
 - a storage saved twice (an in-place LeakyReLU saves its output and the next convolution saves the same
   storage as its input) is one record: keyed by the storage impl plus a `StorageWeakRef` (a recycled
   address of a dead storage never matches) and by the version counter (a storage changed in place
-  since is a new record);
+  since is a new record), as `storage_map.StorageMap` keys it (the norm_act recipes use the same map);
 - every handle the executor makes keeps a storage-less "version probe" sharing the saved tensor's
   version counter, so an in-place change after the save raises at unpack exactly as plain autograd
   would: autograd skips its own version check when saved-tensor hooks are installed;
@@ -42,13 +42,13 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.autograd import _unsafe_preserve_version_counter
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from brats_swap.config.schema import MemoryConfig
 from brats_swap.memory.events import Event, EventKind, deliver
 from brats_swap.memory.records import is_param_cast, is_plain_dense
 from brats_swap.memory.rulebook import RECOMPUTE, Entry, Rulebook, SaveFacts
+from brats_swap.memory.storage_map import StorageMap
 
 # Models with a live engine (model -> weak reference to it), set by `engine.MemoryEngine`: the engine's
 # hooks, wrappers and per-step state must not be copied with the model (`recorder.meta_copy` refuses such a
@@ -143,25 +143,15 @@ def recipe_entries(recipe) -> list[Entry]:
     return out
 
 
-class StorageIndex:
+class StorageIndex(StorageMap[Entry]):
     """The live entry of each saved storage, so every save of one storage is one record."""
-
-    def __init__(self):
-        self._by_key: dict[int, tuple[StorageWeakRef, int, Entry]] = {}
 
     def find(self, t: torch.Tensor) -> Entry | None:
         """The entry of `t`'s storage at `t`'s current version, if it is alive in this step."""
-        hit = self._by_key.get(t.untyped_storage()._cdata)
-        if hit is None:
-            return None
-        weak, version, entry = hit
-        if weak.expired() or version != t._version or entry.alive == 0:
-            return None
-        return entry
+        entry = self.get(t)
+        return None if entry is None or entry.alive == 0 else entry
 
-    def add(self, t: torch.Tensor, entry: Entry) -> None:
-        storage = t.untyped_storage()
-        self._by_key[storage._cdata] = (StorageWeakRef(storage), t._version, entry)
+    add = StorageMap.put
 
 
 class RecentRebuilds:

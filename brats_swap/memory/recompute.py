@@ -74,10 +74,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.modules.module as torch_module
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from brats_swap.memory.records import module_matches
+from brats_swap.memory.storage_map import StorageMap
 
 ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
     nn.LeakyReLU, nn.ReLU, nn.ReLU6, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish,
@@ -324,13 +324,6 @@ def _convolution_output(x) -> bool:
 
 
 @dataclass
-class _Entry:
-    weak: StorageWeakRef
-    version: int
-    recipe: Recipe
-
-
-@dataclass
 class _InplacePending:
     """An in-place activation/dropout is running on a recipe tensor: its save arrives before its hook."""
 
@@ -362,7 +355,7 @@ class NormActRecipes:
     def __init__(self, model: nn.Module, engine):
         self.engine = engine
         self.active = False  # only during the engine's forward
-        self.registry: dict[int, _Entry] = {}
+        self.registry: StorageMap[Recipe] = StorageMap()  # the recipe of each output made recomputable
         self.pending: _InplacePending | None = None
         self.recognised: dict[str, str] = {}  # module name -> "norm" | "act" | "dropout" | "resize"
         self.skipped: dict[str, str] = {}
@@ -396,33 +389,28 @@ class NormActRecipes:
 
     def reset(self) -> None:
         """Forget every recipe not referenced by a saved tensor and the reasons (at the end of each forward)."""
-        self.registry = {}
+        self.registry = StorageMap()
         self.pending = None
         self.skipped = {}
         self._calls = {}
 
     # The engine asks this for every new storage it is about to save.
     def recipe_for(self, t: torch.Tensor) -> Recipe | None:
-        cdata = t.untyped_storage()._cdata
-        entry = self.registry.get(cdata)
-        if entry is not None and not entry.weak.expired() and entry.version == t._version:
-            return entry.recipe
+        recipe = self.registry.get(t)
+        if recipe is not None:
+            return recipe
         pending = self.pending
-        if pending is not None and pending.cdata == cdata and t._version > pending.version:
+        if pending is not None and pending.cdata == t.untyped_storage()._cdata and t._version > pending.version:
             recipe = pending.make(t)
             self._register(t, recipe)
             return recipe
         return None
 
     def _register(self, out: torch.Tensor, recipe: Recipe) -> None:
-        storage = out.untyped_storage()
-        self.registry[storage._cdata] = _Entry(StorageWeakRef(storage), out._version, recipe)
+        self.registry.put(out, recipe)
 
     def _lookup(self, t: torch.Tensor) -> Recipe | None:
-        entry = self.registry.get(t.untyped_storage()._cdata)
-        if entry is None or entry.weak.expired() or entry.version != t._version:
-            return None
-        return entry.recipe
+        return self.registry.get(t)
 
     def _skip(self, name: str, reason: str) -> None:
         self.skipped.setdefault(name, reason)

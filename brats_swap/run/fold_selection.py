@@ -4,6 +4,9 @@
 that picks folds (cv, evaluate, predict, compare) parses it here, so the same text means the same folds.
 `all-cases` is the one model trained on every case (nnU-Net's fold `all`, folder `fold_all/`): spelled
 apart from `all`, so that "every fold" and "the model of every case" cannot be mistaken for each other.
+
+The one exception left is `compare --folds K`, which for one release still means the first K folds (with
+a notice): see `compare_fold_selection`.
 """
 
 from __future__ import annotations
@@ -55,14 +58,25 @@ def resolve_folds(selection: FoldSelection, n_folds: int, option: str = "--fold"
     return chosen
 
 
-def compare_fold_selection(selection: str) -> str | int | list[int]:
-    """`compare --folds`: as `parse_fold_selection`, except that a bare number K keeps the meaning it had
-    before fold selection had one spelling, "the first K folds" (returned as the int K; `run_compare`
-    reads an int as a count). One fold is written "K," there."""
+def compare_fold_selection(selection: str) -> tuple[str | list[int], str | None]:
+    """`compare --folds`: the folds `parse_fold_selection` reads, and a notice (else None).
+
+    A bare number K is the one spelling whose meaning differed: in `compare` it meant "the first K folds",
+    everywhere else fold K. For one more release it keeps its `compare` meaning, with a one-line notice
+    naming the spelling that says it in the one meaning (`0,...,K-1`); "K," (one fold) and lists already
+    mean what they mean everywhere.
+    """
     text = selection.strip()
-    if text.isdigit():
-        return int(text)
-    return parse_fold_selection(selection)
+    if not text.isdigit():
+        return parse_fold_selection(selection), None
+    count = int(text)
+    if count < 1:
+        raise ConfigError(f"--folds {selection!r}: expected 'all', a fold number or numbers like 0,2")
+    first = list(range(count))
+    spelled = ",".join(map(str, first)) + ("," if count == 1 else "")
+    return first, (f"compare --folds {count}: read as the first {count} fold(s), as a bare number meant in compare "
+                   f"before; write --folds {spelled} (from the next release --folds {count} is fold {count}, "
+                   "as in cv)")
 
 
 __all__ = ["ALL_CASES", "ALL_FOLDS", "FoldSelection", "compare_fold_selection", "parse_fold_selection", "resolve_folds"]

@@ -98,6 +98,7 @@ from brats_swap.run.environment import environment_record
 from brats_swap.run.folder import FoldFolder, RunFolder
 from brats_swap.run.inference import predict_cube
 from brats_swap.splits import fold_cases, load_run_splits, prepared_case_ids
+from brats_swap.stop_reasons import StopReason
 from brats_swap.train.data import LoaderBatch, TrainData, build_train_data, run_table
 from brats_swap.train.losses import SegmentationLoss, training_loss, weighted_dice_loss
 from brats_swap.train.optim import (
@@ -181,15 +182,17 @@ class StopSignals:
     NONE, STOP, INTERRUPT = 0, 1, 2  # ordered: the max over ranks is what every rank does
 
     def __init__(self) -> None:
+        # A StopReason's value, as a plain string: the result carries it out (a torch.save of it must load
+        # with weights_only, which refuses the enum's class).
         self.requested: str | None = None
         self._installed = contextlib.ExitStack()
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
-        if self.requested == "SIGINT" and signum == signal.SIGINT:
+        if self.requested == StopReason.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self.requested is not None and signum != signal.SIGINT:
             return  # already stopping
-        self.requested = stop_signals.name(signum)
+        self.requested = StopReason.from_signal(signum).value
         hint = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
         stop_signals.say(f"{self.requested}: finishing this step and saving checkpoint_latest.pt{hint}")
 
@@ -197,7 +200,7 @@ class StopSignals:
     def level(self) -> int:
         if self.requested is None:
             return self.NONE
-        return self.INTERRUPT if self.requested == "SIGINT" else self.STOP
+        return self.INTERRUPT if StopReason(self.requested).is_interrupt else self.STOP
 
     def agreed(self, ctx: DistContext) -> int:
         """This step's decision, the same on every rank (a collective when distributed)."""

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from brats_swap.data.challenges import CANONICAL_MODALITIES
 from brats_swap.data.discovery import Case
-from brats_swap.data.editions import CANONICAL_MODALITIES
 from brats_swap.data.nifti import load_case, read_volume
 from brats_swap.errors import BratsSwapError
 
