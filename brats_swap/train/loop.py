@@ -380,6 +380,7 @@ class FoldRecipe:
             self.interrupted = True
         finally:
             self.train_seconds = time.perf_counter() - started
+            self.data.close()  # an error leaves loader workers running (`WorkerLoader`): end them now
             self.engine.close()  # hooks and recompute wrappers off: the model is plain again
             self.log.close()
         return self.finish()
