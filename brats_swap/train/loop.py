@@ -96,7 +96,7 @@ from brats_swap.run.dice import dice_column, region_dice
 from brats_swap.run.environment import environment_record
 from brats_swap.run.folder import FoldFolder, RunFolder
 from brats_swap.run.inference import predict_cube
-from brats_swap.splits import fold_cases, load_run_splits, prepared_case_ids
+from brats_swap.splits import fold_cases, labelled_case_ids, load_run_splits
 from brats_swap.train.data import TrainData, build_train_data, run_table
 from brats_swap.train.losses import SegmentationLoss, training_loss, weighted_dice_loss
 from brats_swap.train.optim import (
@@ -406,7 +406,7 @@ class FoldRecipe:
     def _prepare_run_folder(self) -> tuple[list[str], list[str]]:
         """Rank 0 writes config.yaml (once), env.json and the fold folder; the splits; the data's edition."""
         cache = Path(self.config.data.cache)
-        case_ids = prepared_case_ids(cache)
+        case_ids = labelled_case_ids(cache)  # unlabelled cases are for prediction only
         # Outputs and regions follow the cases' label table; a bad model.regions stops here, before any write.
         self.edition = run_table(cache, case_ids, self.config.data)
         self.regions = run_regions(self.edition, self.config.model)

@@ -1,0 +1,99 @@
+"""The first hour, second round: an error in a training step with loader workers alive ends the process at
+once, cases without a segmentation stay out of the folds, and the friction a new user met."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from layout_helpers import to_nnunet_brats21
+
+from brats_swap.data.phantom import synthesize_dataset
+
+PHANTOM = (40, 40, 32)
+# A 16³ cube, a U-Net one level shallower, one step: the cheapest training a step-1 error can interrupt.
+TINY_TRAIN = ["data.cube=[16,16,16]", "model.depth=4", "model.base_filters=4", "train.max_epochs=1",
+              "train.steps_per_epoch=2", "train.device=cpu", "cv.folds=2", "evaluate.hd95=false"]
+
+# `brats-swap train` with its step replaced by one that raises at step 1 (after writing the pids of the
+# loader workers it runs with), as a NaN loss or a bad case would.
+FAILING_STEP = """
+import json, multiprocessing, pathlib, sys
+from brats_swap.errors import NumericalError
+from brats_swap.train import loop
+
+pid_file = pathlib.Path(sys.argv[1])
+
+def failing_step(self, batch):
+    pid_file.write_text(json.dumps([p.pid for p in multiprocessing.active_children()]))
+    raise NumericalError(f"{self.folder.root}: injected failure at step 1")
+
+loop.FoldRecipe.train_step = failing_step
+sys.argv = ["brats-swap", *sys.argv[2:]]
+from brats_swap.cli.main import main
+main()
+"""
+
+
+def _brats_layout(base: Path) -> tuple[Path, str]:
+    """Four BraTS 2021 phantoms, the last without its segmentation; (folder, the unlabelled case)."""
+    root = base / "brats"
+    ids = synthesize_dataset(root, 4, seed=0, shape=PHANTOM)
+    for seg in (root / ids[-1]).glob("*_seg.nii.gz"):
+        seg.unlink()
+    return root, ids[-1]
+
+
+def _nnunet_layout(base: Path) -> tuple[Path, str]:
+    """An nnU-Net raw dataset (Dataset137_BraTS21's conversion) with one case moved to imagesTs/."""
+    brats = base / "brats-source"
+    ids = synthesize_dataset(brats, 4, seed=0, shape=PHANTOM)
+    root = to_nnunet_brats21(brats, base / "Dataset137_BraTS21")
+    (root / "imagesTs").mkdir()
+    for image in (root / "imagesTr").glob(f"{ids[-1]}_*.nii.gz"):
+        image.rename(root / "imagesTs" / image.name)
+    (root / "labelsTr" / f"{ids[-1]}.nii.gz").unlink()
+    return root, ids[-1]
+
+
+LAYOUTS = {"brats": _brats_layout, "nnunet": _nnunet_layout}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_error_at_step_1_with_two_loader_workers_ends_the_process_at_once(layout, tmp_path):
+    root, unlabelled = LAYOUTS[layout](tmp_path)
+    run, pids = tmp_path / "run", tmp_path / "workers.json"
+    overrides = [f"data.root={root}", f"data.cache={tmp_path / 'cache'}", "data.loader_workers=2", *TINY_TRAIN]
+    command = [sys.executable, "-c", FAILING_STEP, str(pids), "train", "--run", str(run),
+               *(arg for o in overrides for arg in ("--set", o))]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, env={**os.environ, "COLUMNS": "200"})
+    try:
+        out, err = child.communicate(timeout=90)  # seconds of work; before the fix it waited forever
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        pytest.fail("train did not exit after the step's error (it waits for its loader workers)")
+    assert child.returncode == 1, err
+    assert "Traceback" not in err and "injected failure at step 1" in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == \
+        [f"error: {run / 'fold_0'}: injected failure at step 1"]
+    workers = json.loads(pids.read_text())
+    assert len(workers) == 2 and not any(_alive(pid) for pid in workers)  # no orphaned worker
+    folds = json.loads((run / "splits.json").read_text())["folds"]
+    in_folds = {case for fold in folds for case in (*fold["train"], *fold["val"])}
+    assert len(in_folds) == 3 and unlabelled not in in_folds
