@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from layout_helpers import to_nnunet_brats21
 
+from brats_swap.config import load_config
+from brats_swap.data.cache import prepare_dataset
 from brats_swap.data.phantom import synthesize_dataset
 
 PHANTOM = (40, 40, 32)
@@ -21,21 +23,37 @@ PHANTOM = (40, 40, 32)
 TINY_TRAIN = ["data.cube=[16,16,16]", "model.depth=4", "model.base_filters=4", "train.max_epochs=1",
               "train.steps_per_epoch=2", "train.device=cpu", "cv.folds=2", "evaluate.hd95=false"]
 
-# `brats-swap train` with its step replaced by one that raises at step 1 (after writing the pids of the
-# loader workers it runs with), as a NaN loss or a bad case would.
-FAILING_STEP = """
-import json, multiprocessing, pathlib, sys
-from brats_swap.errors import NumericalError
-from brats_swap.train import loop
+# `brats-swap train` with an error at step 1, raised in the step (main process) or in a loader worker (as a bad
+# case would); the pids of the training loader's workers are written to argv[1]. The step's error is held in a
+# reference cycle (its frame holds it), as any `error = ...; raise error` is: nothing frees it before exit.
+FAILING_RUN = """
+import json, pathlib, sys
+import torch.utils.data
+from brats_swap.errors import DataError, NumericalError
+from brats_swap.train import data, loop
 
-pid_file = pathlib.Path(sys.argv[1])
+pid_file, where = pathlib.Path(sys.argv[1]), sys.argv[2]
+started = torch.utils.data.DataLoader.__iter__
+
+def recording_iter(self):
+    iterator = started(self)
+    if not pid_file.exists():  # the first pass: the training loader's
+        pid_file.write_text(json.dumps([w.pid for w in getattr(iterator, "_workers", [])]))
+    return iterator
 
 def failing_step(self, batch):
-    pid_file.write_text(json.dumps([p.pid for p in multiprocessing.active_children()]))
-    raise NumericalError(f"{self.folder.root}: injected failure at step 1")
+    error = NumericalError(f"{self.folder.root}: injected failure at step 1")
+    raise error
 
-loop.FoldRecipe.train_step = failing_step
-sys.argv = ["brats-swap", *sys.argv[2:]]
+def failing_sample(self, key):
+    raise DataError(f"{self.cache}: injected failure of a sample at step 1")
+
+torch.utils.data.DataLoader.__iter__ = recording_iter
+if where == "step":
+    loop.FoldRecipe.train_step = failing_step
+else:
+    data.CubeDataset.__getitem__ = failing_sample
+sys.argv = ["brats-swap", *sys.argv[3:]]
 from brats_swap.cli.main import main
 main()
 """
@@ -73,25 +91,28 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_an_error_at_step_1_with_two_loader_workers_ends_the_process_at_once(layout, tmp_path):
+@pytest.mark.parametrize(("layout", "where"), [("brats", "step"), ("nnunet", "worker")])
+def test_an_error_at_step_1_with_two_loader_workers_ends_the_process_at_once(layout, where, tmp_path):
     root, unlabelled = LAYOUTS[layout](tmp_path)
     run, pids = tmp_path / "run", tmp_path / "workers.json"
     overrides = [f"data.root={root}", f"data.cache={tmp_path / 'cache'}", "data.loader_workers=2", *TINY_TRAIN]
-    command = [sys.executable, "-c", FAILING_STEP, str(pids), "train", "--run", str(run),
+    config = load_config(None, overrides)
+    prepare_dataset(root, config.data.cache, config.data, workers=1, progress=False)  # in-process: cheaper
+    command = [sys.executable, "-c", FAILING_RUN, str(pids), where, "train", "--run", str(run),
                *(arg for o in overrides for arg in ("--set", o))]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True, env={**os.environ, "COLUMNS": "200"})
     try:
-        out, err = child.communicate(timeout=90)  # seconds of work; before the fix it waited forever
+        out, err = child.communicate(timeout=60)  # seconds of work; before the fix it waited forever
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.communicate()
         pytest.fail("train did not exit after the step's error (it waits for its loader workers)")
     assert child.returncode == 1, err
-    assert "Traceback" not in err and "injected failure at step 1" in err
-    assert [line for line in err.splitlines() if line.startswith("error:")] == \
-        [f"error: {run / 'fold_0'}: injected failure at step 1"]
+    expected = (f"error: {run / 'fold_0'}: injected failure at step 1" if where == "step" else
+                f"error: {tmp_path / 'cache'}: injected failure of a sample at step 1")
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [expected]
     workers = json.loads(pids.read_text())
     assert len(workers) == 2 and not any(_alive(pid) for pid in workers)  # no orphaned worker
     folds = json.loads((run / "splits.json").read_text())["folds"]
