@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,10 +12,14 @@ from pathlib import Path
 
 import pytest
 from layout_helpers import to_nnunet_brats21
+from train_helpers import SMALL, small_dataset, tiny_config
 
+from brats_swap import progress
 from brats_swap.config import load_config
+from brats_swap.cv.status_report import run_status
 from brats_swap.data.cache import prepare_dataset
 from brats_swap.data.phantom import synthesize_dataset
+from brats_swap.train.loop import train_fold
 
 PHANTOM = (40, 40, 32)
 # A 16³ cube, a U-Net one level shallower, one step: the cheapest training a step-1 error can interrupt.
@@ -118,3 +121,15 @@ def test_an_error_at_step_1_with_two_loader_workers_ends_the_process_at_once(lay
     folds = json.loads((run / "splits.json").read_text())["folds"]
     in_folds = {case for fold in folds for case in (*fold["train"], *fold["val"])}
     assert len(in_folds) == 3 and unlabelled not in in_folds
+    # cv --status: the fold failed, with its error line (not "not started")
+    assert run_status(run)[0].line() == f"fold 0: {expected.replace('error:', 'failed:', 1)}"
+    assert f"{expected}" in (run / "fold_0" / "train.log").read_text()
+
+
+def test_train_log_gets_the_progress_lines_inside_an_epoch(tmp_path_factory, tmp_path, monkeypatch):
+    monkeypatch.setattr(progress.ProgressLines.__init__, "__kwdefaults__",
+                        {**progress.ProgressLines.__init__.__kwdefaults__, "every_s": 0.0})
+    train_fold(tiny_config(*small_dataset(tmp_path_factory), *SMALL, "train.steps_per_epoch=3"), tmp_path / "run",
+               0, progress=False)
+    log = (tmp_path / "run" / "fold_0" / "train.log").read_text()
+    assert "epoch 1/1 step 1/3, " in log and "epoch 1/1 step 2/3, " in log

@@ -14,7 +14,6 @@ from brats_swap.data.nifti import is_foreign_labels, load_case
 from brats_swap.data.preprocess import cropped_label_voxels, describe_cropped
 from brats_swap.errors import DataError
 
-
 UNLABELLED_NOTE = "no segmentation: for prediction only"
 
 

@@ -44,6 +44,7 @@ LATEST = "checkpoint_latest.pt"
 PREVIOUS = "checkpoint_prev.pt"
 BEST = "checkpoint_best.pt"
 IMPORTED = "checkpoint_nnunet.pt"  # weights of an imported nnU-Net fold (`import-nnunet`), where fine-tuning starts
+FAILURE = "failed.txt"
 TRAIN_LOG = "train.log"
 TENSORBOARD_DIR = "tb"
 STATE_FILE = "state.json"
@@ -100,6 +101,11 @@ class FoldFolder:
     @property
     def train_log(self) -> Path:
         return self.root / TRAIN_LOG
+
+    @property
+    def failure(self) -> Path:
+        """The error line that ended the fold's last training call (absent once a call starts again)."""
+        return self.root / FAILURE
 
     @property
     def tensorboard(self) -> Path:
