@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 from layout_helpers import to_nnunet_brats21
 from train_helpers import SMALL, small_dataset, tiny_config
+from typer.testing import CliRunner
 
 from brats_swap import progress
+from brats_swap.cli.main import app
 from brats_swap.config import load_config
 from brats_swap.cv.status_report import run_status
 from brats_swap.data.cache import prepare_dataset
@@ -133,3 +135,18 @@ def test_train_log_gets_the_progress_lines_inside_an_epoch(tmp_path_factory, tmp
                0, progress=False)
     log = (tmp_path / "run" / "fold_0" / "train.log").read_text()
     assert "epoch 1/1 step 1/3, " in log and "epoch 1/1 step 2/3, " in log
+
+
+def test_resume_of_a_run_folder_that_does_not_exist_says_so(tmp_path):
+    result = CliRunner().invoke(app, ["train", "--run", str(tmp_path / "nothere"), "--resume"])
+    assert result.exit_code == 2
+    assert f"no run folder {tmp_path / 'nothere'}" in " ".join(result.output.split())
+    assert not (tmp_path / "nothere").exists()
+
+
+def test_a_failed_start_leaves_no_folder_holding_only_lock_files(tmp_path):
+    run = tmp_path / "runs" / "new"
+    result = CliRunner().invoke(app, ["train", "--run", str(run), "--set", f"data.root={tmp_path / 'missing'}",
+                                      "--set", f"data.cache={tmp_path / 'cache'}"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert not run.exists()

@@ -18,6 +18,8 @@ cheap to create anywhere (CLI, training, evaluation, cv) and safe to pass betwee
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +179,24 @@ class RunFolder:
 
     def fold(self, k: int) -> FoldFolder:
         return FoldFolder(self.root / f"{FOLD_PREFIX}{int(k)}", int(k))
+
+    @contextlib.contextmanager
+    def removed_if_start_fails(self) -> Iterator[None]:
+        """For a call that may create this run folder: when the block fails and the folder it created holds
+        nothing but lock files (`.lock`, `.fold_<k>.lock`: the start failed before any work), remove them and
+        it, so a mistyped start leaves no folder behind. Only what this call created goes."""
+        existed = self.root.exists()
+        try:
+            yield
+        except BaseException:
+            if not existed and self.root.is_dir():
+                entries = list(self.root.iterdir())
+                if all(e.is_file() and e.name.startswith(".") and e.name.endswith(".lock") for e in entries):
+                    for entry in entries:
+                        entry.unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        self.root.rmdir()
+            raise
 
     def existing_folds(self) -> list[int]:
         """Fold indices that have a `fold_<k>/` folder, sorted."""
