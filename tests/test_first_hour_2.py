@@ -21,6 +21,7 @@ from brats_swap.config import load_config
 from brats_swap.cv.status_report import run_status
 from brats_swap.data.cache import prepare_dataset
 from brats_swap.data.phantom import synthesize_dataset
+from brats_swap.errors import ConfigError
 from brats_swap.train.loop import train_fold
 
 PHANTOM = (40, 40, 32)
@@ -150,3 +151,12 @@ def test_a_failed_start_leaves_no_folder_holding_only_lock_files(tmp_path):
                                       "--set", f"data.cache={tmp_path / 'cache'}"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert not run.exists()
+
+
+def test_a_yaml_error_says_the_parsers_reason_line_and_column(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  lr: [1, 2\nseed: 3\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, [])
+    assert str(caught.value) == (f"{path}: not valid YAML at line 3, column 5: expected ',' or ']', but got ':' "
+                                 "(while parsing a flow sequence that starts at line 2, column 7)")
