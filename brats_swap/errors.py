@@ -85,3 +85,15 @@ class DiskError(BratsSwapError, OSError):
 
     def __str__(self) -> str:
         return self.args[0]
+
+
+def user_message(exc: BaseException) -> str:
+    """The error's own message. A DataLoader worker re-raises the worker's error with the worker's whole
+    traceback as the message ("Caught DataError in DataLoader worker process 0. Original Traceback ...");
+    its last line is the original one-line message."""
+    text = str(exc)
+    if "DataLoader worker process" not in text or "Traceback" not in text:
+        return text
+    last = [line for line in text.splitlines() if line.strip()][-1]
+    prefix = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+    return last[len(prefix):] if last.startswith(prefix) else last

@@ -26,17 +26,19 @@ def progress_bar(description: str = "{task.description}", *extra_columns: Progre
 
 
 class ProgressLines:
-    """What a bar shows, as plain lines, for output that is not a terminal (SLURM logs, CI, a pipe).
+    """What a bar shows, as plain lines, for output that is not a terminal (SLURM logs, CI, a pipe) and for a
+    log file (`log`).
 
     A rich bar draws nothing there, so an epoch would be silent until it ends. `update` prints one line after
     the first step (training started, and at what speed) and then one whenever `every_s` seconds have passed
     since the last line; the last step prints nothing (the caller's end-of-work line follows).
     """
 
-    def __init__(self, description: str, total: int, *, console: Console, every_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, description: str, total: int, *, console: Console | None, every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] | None = None) -> None:
         self.description, self.total, self.console, self.every_s, self._clock = (
             description, total, console, every_s, clock)
+        self.log = log  # also written here (train.log: `tail -f` shows the epoch moving); None: console only
         self._started = clock()
         self._last_line: float | None = None
         self._first_done: int | None = None
@@ -54,7 +56,10 @@ class ProgressLines:
         remaining = elapsed / done_here * (self.total - completed)
         line = (f"{self.description} step {completed}/{self.total}, {_clock_time(elapsed)} elapsed, "
                 f"about {_clock_time(remaining)} left" + (f"  {info}" if info else ""))
-        self.console.print(line)  # the consoles of run/console.py print plain, unwrapped lines
+        if self.console is not None:
+            self.console.print(line)  # the consoles of run/console.py print plain, unwrapped lines
+        if self.log is not None:
+            self.log(line)
 
 
 def _clock_time(seconds: float) -> str:

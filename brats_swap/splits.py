@@ -3,6 +3,9 @@
 Made once per run folder (seeded shuffle of the case ids, grouped by subject so that follow-up scans of
 one patient never straddle train and validation), then read back on every later command. A user may
 edit the file by hand; it is respected as long as it names only known cases.
+
+Only cases with a segmentation enter the folds (`labelled_case_ids`): a case prepared without one (an
+nnU-Net `imagesTs/`, a BraTS validation case) is for prediction only.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json
 from brats_swap.config import Config
-from brats_swap.data.cache import list_prepared
+from brats_swap.data.cache import list_prepared, load_prepared
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
 
@@ -44,14 +47,21 @@ def make_splits(case_ids: list[str], folds: int, seed: int) -> dict:
     return {"seed": seed, "folds": entries}
 
 
-def load_or_create_splits(run: RunFolder | Path, case_ids: list[str], folds: int, seed: int) -> dict:
-    """Read the run's `splits.json` if present (checking it), else create and write it atomically."""
+def load_or_create_splits(run: RunFolder | Path, case_ids: list[str], folds: int, seed: int,
+                          cache: str | Path | None = None) -> dict:
+    """Read the run's `splits.json` if present (checking it), else create and write it atomically.
+
+    `case_ids` are the cases a fold may hold; a case of an existing file outside them that `cache` holds
+    without a segmentation is named as such (an older or hand-made splits.json)."""
     path = RunFolder.of(run).splits
     if path.exists():
         splits = read_splits(path)
         known = set(case_ids)
         for k, entry in enumerate(splits["folds"]):
             unknown = sorted((set(entry["train"]) | set(entry["val"])) - known)
+            if unknown and cache is not None and unknown[0] in unlabelled_case_ids(cache):
+                raise DataError(f"{path}: fold {k} names case {unknown[0]!r}, which has no segmentation (it is for "
+                                "prediction only); remove it from the file, or train in a new --run folder")
             if unknown:
                 raise DataError(f"{path}: fold {k} names case {unknown[0]!r} that is not in the prepared data")
         return splits
@@ -60,9 +70,7 @@ def load_or_create_splits(run: RunFolder | Path, case_ids: list[str], folds: int
     return splits
 
 
-def prepared_case_ids(cache: str | Path) -> list[str]:
-    """The cases prepared in `cache` (data.cache), the ones a run's splits are made of; DataError if none."""
-    cache = Path(cache)
+def _prepared(cache: Path) -> list[str]:
     case_ids = list_prepared(cache) if cache.exists() else []
     if not case_ids:
         raise DataError(f"{cache}: no prepared cases (data.cache); prepare data.root into it first "
@@ -70,12 +78,34 @@ def prepared_case_ids(cache: str | Path) -> list[str]:
     return case_ids
 
 
+def _has_label(cache: Path, case_id: str) -> bool:
+    return load_prepared(cache, case_id).label is not None
+
+
+def labelled_case_ids(cache: str | Path) -> list[str]:
+    """The cases prepared in `cache` (data.cache) with a segmentation: the ones a run's splits are made of.
+    DataError if there are none (the unlabelled ones are for prediction only)."""
+    cache = Path(cache)
+    prepared = _prepared(cache)
+    labelled = [case_id for case_id in prepared if _has_label(cache, case_id)]
+    if not labelled:
+        raise DataError(f"{cache}: none of the {len(prepared)} prepared case(s) has a segmentation; they are for "
+                        "prediction only (`brats-swap predict`), training needs labelled cases")
+    return labelled
+
+
+def unlabelled_case_ids(cache: str | Path) -> list[str]:
+    """The cases prepared in `cache` without a segmentation: for prediction only, never in a fold."""
+    cache = Path(cache)
+    return [case_id for case_id in _prepared(cache) if not _has_label(cache, case_id)]
+
+
 def load_run_splits(config: Config, run: RunFolder | Path, case_ids: list[str] | None = None) -> dict:
     """The run's splits.json, made once (`config.cv.folds` folds seeded by `config.seed`) from `case_ids`,
-    by default the prepared cache's (`prepared_case_ids`)."""
+    by default the prepared cache's labelled cases (`labelled_case_ids`)."""
     if case_ids is None:
-        case_ids = prepared_case_ids(config.data.cache)
-    return load_or_create_splits(run, case_ids, config.cv.folds, config.seed)
+        case_ids = labelled_case_ids(config.data.cache)
+    return load_or_create_splits(run, case_ids, config.cv.folds, config.seed, cache=config.data.cache)
 
 
 def read_splits(path: Path) -> dict:

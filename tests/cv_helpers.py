@@ -122,6 +122,7 @@ def install_fake_training(monkeypatch, tmp_path: Path) -> FakeTraining:
     monkeypatch.setattr(runner, "train_fold", training.train_fold)
     monkeypatch.setattr(runner, "evaluate_fold", training.evaluate_fold)
     monkeypatch.setattr(splits, "list_prepared", lambda cache: list(CASE_IDS))
+    monkeypatch.setattr(splits, "_has_label", lambda cache, case_id: True)  # the scripted cases are labelled
     monkeypatch.setattr(train_data, "prepare_missing", lambda data_cfg, **_: PrepareReport(
         cache=Path(data_cfg.cache), up_to_date=list(CASE_IDS)))
     (tmp_path / "cache").mkdir()

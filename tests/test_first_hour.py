@@ -72,7 +72,7 @@ def test_a_loss_other_than_validations_is_named_in_the_log_tensorboard_and_summa
     config = tiny_config(*data, *SMALL, "train.loss=dice_bce")
     run = tmp_path / "run"
     result = train_fold(config, run, 0, progress=False)
-    epoch_line = next(line for line in (run / "fold_0" / "train.log").read_text().splitlines() if "epoch 1/1" in line)
+    epoch_line = next(line for line in (run / "fold_0" / "train.log").read_text().splitlines() if "epoch 1/1  train_loss" in line)
     assert "train_loss(dice_bce) " in epoch_line and "val_loss(dice) " in epoch_line
     assert " train_loss " not in epoch_line and " val_loss " not in epoch_line
     tags = tensorboard_scalars(run / "fold_0" / "tb")

@@ -15,7 +15,13 @@ from rich.markup import escape
 
 from brats_swap.atomic import DISK_PROBLEMS
 from brats_swap.config import Config, load_config
-from brats_swap.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OUT_OF_MEMORY, BratsSwapError
+from brats_swap.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OUT_OF_MEMORY,
+    BratsSwapError,
+    user_message,
+)
 from brats_swap.run.console import console as stderr_console
 from brats_swap.run.console import warn
 from brats_swap.run.folder import RunFolder
@@ -82,7 +88,7 @@ def handle_errors(func: F) -> F:
         except BratsSwapError as exc:
             if DEBUG["enabled"]:
                 traceback.print_exc(file=sys.stderr)
-            raise fail(_one_line(_user_message(exc)), exc.exit_code) from None
+            raise fail(_one_line(user_message(exc)), exc.exit_code) from None
         except KeyboardInterrupt:
             if DEBUG["enabled"]:
                 traceback.print_exc(file=sys.stderr)
@@ -115,18 +121,6 @@ def handle_errors(func: F) -> F:
                        EXIT_OUT_OF_MEMORY) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-def _user_message(exc: BaseException) -> str:
-    """The error's own message. A DataLoader worker re-raises the worker's error with the worker's whole
-    traceback as the message ("Caught DataError in DataLoader worker process 0. Original Traceback ...");
-    its last line is the original one-line message."""
-    text = str(exc)
-    if "DataLoader worker process" not in text or "Traceback" not in text:
-        return text
-    last = [line for line in text.splitlines() if line.strip()][-1]
-    prefix = f"{type(exc).__module__}.{type(exc).__qualname__}: "
-    return last[len(prefix):] if last.startswith(prefix) else last
 
 
 def _is_device_oom(exc: BaseException) -> bool:

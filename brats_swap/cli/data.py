@@ -40,7 +40,7 @@ StrictOption = Annotated[bool, flag("--strict/--no-strict", "Any bad case is an 
 def check(root: RootArgument = None, edition: EditionOption = None, challenge: ChallengeOption = None,
           strict: StrictOption = False, config: ConfigOption = None, set_: SetOption = None) -> None:
     """Find and validate every case: label table, shape, spacing, label counts and problems."""
-    from brats_swap.data.check import check_dataset, convention_doubts
+    from brats_swap.data.check import check_dataset, convention_doubts, summary_line
     from brats_swap.data.preprocess import preprocess_settings
 
     cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
@@ -64,8 +64,7 @@ def check(root: RootArgument = None, edition: EditionOption = None, challenge: C
     console.print(_label_tables(sorted({r.edition for r in results})))
     bad = [r for r in results if not r.ok]
     cropped = [r for r in results if r.cropped]
-    console.print(f"{len(results) - len(bad)} usable, {len(bad)} skipped"
-                  + (f", {len(cropped)} lose tumour voxels to the cube" if cropped else ""))
+    console.print(summary_line(results))
     doubts = convention_doubts({r.case_id: r.problem for r in bad}, {r.case_id: r.edition for r in results})
     for line in doubts:
         console.print(f"[yellow]warning:[/] {line}", highlight=False)

@@ -6,6 +6,7 @@ Exit codes: 0 ok (also stopped by SIGTERM/SIGUSR1 with the state saved); 1 bad d
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -56,6 +57,9 @@ def train(
     from brats_swap.train.data import prepare_run_data
 
     fold_k = one_fold(fold)
+    if run is not None and resume and not run.is_dir():
+        raise ConfigError(f"--run {run}: no run folder {run}; --resume continues an existing run (check the path, "
+                          "or leave --resume out to start a new one)")
     if run is not None and resume:  # the run's config.yaml, a --set recorded there (brats_swap/cv/run_config.py)
         from brats_swap.cv.run_config import run_config
 
@@ -107,13 +111,17 @@ def _first_process() -> bool:
     return not launched_by_torchrun() or os.environ["RANK"] == "0"
 
 
+@contextlib.contextmanager
 def _fold_lock_of_this_rank(run_dir: Path, fold: int):
-    """The fold's lock (brats_swap.cv.lock); under torchrun rank 0 holds it for all ranks."""
-    import contextlib
-
+    """The fold's lock (brats_swap.cv.lock); under torchrun rank 0 holds it for all ranks. A start that fails
+    before any work leaves no folder holding only the lock files (`RunFolder.removed_if_start_fails`)."""
     from brats_swap.cv.lock import fold_work
 
-    return fold_work(run_dir, [fold]) if _first_process() else contextlib.nullcontext()
+    if not _first_process():
+        yield
+        return
+    with RunFolder.of(run_dir).removed_if_start_fails(), fold_work(run_dir, [fold]):
+        yield
 
 
 @handle_errors

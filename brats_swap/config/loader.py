@@ -123,14 +123,27 @@ def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
     try:
         loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"{file}: not valid YAML{where}") from exc
+        raise ConfigError(f"{file}: not valid YAML{_yaml_problem(exc)}") from exc
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{file}: a config must be a mapping of sections, got {type(loaded).__name__}")
     return loaded
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's reason and position: " at line L, column C: <problem> (while <context> that starts at line
+    L, column C)"; PyYAML counts lines and columns from 0."""
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    text = f" at {at(mark)}" if mark is not None else ""
+    text += f": {' '.join(str(problem).split())}" if problem else ""
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({' '.join(str(context).split())} that starts at {at(context_mark)})"
+    return text
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -2,7 +2,8 @@
 
 A fold is *done* (trained and evaluated), *running* (a process holds its lock: which pid, host and SLURM
 job), *stopped* (a checkpoint, nobody working on it: the next `cv` or requeued task continues), *trained*
-(waiting for its evaluation) or *not started*. Where there is a checkpoint: its epoch and step and when it
+(waiting for its evaluation), *failed* (its last training call ended with an error: the error's line, from
+`fold_<k>/failed.txt`) or *not started*. Where there is a checkpoint: its epoch and step and when it
 was written. A fold trained by `brats-swap train` has no cv state: its checkpoint says whether it finished,
 and its evaluation report (`brats-swap evaluate`) whether it was evaluated.
 
@@ -28,7 +29,7 @@ from brats_swap.splits import read_splits
 @dataclass
 class FoldStatus:
     fold: int
-    state: str  # done | running | stopped | trained | not started
+    state: str  # done | running | failed: <error line> | stopped | trained | not started
     holder: str = ""  # " (pid P on HOST, SLURM job J)" while running
     epoch: int | None = None  # epochs completed at the last checkpoint
     step_in_epoch: int | None = None  # > 0: the checkpoint is mid-epoch
@@ -64,6 +65,8 @@ def fold_status(run: RunFolder, fold: int) -> FoldStatus:
     elif state.trained or (loaded is not None and loaded[0].get("finished", False)):
         evaluated = state.evaluated or (not state.trained and run.fold(fold).summary_json.exists())
         status.state = "done" if evaluated else "trained, not evaluated"
+    elif run.fold(fold).failure.is_file():
+        status.state = f"failed: {run.fold(fold).failure.read_text(encoding='utf-8', errors='replace').strip()}"
     elif loaded is not None:
         status.state = "stopped"
     return status

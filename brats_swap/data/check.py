@@ -14,6 +14,8 @@ from brats_swap.data.nifti import is_foreign_labels, load_case
 from brats_swap.data.preprocess import cropped_label_voxels, describe_cropped
 from brats_swap.errors import DataError
 
+UNLABELLED_NOTE = "no segmentation: for prediction only"
+
 
 @dataclass
 class CaseCheck:
@@ -29,6 +31,11 @@ class CaseCheck:
     @property
     def ok(self) -> bool:
         return self.problem is None
+
+    @property
+    def unlabelled(self) -> bool:
+        """Usable without a segmentation: for prediction only (the folds leave it out)."""
+        return self.ok and self.label_counts is None
 
 
 def check_dataset(root: str | os.PathLike, edition: str = "auto",
@@ -57,12 +64,27 @@ def check_dataset(root: str | os.PathLike, edition: str = "auto",
                     spec = get_challenge(case.edition)
                     counts = np.bincount(loaded.seg.ravel(), minlength=max(spec.label_values) + 1)
                     result.label_counts = {spec.labels[v]: int(counts[v]) for v in spec.label_values}
+                else:
+                    result.notes.append(UNLABELLED_NOTE)
                 cropped = cropped_label_voxels(loaded, fit_to) if fit_to is not None else {}
                 if cropped:
                     result.cropped = describe_cropped(case.case_id, cropped, fit_to)
             results.append(result)
             bar.advance(task)
     return results
+
+
+def summary_line(results: list[CaseCheck]) -> str:
+    """How many cases are usable, how many of them are unlabelled (for prediction only: training and the folds
+    leave them out), skipped, and cropped by the cube."""
+    bad = sum(not r.ok for r in results)
+    unlabelled = sum(r.unlabelled for r in results)
+    cropped = sum(bool(r.cropped) for r in results)
+    line = f"{len(results) - bad} usable, {bad} skipped"
+    if unlabelled:
+        line += (f"; {unlabelled} of the usable have no segmentation: they are for prediction only (training and "
+                 "the cross-validation folds leave them out)")
+    return line + (f", {cropped} lose tumour voxels to the cube" if cropped else "")
 
 
 def convention_doubts(problems: dict[str, str | None], editions: dict[str, str]) -> list[str]:

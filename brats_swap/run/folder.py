@@ -23,6 +23,8 @@ cheap to create anywhere (CLI, training, evaluation, cv) and safe to pass betwee
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,7 @@ LATEST = "checkpoint_latest.pt"
 PREVIOUS = "checkpoint_prev.pt"
 BEST = "checkpoint_best.pt"
 IMPORTED = "checkpoint_nnunet.pt"  # weights of an imported nnU-Net fold (`import-nnunet`), where fine-tuning starts
+FAILURE = "failed.txt"
 TRAIN_LOG = "train.log"
 TENSORBOARD_DIR = "tb"
 STATE_FILE = "state.json"
@@ -117,6 +120,11 @@ class FoldFolder:
     @property
     def train_log(self) -> Path:
         return self.root / TRAIN_LOG
+
+    @property
+    def failure(self) -> Path:
+        """The error line that ended the fold's last training call (absent once a call starts again)."""
+        return self.root / FAILURE
 
     @property
     def tensorboard(self) -> Path:
@@ -188,6 +196,24 @@ class RunFolder:
 
     def fold(self, k: int) -> FoldFolder:
         return FoldFolder(self.root / f"{FOLD_PREFIX}{fold_name(k)}", int(k))
+
+    @contextlib.contextmanager
+    def removed_if_start_fails(self) -> Iterator[None]:
+        """For a call that may create this run folder: when the block fails and the folder it created holds
+        nothing but lock files (`.lock`, `.fold_<k>.lock`: the start failed before any work), remove them and
+        it, so a mistyped start leaves no folder behind. Only what this call created goes."""
+        existed = self.root.exists()
+        try:
+            yield
+        except BaseException:
+            if not existed and self.root.is_dir():
+                entries = list(self.root.iterdir())
+                if all(e.is_file() and e.name.startswith(".") and e.name.endswith(".lock") for e in entries):
+                    for entry in entries:
+                        entry.unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        self.root.rmdir()
+            raise
 
     def existing_folds(self) -> list[int]:
         """Numbered fold indices that have a `fold_<k>/` folder, sorted (`fold_all/` is not one of them)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,6 +313,43 @@ def collate_samples(samples: list[dict]) -> LoaderBatch:
     )
 
 
+class WorkerLoader(DataLoader):
+    """A DataLoader that can end the workers of every pass it started (`close`).
+
+    On the way out of an error the pass's iterator outlives the loop that used it: the traceback holds the
+    frame that holds it, so torch never shuts its workers down, and at exit multiprocessing's handler
+    terminates them with SIGTERM, which `seed_worker` makes them ignore, then waits for them forever. The
+    training recipe closes its loaders when a fold ends, however it ends.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._passes: weakref.WeakSet = weakref.WeakSet()
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        self._passes.add(iterator)
+        return iterator
+
+    def close(self) -> None:
+        """End the workers of every pass still alive (a finished pass has ended its own)."""
+        for iterator in list(self._passes):
+            end_workers(iterator)
+
+
+def end_workers(iterator: object) -> None:
+    """Shut the loader workers of one pass down and wait for them: torch's own shutdown (what its iterator does
+    when it is exhausted or collected), then SIGKILL for a worker that did not leave (it ignores SIGTERM)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # absent with num_workers=0: nothing to end
+    if shutdown is None:
+        return
+    shutdown()
+    for worker in getattr(iterator, "_workers", ()):
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
 def loader_worker_count(data_cfg: DataConfig) -> int:
     """`data.loader_workers`, with auto resolved as nnU-Net sizes its augmentation workers from the machine:
     the CPUs this process may run on (its affinity: a SLURM allocation or `taskset` narrows it) shared by the
@@ -331,12 +369,17 @@ class TrainData:
     train_dataset: CubeDataset
     val_dataset: CubeDataset
     sampler: EpochSampler | RankShardSampler
-    train_loader: DataLoader
-    val_loader: DataLoader
+    train_loader: WorkerLoader
+    val_loader: WorkerLoader
     generator: torch.Generator
     steps_per_epoch: int
     device_batches: DeviceBatches  # a loader batch -> the step's augmented images and targets on the device
     loader_workers: int  # `data.loader_workers` resolved
+
+    def close(self) -> None:
+        """End the loaders' workers, also those of a pass an error left unfinished (`WorkerLoader`)."""
+        self.train_loader.close()
+        self.val_loader.close()
 
 
 def build_train_data(
@@ -369,12 +412,12 @@ def build_train_data(
     generator = torch.Generator().manual_seed(seed)
     workers = loader_worker_count(config.data)
     pin = device.type == "cuda"
-    train_loader = DataLoader(
+    train_loader = WorkerLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate_samples, pin_memory=pin, drop_last=True, worker_init_fn=seed_worker, generator=generator,
         persistent_workers=False, prefetch_factor=LOADER_PREFETCH_FACTOR if workers else None,
     )
-    val_loader = DataLoader(
+    val_loader = WorkerLoader(
         val_dataset, batch_size=train_cfg.val_batch_size, shuffle=False, num_workers=min(workers, 1),
         sampler=make_sampler(val_dataset, ctx, shuffle=False) if ctx is not None else None,
         collate_fn=collate_samples, pin_memory=pin, worker_init_fn=seed_worker,

@@ -71,7 +71,7 @@ from brats_swap.distributed import (
     run_on_main,
     wrap_ddp,
 )
-from brats_swap.errors import ConfigError, NumericalError, TrainingInterrupted
+from brats_swap.errors import BratsSwapError, ConfigError, NumericalError, TrainingInterrupted, user_message
 from brats_swap.memory import MemoryEngine
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions, targets_from_labels
@@ -97,7 +97,7 @@ from brats_swap.run.dice import dice_column, region_dice
 from brats_swap.run.environment import environment_record
 from brats_swap.run.folder import FoldFolder, RunFolder
 from brats_swap.run.inference import predict_cube
-from brats_swap.splits import fold_cases, load_run_splits, prepared_case_ids
+from brats_swap.splits import fold_cases, labelled_case_ids, load_run_splits
 from brats_swap.stop_reasons import StopReason
 from brats_swap.train.data import LoaderBatch, TrainData, build_train_data, run_table
 from brats_swap.train.losses import SegmentationLoss, training_loss, weighted_dice_loss
@@ -367,6 +367,25 @@ class FoldRecipe:
 
     def fit(self, state: dict[str, Any] | None, stop_requested: Callable[[], bool] | None) -> TrainResult:
         """The recipe, top to bottom. `state` is the checkpoint to resume from (None: start fresh)."""
+        try:
+            return self._fit(state, stop_requested)
+        except BratsSwapError as exc:
+            if not isinstance(exc, TrainingInterrupted):
+                self._record_failure(user_message(exc))
+            raise
+
+    def _record_failure(self, message: str) -> None:
+        """The error's line in `fold_<k>/failed.txt` (what `cv --status` shows) and train.log; a fold folder
+        that does not exist yet stays absent."""
+        if not (self.ctx.is_main and self.folder.root.is_dir()):
+            return
+        atomic_write_text(self.folder.failure, " ".join(message.split()) + "\n")
+        with contextlib.suppress(OSError), self.folder.train_log.open("a", encoding="utf-8") as log:
+            log.write(f"error: {' '.join(message.split())}\n")
+
+    def _fit(self, state: dict[str, Any] | None, stop_requested: Callable[[], bool] | None) -> TrainResult:
+        if self.ctx.is_main:
+            self.folder.failure.unlink(missing_ok=True)  # this call's outcome replaces the last one's
         self.setup(state)
         started = time.perf_counter()
         try:
@@ -384,6 +403,7 @@ class FoldRecipe:
             self.interrupted = True
         finally:
             self.train_seconds = time.perf_counter() - started
+            self.data.close()  # an error leaves loader workers running (`WorkerLoader`): end them now
             self.engine.close()  # hooks and recompute wrappers off: the model is plain again
             self.log.close()
         return self.finish()
@@ -409,7 +429,7 @@ class FoldRecipe:
     def _prepare_run_folder(self) -> tuple[list[str], list[str]]:
         """Rank 0 writes config.yaml (once), env.json and the fold folder; the splits; the data's edition."""
         cache = Path(self.config.data.cache)
-        case_ids = prepared_case_ids(cache)
+        case_ids = labelled_case_ids(cache)  # unlabelled cases are for prediction only
         # Outputs and regions follow the cases' label table; a bad model.regions stops here, before any write.
         self.edition = run_table(cache, case_ids, self.config.data)
         self.regions = run_regions(self.edition, self.config.model)
@@ -502,8 +522,10 @@ class FoldRecipe:
             # `end_epoch`'s line at its end.
             console=console, transient=True, disable=not (self.show_progress and console.is_terminal),
         )
-        lines = (ProgressLines(f"epoch {loop.epoch + 1}/{train_cfg.max_epochs}", self.data.steps_per_epoch,
-                               console=console) if self.show_progress and not console.is_terminal else None)
+        # The minute lines go to train.log always (a cluster's `tail -f`), to stderr when no bar is drawn there.
+        lines = ProgressLines(f"epoch {loop.epoch + 1}/{train_cfg.max_epochs}", self.data.steps_per_epoch,
+                              console=console if self.show_progress and not console.is_terminal else None,
+                              log=self.log.line)
         with progress:
             task = progress.add_task("train", total=self.data.steps_per_epoch, completed=loop.step_in_epoch, info="")
             last_step_end = time.perf_counter()
@@ -526,8 +548,7 @@ class FoldRecipe:
                 info = (f"loss {loop.epoch_loss_sum / loop.step_in_epoch:.4f}  {np.mean(step_times):.2f} s/step  "
                         f"mem {peak_memory_bytes(self.device) / 2**30:.2f} GiB")
                 progress.update(task, advance=1, info=info)
-                if lines is not None:
-                    lines.update(loop.step_in_epoch, info)
+                lines.update(loop.step_in_epoch, info)
                 self._stop_within_epoch()
         record = {"epoch": loop.epoch + 1, "train_loss": loop.epoch_loss_sum / max(loop.step_in_epoch, 1),
                   "lr": self.optimizer.param_groups[0]["lr"],

@@ -81,7 +81,7 @@ def test_sigkill_at_a_random_moment_of_an_epoch(prepared_cache, tmp_path):
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and process.poll() is None:
-            if log.exists() and "epoch 1/3" in log.read_text():
+            if log.exists() and "epoch 1/3  train_loss" in log.read_text():
                 break
             time.sleep(0.02)
         time.sleep(0.3)  # somewhere inside epoch 2 (steps, validation or the checkpoint write)
