@@ -41,8 +41,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@$(BIN)/pip install --quiet --no-deps "$(BGV2)" $(QUIET_PIP)
 	@touch $@
 
+# The suite runs one pytest worker per core (pytest-xdist), each test file on one worker so that a module's
+# fixtures are built once; each worker's torch takes one thread, so the workers do not oversubscribe the cores.
+TEST_WORKERS ?= auto
 test: install
-	$(BIN)/pytest
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 demo: install
 	$(BIN)/python scripts/demo.py

@@ -189,8 +189,8 @@ def test_train_takes_folds_in_the_one_spelling(tmp_path, monkeypatch):
     assert CliRunner().invoke(app, base).exit_code == 0 and trained[-1] == 0
     for several in ("0,1", "all"):
         line = _one_line_usage_error(CliRunner().invoke(app, [*base, "--folds", several]))
-        assert "train trains one fold" in line and f"brats-swap cv --folds {several}" in line
-    assert "expected 'all', a fold number" in _one_line_usage_error(CliRunner().invoke(app, [*base, "--folds", "x"]))
+        assert "train trains one fold" in line and f"brats-swap cv run --folds {several}" in line
+    assert "a fold number or numbers like 0,2" in _one_line_usage_error(CliRunner().invoke(app, [*base, "--folds", "x"]))
 
 
 # ---------------------------------------------------------------------------------------------- cv options

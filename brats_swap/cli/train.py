@@ -98,7 +98,7 @@ def one_fold(selection: str | None) -> int:
     chosen = parse_fold_selection(selection, option="train --folds")
     if chosen == ALL_FOLDS or len(chosen) != 1:
         raise ConfigError(f"train --folds {selection}: train trains one fold; for several, "
-                          f"brats-swap cv --folds {selection}")
+                          f"brats-swap cv run --folds {selection}")
     return chosen[0]
 
 
