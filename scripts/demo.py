@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     from brats_swap.errors import BratsSwapError
     from brats_swap.evaluate.metrics import print_summary
     from brats_swap.evaluate.official import json_safe, print_official_summary, read_official_summary
-    from brats_swap.evaluate.predictions import evaluate_fold
+    from brats_swap.evaluate.scoring import evaluate_fold
     from brats_swap.run.folder import RunFolder
     from brats_swap.train.loop import train_fold
     from brats_swap.train.summary import summary_panel

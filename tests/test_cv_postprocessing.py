@@ -29,7 +29,7 @@ from brats_swap.evaluate.postprocessing_rules import (
     save_plan,
     tune_postprocessing,
 )
-from brats_swap.evaluate.predictions import predict
+from brats_swap.evaluate.predicting import predict
 
 LEGACY_GROUPS = {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from brats_swap.cli.main import app
 from brats_swap.data.discovery import discover_cases
 from brats_swap.errors import DataError
-from brats_swap.evaluate.predictions import evaluate_fold, evaluate_predictions, predict
+from brats_swap.evaluate.predicting import predict
+from brats_swap.evaluate.scoring import evaluate_fold, evaluate_predictions
 from brats_swap.run.inference import predict_full, predict_sliding_window
 from brats_swap.train.loop import train_fold
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from brats_swap.cli.main import app
 from brats_swap.config import ConfigError
 from brats_swap.data.discovery import discover_cases
-from brats_swap.evaluate.predictions import evaluate_fold
+from brats_swap.evaluate.scoring import evaluate_fold
 from brats_swap.memory.planner import BUDGET_HEADROOM, Planner
 from brats_swap.model import build_model
 from brats_swap.model.upkern import initial_weights, upkern

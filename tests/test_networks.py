@@ -14,7 +14,8 @@ from train_helpers import prepared_dataset, small_dataset, tiny_config
 
 from brats_swap.config import ConfigError, load_config
 from brats_swap.data.discovery import discover_cases
-from brats_swap.evaluate.predictions import evaluate_fold, predict
+from brats_swap.evaluate.predicting import predict
+from brats_swap.evaluate.scoring import evaluate_fold
 from brats_swap.memory.planner import BUDGET_HEADROOM, Planner
 from brats_swap.memory.presets import resolve_presets
 from brats_swap.model import build_model

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
 from brats_swap.data.discovery import discover_cases
-from brats_swap.evaluate import predictions as evaluate_run
+from brats_swap.evaluate import predicting
 from brats_swap.evaluate.official import official_columns
 from brats_swap.evaluate.postprocessing_rules import apply, load_plan
+from brats_swap.evaluate.scoring import evaluate_predictions
 from brats_swap.model.targets import labels_from_probs, output_names
 
 
@@ -69,13 +70,13 @@ def test_all_folds_average_the_fold_probabilities_and_load_each_model_once(cv_ru
     _, run, _ = cv_run
     root = two_cases
     loads = []
-    original = evaluate_run.load_for_inference
-    monkeypatch.setattr(evaluate_run, "load_for_inference",
+    original = predicting.load_for_inference
+    monkeypatch.setattr(predicting, "load_for_inference",
                         lambda run_dir, fold, *args: loads.append(fold) or original(run_dir, fold, *args))
-    written = evaluate_run.predict(run, root, tmp_path / "all", "all", probabilities=True, progress=False)
+    written = predicting.predict(run, root, tmp_path / "all", "all", probabilities=True, progress=False)
     assert len(written) == len(discover_cases(root)) and loads == [0, 1]  # once per fold, for all cases
     for k in (0, 1):
-        evaluate_run.predict(run, root, tmp_path / f"fold{k}", k, probabilities=True, progress=False)
+        predicting.predict(run, root, tmp_path / f"fold{k}", k, probabilities=True, progress=False)
     for path in written:
         name = path.name.replace(".nii.gz", ".npz")
         folds = [np.load(tmp_path / f"fold{k}" / name)["probabilities"] for k in (0, 1)]
@@ -87,15 +88,15 @@ def test_all_folds_average_the_fold_probabilities_and_load_each_model_once(cv_ru
 def test_tta_changes_the_probabilities_and_postprocessing_can_be_turned_off(cv_run, tmp_path):
     _, run, root = cv_run
     case = discover_cases(root)[0]
-    plain = evaluate_run.predict(run, case.seg.parent, tmp_path / "plain", probabilities=True, postprocess=False,
+    plain = predicting.predict(run, case.seg.parent, tmp_path / "plain", probabilities=True, postprocess=False,
                                  progress=False)[0]
-    mirrored = evaluate_run.predict(run, case.seg.parent, tmp_path / "tta", tta=True, probabilities=True,
+    mirrored = predicting.predict(run, case.seg.parent, tmp_path / "tta", tta=True, probabilities=True,
                                     postprocess=False, progress=False)[0]
     plain_probs = np.load(plain.with_name(f"{case.case_id}.npz"))["probabilities"]
     tta_probs = np.load(mirrored.with_name(f"{case.case_id}.npz"))["probabilities"]
     assert np.abs(plain_probs - tta_probs).max() > 1e-4
     # Without postprocessing the labels are the probabilities' labels as they are.
-    config = evaluate_run.load_run_config(run)
+    config = predicting.load_run_config(run)
     raw = labels_from_probs(plain_probs, case.edition, config.model.outputs, config.evaluate.threshold)
     np.testing.assert_array_equal(np.asarray(nib.load(plain).dataobj), raw)
 
@@ -135,7 +136,7 @@ def test_evaluate_predictions_scores_the_ground_truth_perfectly_on_both_metric_s
     cases = discover_cases(root)
     for case in cases:
         shutil.copy(case.seg, predictions / f"{case.case_id}.nii.gz")
-    evaluate_run.evaluate_predictions(predictions, root, tmp_path / "report", hd95=False, progress=False)
+    evaluate_predictions(predictions, root, tmp_path / "report", hd95=False, progress=False)
     with open(tmp_path / "report" / "official.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["case"] for row in rows] == [case.case_id for case in cases]
@@ -231,9 +232,9 @@ def test_predict_says_what_postprocessing_removed_per_case(cv_run, tmp_path, cap
     identity = PostprocessingPlan.identity({"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}, relabel_labels("2021"))
     save_plan(replace(identity, min_component_voxels={"WT": 10**9, "TC": 0, "ET": 0}), run / "postprocessing.json")
     case = discover_cases(root)[0]
-    raw = evaluate_run.predict(run, case.seg.parent, tmp_path / "raw", 0, postprocess=False, progress=False)[0]
+    raw = predicting.predict(run, case.seg.parent, tmp_path / "raw", 0, postprocess=False, progress=False)[0]
     counts = {value: int(np.count_nonzero(np.asarray(nib.load(raw).dataobj) == value)) for value in (1, 2, 4)}
-    evaluate_run.predict(run, case.seg.parent, tmp_path / "processed", 0, progress=True)
+    predicting.predict(run, case.seg.parent, tmp_path / "processed", 0, progress=True)
     said = " ".join(capsys.readouterr().err.split())  # progress lines go to stderr
     removed = "; ".join(f"label {value}: {count} -> 0 voxels" for value, count in counts.items() if count)
     assert f"{case.case_id}: postprocessing {removed}" in said

@@ -202,7 +202,7 @@ def test_the_all_cases_model_trains_on_every_case_exports_and_predicts(data, tmp
 
     predictor = bundle_predictor(open_bundle(report.bundle), ALL_CASES, device="cpu")
     assert len(predictor.members) == 1
-    from brats_swap.evaluate.predictions import predict_with
+    from brats_swap.evaluate.predicting import predict_with
 
     inputs = tmp_path / "input"
     challenge_input(inputs, "goat", 1, seed=9)

@@ -153,3 +153,18 @@ def test_weights_that_do_not_fit_the_fold_config_are_refused_before_the_build(bu
 def test_an_untouched_bundle_still_opens_and_loads(bundle):
     predictor = bundle_predictor(open_bundle(bundle))
     assert len(predictor.members) == 1
+
+
+def test_folds_predicting_different_outputs_are_refused_as_a_run_folder_refuses_them(tmp_path):
+    """A bundle is loaded by the same loader as a run folder: folds whose outputs differ (regions vs labels:
+    three channels each for MET, so the weights still fit) cannot be averaged and are refused in one line."""
+    two = export_bundle(task_run(tmp_path, "met", 2), tmp_path / "two.zip").path
+
+    def regions_in_fold_1(_, members):
+        raw = yaml.safe_load(members[fold_config(1)])
+        raw["model"]["outputs"] = "regions"
+        members[fold_config(1)] = yaml.safe_dump(raw).encode()
+
+    mixed = rewrite_bundle(two, tmp_path / "mixed.zip", regions_in_fold_1)
+    _one_line_refusal(lambda: bundle_predictor(open_bundle(mixed)), str(mixed), "model.outputs", "--folds K")
+    assert len(bundle_predictor(open_bundle(mixed), 1).members) == 1  # one of them alone still predicts

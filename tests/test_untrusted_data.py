@@ -27,7 +27,7 @@ from brats_swap.config import Config, DataConfig
 from brats_swap.data.cache import CacheWriteError, list_prepared, prepare_dataset
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.errors import DataError
-from brats_swap.evaluate.predictions import Predictor, predict_case, predict_with
+from brats_swap.evaluate.predicting import Predictor, predict_case, predict_with
 from brats_swap.ship.challenge import case_folders, serve
 
 SHAPE = (16, 16, 16)

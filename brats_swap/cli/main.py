@@ -16,6 +16,7 @@ from brats_swap.cli import cv as cv_cmd
 from brats_swap.cli import data as data_cmd
 from brats_swap.cli import nnunet as nnunet_cmd
 from brats_swap.cli import plan as plan_cmd
+from brats_swap.cli import predict as predict_cmd
 from brats_swap.cli import ship as ship_cmd
 from brats_swap.cli import train as train_cmd
 from brats_swap.cli.common import DEBUG
@@ -47,7 +48,8 @@ def root(
 # Listed in --help in the order of a project's life: data, training, planning, cross-validation, shipping.
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(config_cmd.app, name="config")
-train_cmd.register(app)  # train, evaluate, predict
+train_cmd.register(app)  # train, evaluate
+predict_cmd.register(app)  # predict
 app.command("plan", context_settings=plan_cmd.CONTEXT)(plan_cmd.plan)
 app.add_typer(cv_cmd.app, name="cv")
 app.command("compare")(cv_cmd.compare)

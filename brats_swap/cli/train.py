@@ -1,4 +1,4 @@
-"""`brats-swap train`, `brats-swap evaluate` and `brats-swap predict`: thin shells over train/ and evaluate/.
+"""`brats-swap train` and `brats-swap evaluate`: thin shells over train/ and evaluate/.
 
 Exit codes: 0 ok (also stopped by SIGTERM/SIGUSR1 with the state saved); 1 bad data / checkpoint / NaN loss; 2 bad config or usage; 3 device out of memory;
 130 interrupted (state saved, continue with --resume).
@@ -182,7 +182,7 @@ def evaluate(
 def _evaluate_predictions(predictions: Path, data: Path, out_dir: Path, edition: str, challenge: str, missing: str,
                           failures, dataset_labels: bool = False) -> None:
     from brats_swap.evaluate.metrics import print_summary
-    from brats_swap.evaluate.predictions import evaluate_predictions
+    from brats_swap.evaluate.scoring import evaluate_predictions
 
     report = evaluate_predictions(predictions, data, out_dir, edition=edition, challenge=challenge, missing=missing,
                                   failures=failures, dataset_labels=dataset_labels)
@@ -201,7 +201,8 @@ def _evaluate_run(run_folder: RunFolder, data: Path | None, folds: str, checkpoi
                   set_: list[str] | None, failures) -> None:
     from brats_swap.config import load_config
     from brats_swap.evaluate.metrics import print_summary
-    from brats_swap.evaluate.predictions import evaluate_fold, select_folds
+    from brats_swap.evaluate.predicting import select_folds
+    from brats_swap.evaluate.scoring import evaluate_fold
 
     if not run_folder.config.is_file():
         raise ConfigError(f"{run_folder.config}: not found; is {run_folder.root} a brats-swap run folder?")
@@ -235,56 +236,7 @@ def _print_official(report_dir: Path, title: str) -> None:
         print_official_summary(summary, groups, console, title=title)
 
 
-@handle_errors
-def predict(
-    input_path: Annotated[Path, typer.Option("--input", "-i", help="A case folder or a dataset folder.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for <case id>.nii.gz.")],
-    run: Annotated[Path | None, typer.Option("--run", help="Trained run folder.", show_default=False)] = None,
-    model: Annotated[Path | None, typer.Option("--model", help="A bundle made by brats-swap export (instead of "
-                                               "--run).", show_default=False)] = None,
-    folds: FoldsOption = "all",
-    checkpoint: CheckpointOption = "best",
-    tta: Annotated[bool, flag("--tta/--no-tta", "Average the 8 mirrorings of each case (test-time augmentation; "
-                                                "8x the inference time).")] = False,
-    save_probabilities: Annotated[bool, flag("--save-probabilities/--no-save-probabilities", "Also write "
-                                             "<case id>.npz: the probabilities on the original grid and their "
-                                             "channel names.")] = False,
-    postprocessing: Annotated[bool, flag("--postprocessing/--no-postprocessing", "Apply the run's "
-                                         "postprocessing.json (tuned by cv) when there is one.")] = True,
-    dataset_labels: Annotated[bool, flag("--dataset-labels/--table-labels", "Cases of an nnU-Net or Decathlon "
-                                         "folder: write their dataset.json's own label values (as nnU-Net "
-                                         "writes them) instead of the challenge's.")] = False,
-) -> None:
-    """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
-    original grid and affine; a fold ensemble (--folds all averages every fold), optional mirroring TTA and
-    the cv-tuned postprocessing. A bad case is listed and skipped, the others are written, and the command
-    exits 1 naming every failed case.
-
-    Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
-    (or --model model.zip, a bundle of brats-swap export: the same segmentations without the run folder)
-    """
-    from brats_swap.evaluate.failures import CaseFailures
-    from brats_swap.evaluate.predictions import predict_with, run_predictor
-
-    if (run is None) == (model is None):
-        raise ConfigError("predict: give either --run DIR (a trained run) or --model FILE (a bundle), one of them")
-    if model is not None:
-        from brats_swap.ship.bundle import bundle_predictor, open_bundle
-
-        if checkpoint != "best":
-            raise ConfigError("predict --model: --checkpoint is chosen at export (brats-swap export --checkpoint)")
-        predictor = bundle_predictor(open_bundle(model), folds, postprocess=postprocessing)
-    else:
-        predictor = run_predictor(run, folds, checkpoint, postprocessing)
-    failures = CaseFailures(say=warn)
-    written = predict_with(predictor, input_path, out, tta=tta, probabilities=save_probabilities,
-                           postprocess=postprocessing, failures=failures, dataset_labels=dataset_labels)
-    _say(f"wrote {len(written)} segmentation(s) to {out}")
-    failures.raise_if_any(f"predict {input_path}", len(written) + len(failures))
-
-
 def register(app: typer.Typer) -> None:
-    """Add the three commands to the top-level app (called from cli/main.py)."""
+    """Add the two commands to the top-level app (called from cli/main.py)."""
     app.command("train")(train)
     app.command("evaluate")(evaluate)
-    app.command("predict")(predict)

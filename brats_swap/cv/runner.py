@@ -38,7 +38,7 @@ from brats_swap.cv.lock import fold_locks, shared_files
 from brats_swap.cv.out_of_fold_tuning import tune_after_cv
 from brats_swap.cv.stop_control import StopControl
 from brats_swap.cv.summary import write_cv_summary
-from brats_swap.evaluate.predictions import evaluate_fold
+from brats_swap.evaluate.scoring import evaluate_fold
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
 from brats_swap.splits import fold_cases, load_run_splits

@@ -40,10 +40,9 @@ from brats_swap.config.networks import architecture_record, input_divisor
 from brats_swap.data.challenges import get_challenge, label_map_from_names
 from brats_swap.data.layouts import channel_modalities, declared_labels, modern_channel_names
 from brats_swap.errors import CheckpointError, ConfigError
-from brats_swap.model.pricing import priced_network, weights_mismatch
-from brats_swap.model.targets import run_output_count
 from brats_swap.run.checkpoint import save_checkpoint
 from brats_swap.run.folder import RunFolder
+from brats_swap.run.trained import trained_model
 
 NETWORK_CLASSES = {"PlainConvUNet": "nnunet", "ResidualEncoderUNet": "resenc"}
 READERS = ("SimpleITKIO", "NibabelIO")  # both hand nnU-Net the file's voxels as (z, y, x)
@@ -89,19 +88,15 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
     # Fine-tuning (train --run OUT --fold k) starts from the imported weights of the fold.
     config = load_config(None, [*overrides, f"name={run.root.name}", f"train.init_from={run.fold(folds[0]).imported}",
                                 f"data.cube={_cube(configuration, order, input_divisor(first.model), first)}"])
-    # The plans' network, priced and built on the meta device, must take each fold's weights as they are: checked
-    # for every fold before anything is written (a channel count of dataset.json that the weights contradict
-    # would otherwise fail only at predict).
-    expected = priced_network(config.model, run_output_count(key, config.model), results_dir / "plans.json")
+    # The plans' network must take each fold's weights as they are: each fold is loaded as predict will load it
+    # (priced first, its weights compared on the meta device) before anything is written (a channel count of
+    # dataset.json that the weights contradict would otherwise fail only at predict).
     weights_of = {}
     for fold in folds:
         checkpoint = results_dir / f"fold_{fold}" / checkpoint_name
         weights_of[fold] = _nnunet_weights(checkpoint, order)
-        mismatch = weights_mismatch(expected, weights_of[fold])
-        if mismatch is not None:
-            raise CheckpointError(f"{checkpoint}: network_weights do not fit the network of plans.json and "
-                                  f"dataset.json ({config.model.in_channels} channel(s), {len(config.model.regions)} "
-                                  f"region(s)): {mismatch}")
+        trained_model(config.model, key, weights_of[fold], weights_source=f"{checkpoint}: network_weights",
+                      config_source=f"{results_dir / 'plans.json'} and dataset.json")
     for fold, weights in weights_of.items():
         state = {"model": weights, "config": config_to_dict(config), "edition": key, "fold": fold, "epoch": 0,
                  "architecture": architecture_record(config.model),

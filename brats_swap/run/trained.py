@@ -6,6 +6,7 @@ checkpoint's own config, so a run whose `config.yaml` was edited afterwards stil
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 import yaml
 
-from brats_swap.config import Config, config_from_saved
+from brats_swap.config import Config, ModelConfig, config_from_saved
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.model import build_model
+from brats_swap.model.pricing import priced_network, weights_mismatch
 from brats_swap.model.targets import run_output_count
 from brats_swap.run.checkpoint import load_checkpoint, load_latest
 from brats_swap.run.console import warn
@@ -44,14 +46,36 @@ def load_trained_model(run: RunFolder | Path, fold: int, checkpoint: str = "best
         raise CheckpointError(f"{folder.root}: checkpoint {checkpoint!r} does not record the label table it was "
                               "trained on (no 'edition' entry); it was not written by brats-swap train")
     # The output channels follow the table the fold was trained on (e.g. 4 regions for PED, 1 for MEN-RT).
-    model = build_model(trained_config.model, out_channels=run_output_count(state["edition"], trained_config.model))
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        raise CheckpointError(f"{folder.root}: checkpoint weights do not match model {trained_config.model.name} "
-                              f"({str(exc).splitlines()[0]})") from exc
-    model.to(device or torch.device("cpu")).eval()
+    model = trained_model(trained_config.model, state["edition"], state["model"],
+                          weights_source=f"{folder.root}: checkpoint {checkpoint!r}", device=device)
     return model, trained_config, state
+
+
+def trained_model(model_cfg: ModelConfig, table: str, weights: Mapping[str, object], *, weights_source: str | Path,
+                  config_source: str | Path | None = None, device: torch.device | None = None) -> torch.nn.Module:
+    """The network of a fold's `model_cfg` for label table `table`, holding `weights`, in eval mode on `device`
+    (default CPU): the one loader of run folders, bundles and imported nnU-Net models.
+
+    The output channels follow `model.outputs`/`model.regions` on `table` (ConfigError naming `model.regions`
+    when they do not fit it). The network is first priced on the meta device (`priced_network`: refused above
+    the parameters brats-swap builds from a file, naming `config_source`, the file that described it, or
+    `weights_source`) and `weights` compared to it, so weights that do not fit are refused in one line naming
+    `weights_source` before the real network is allocated."""
+    out_channels = run_output_count(table, model_cfg)
+    described_by = weights_source if config_source is None else config_source
+    expected = priced_network(model_cfg, out_channels, described_by)
+    mismatch = weights_mismatch(expected, weights)
+    if mismatch is None:
+        model = build_model(model_cfg, out_channels=out_channels)
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as exc:
+            mismatch = str(exc).strip().splitlines()[0]
+    if mismatch is not None:
+        of = "" if config_source is None else f" of {config_source}"
+        raise CheckpointError(f"{weights_source}: weights do not match model {model_cfg.name}{of} "
+                              f"({model_cfg.in_channels} channel(s), {out_channels} output(s)): {mismatch}")
+    return model.to(device or torch.device("cpu")).eval()
 
 
 def _checkpoint_state(folder: FoldFolder, checkpoint: str) -> dict[str, Any]:

@@ -54,15 +54,13 @@ from brats_swap.config.networks import architecture_record
 from brats_swap.data.challenges import get_challenge
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan
-from brats_swap.evaluate.predictions import Predictor, select_folds
-from brats_swap.model import build_model
-from brats_swap.model.pricing import priced_network, weights_mismatch
-from brats_swap.model.targets import output_names, run_output_count
+from brats_swap.evaluate.predicting import Predictor, check_one_output_kind, select_folds
+from brats_swap.model.targets import output_names
 from brats_swap.names import checked_name
 from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder, fold_name
-from brats_swap.run.trained import inference_config, load_run_config, load_trained_model
+from brats_swap.run.trained import inference_config, load_run_config, load_trained_model, trained_model
 
 BUNDLE_FORMAT = "brats-swap-bundle"
 BUNDLE_FORMAT_VERSION = 1
@@ -424,7 +422,7 @@ def choose_folds(bundle: Bundle, folds: FoldSelection = ALL_FOLDS) -> list[int]:
 
 def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
                      device: str | None = None, challenge: str | None = None) -> Predictor:
-    """The models of a bundle, as `evaluate.predictions.run_predictor` loads a run's: each fold built from its own
+    """The models of a bundle, as `evaluate.predicting.run_predictor` loads a run's: each fold built from its own
     config, its weights loaded, on the device of the bundle's config (or `device`), predicting with the
     bundle's evaluation settings. `challenge` forces the label table the cases are read with (as
     `data.challenge`)."""
@@ -437,21 +435,11 @@ def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postpr
     chosen, members = choose_folds(bundle, folds), []
     for k in chosen:
         trained = bundle.fold_config(k)
-        out_channels = run_output_count(bundle.challenge, trained.model)
-        # Priced and compared to its weights on the meta device first: a fold config may ask for any size.
-        expected = priced_network(trained.model, out_channels, f"{bundle.path}: {fold_config(k)}")
-        weights = bundle.state_dict(k)
-        mismatch = weights_mismatch(expected, weights)
-        if mismatch is not None:
-            raise CheckpointError(f"{bundle.path}: {fold_weights(k)}: weights do not match model "
-                                  f"{trained.model.name} of {fold_config(k)} ({mismatch})")
-        model = build_model(trained.model, out_channels=out_channels)
-        try:
-            model.load_state_dict(weights)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{bundle.path}: {fold_weights(k)}: weights do not match model "
-                                  f"{trained.model.name} ({_first_line(exc)})") from exc
-        members.append((model.to(target).eval(), inference_config(trained, config)))
+        model = trained_model(trained.model, bundle.challenge, bundle.state_dict(k),
+                              weights_source=f"{bundle.path}: {fold_weights(k)}",
+                              config_source=f"{bundle.path}: {fold_config(k)}", device=target)
+        members.append((model, inference_config(trained, config)))
+    check_one_output_kind(bundle.path, chosen, members)
     plan = bundle.postprocessing() if postprocess else None
     return Predictor(config, members, target, plan, Path(f"{bundle.path}:{POSTPROCESSING}"),
                      f"{bundle.path.name}: fold(s) {', '.join(map(str, chosen))} ({bundle.checkpoint} checkpoint)")

@@ -31,7 +31,7 @@ from pathlib import Path
 from brats_swap.data.discovery import discover_cases
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.failures import CaseFailures
-from brats_swap.evaluate.predictions import predict_case
+from brats_swap.evaluate.predicting import predict_case
 
 # Variables naming folders that torch, matplotlib and other libraries write to; each is pointed under the
 # temporary folder when it is unset or not writable.
@@ -178,7 +178,7 @@ class ServeReport:
 def serve(predictor, input_dir: Path, output_dir: Path, *, tta: bool = True, time_budget_s: float | None = None,
           say: Callable[[str], None] = print) -> ServeReport:
     """Segment every case folder of `input_dir` into `output_dir` (see the module docstring) with the loaded
-    models of `predictor` (`evaluate.predictions.Predictor`); the caller raises on the report's failures."""
+    models of `predictor` (`evaluate.predicting.Predictor`); the caller raises on the report's failures."""
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     folders = case_folders(input_dir)
     _check_output(input_dir, output_dir)

@@ -44,20 +44,20 @@ def test_oom_during_validation_is_exit_3(prepared_cache, tmp_path, monkeypatch):
 
 
 def test_oom_during_evaluation_is_exit_3(run_copy, phantom_root, monkeypatch):
-    from brats_swap.evaluate import predictions as evaluate_run
+    from brats_swap.evaluate import predicting
 
-    monkeypatch.setattr(evaluate_run, "predict_cube", _raise_oom)
+    monkeypatch.setattr(predicting, "predict_cube", _raise_oom)
     result = invoke("evaluate", "--run", run_copy, "--fold", "0", "--data", phantom_root)
     error_line(result, EXIT_OUT_OF_MEMORY, "evaluate", "ran out of memory", "memory.mode=auto")
 
 
 def test_host_memory_error_is_exit_3(run_copy, phantom_root, monkeypatch):
-    from brats_swap.evaluate import predictions as evaluate_run
+    from brats_swap.evaluate import predicting
 
     def no_memory(*args, **kwargs):
         raise MemoryError
 
-    monkeypatch.setattr(evaluate_run, "predict_cube", no_memory)
+    monkeypatch.setattr(predicting, "predict_cube", no_memory)
     result = invoke("evaluate", "--run", run_copy, "--fold", "0", "--data", phantom_root)
     error_line(result, EXIT_OUT_OF_MEMORY, "host ran out of memory")
 

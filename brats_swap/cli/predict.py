@@ -1,0 +1,66 @@
+"""`brats-swap predict`: a thin shell over evaluate/predicting.py (a run folder's folds, or a bundle's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from brats_swap.cli.common import FoldsOption, flag, handle_errors
+from brats_swap.cli.train import CheckpointOption
+from brats_swap.errors import ConfigError
+from brats_swap.run.console import line_console, warn
+
+
+@handle_errors
+def predict(
+    input_path: Annotated[Path, typer.Option("--input", "-i", help="A case folder or a dataset folder.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output folder for <case id>.nii.gz.")],
+    run: Annotated[Path | None, typer.Option("--run", help="Trained run folder.", show_default=False)] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="A bundle made by brats-swap export (instead of "
+                                               "--run).", show_default=False)] = None,
+    folds: FoldsOption = "all",
+    checkpoint: CheckpointOption = "best",
+    tta: Annotated[bool, flag("--tta/--no-tta", "Average the 8 mirrorings of each case (test-time augmentation; "
+                                                "8x the inference time).")] = False,
+    save_probabilities: Annotated[bool, flag("--save-probabilities/--no-save-probabilities", "Also write "
+                                             "<case id>.npz: the probabilities on the original grid and their "
+                                             "channel names.")] = False,
+    postprocessing: Annotated[bool, flag("--postprocessing/--no-postprocessing", "Apply the run's "
+                                         "postprocessing.json (tuned by cv) when there is one.")] = True,
+    dataset_labels: Annotated[bool, flag("--dataset-labels/--table-labels", "Cases of an nnU-Net or Decathlon "
+                                         "folder: write their dataset.json's own label values (as nnU-Net "
+                                         "writes them) instead of the challenge's.")] = False,
+) -> None:
+    """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
+    original grid and affine; a fold ensemble (--folds all averages every fold), optional mirroring TTA and
+    the cv-tuned postprocessing. A bad case is listed and skipped, the others are written, and the command
+    exits 1 naming every failed case.
+
+    Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
+    (or --model model.zip, a bundle of brats-swap export: the same segmentations without the run folder)
+    """
+    from brats_swap.evaluate.failures import CaseFailures
+    from brats_swap.evaluate.predicting import predict_with, run_predictor
+
+    if (run is None) == (model is None):
+        raise ConfigError("predict: give either --run DIR (a trained run) or --model FILE (a bundle), one of them")
+    if model is not None:
+        from brats_swap.ship.bundle import bundle_predictor, open_bundle
+
+        if checkpoint != "best":
+            raise ConfigError("predict --model: --checkpoint is chosen at export (brats-swap export --checkpoint)")
+        predictor = bundle_predictor(open_bundle(model), folds, postprocess=postprocessing)
+    else:
+        predictor = run_predictor(run, folds, checkpoint, postprocessing)
+    failures = CaseFailures(say=warn)
+    written = predict_with(predictor, input_path, out, tta=tta, probabilities=save_probabilities,
+                           postprocess=postprocessing, failures=failures, dataset_labels=dataset_labels)
+    line_console.print(f"wrote {len(written)} segmentation(s) to {out}")
+    failures.raise_if_any(f"predict {input_path}", len(written) + len(failures))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the command to the top-level app (called from cli/main.py)."""
+    app.command("predict")(predict)
