@@ -100,4 +100,7 @@ def test_a_host_too_small_for_the_arena_stops_training_before_the_first_epoch(da
     assert words.count("error:") == 1 and "Traceback" not in words, result.output
     assert "error: memory.swap: the host arena needs" in words and "host has 0.00 GiB available" in words
     fold = run / "fold_0"
-    assert not (fold / "train.log").exists() and not (fold / "checkpoint_latest.pt").exists()
+    # No epoch started: no checkpoint, and train.log holds only the failure's line (which `cv status` shows).
+    assert not (fold / "checkpoint_latest.pt").exists()
+    log = (fold / "train.log").read_text() if (fold / "train.log").exists() else ""
+    assert "epoch" not in log.lower().replace("before the first epoch", ""), log
