@@ -25,8 +25,9 @@ PHANTOM_SHAPE = (24, 24, 20)
 
 def task_run(base: Path, task: str, folds: int = 1) -> Path:
     """A run folder with `folds` folds of an untrained tiny model for `task`'s label table."""
-    modalities = challenge_images(base, task)
-    config = load_config(None, [f"name=tiny-{task}", f"data.challenge={task}", f"data.modalities=[{','.join(modalities)}]",
+    modalities = challenge_images(base, task)  # None for a 2017-2021 table (an edition): the default four
+    table = [f"data.challenge={task}", f"data.modalities=[{','.join(modalities)}]"] if modalities else [f"data.edition={task}"]
+    config = load_config(None, [f"name=tiny-{task}", *table,
                                 "data.cube=[16,16,16]", "model.base_filters=2", "model.depth=3",
                                 "model.segmentation_levels=2", "train.device=cpu", "evaluate.threshold=0.45"])
     run = RunFolder(base / f"run-{task}")

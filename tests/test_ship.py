@@ -254,8 +254,11 @@ def test_an_unwritable_home_and_unset_cache_folders_go_under_the_temporary_folde
     changed = writable_home(environ)
     base = tmp_path / f"brats-swap-{os.getuid()}"
     assert changed["HOME"] == (str(base / "home"), "not writable") and environ["HOME"] == str(base / "home")
-    assert changed["MPLCONFIGDIR"] == (str(base / "matplotlib"), "unset") and (base / "matplotlib").is_dir()
     assert "XDG_CACHE_HOME" not in changed and environ["XDG_CACHE_HOME"] == str(writable)
+    assert "MPLCONFIGDIR" not in changed  # unset: matplotlib's default is under the new, writable HOME
+    (tmp_path / "a-file").write_text("")
+    environ = {"HOME": str(writable), "MPLCONFIGDIR": str(tmp_path / "a-file" / "matplotlib")}
+    assert writable_home(environ)["MPLCONFIGDIR"] == (str(base / "matplotlib"), "not writable")
 
 
 def test_predict_takes_a_run_or_a_bundle(cv_bundle, tmp_path):

@@ -99,13 +99,22 @@ def brainlesion_entry(task: str, image: str) -> dict:
                      "subject_modality_separator": spec.separator}}}
 
 
-def resolve_task(bundle: Bundle, task: str | None) -> str:
-    """`--task`, else the bundle's challenge; ConfigError for a legacy (2017-2021) table or an unknown task."""
+# The 2023+ task a bundle trained on a 2017-2021 table serves by default: the one with the same regions (adult
+# glioma), whose table `bundle_predictor` maps the legacy labels onto (4 -> 3).
+LEGACY_TASK = "gli"
+
+
+def resolve_task(bundle: Bundle, task: str | None) -> tuple[str, str | None]:
+    """(the task, a line saying why when it is not the one asked for or the bundle's): `--task`, else the
+    bundle's challenge, else (a 2017-2021 table) `LEGACY_TASK`; ConfigError for a legacy or unknown `--task`."""
+    if task is None and bundle.challenge not in MODERN_CHALLENGES:
+        return LEGACY_TASK, (f"--task {LEGACY_TASK}: the bundle was trained on the {bundle.challenge} table, "
+                             f"served as the 2023+ task with the same regions (label 4 written as 3); "
+                             "give --task to choose another")
     chosen = task or bundle.challenge
     if chosen not in MODERN_CHALLENGES:
-        raise ConfigError(f"--task {chosen!r}: expected a 2023+ task ({', '.join(MODERN_CHALLENGES)})"
-                          + ("" if task else f"; the bundle was trained on the {bundle.challenge} table"))
-    return chosen
+        raise ConfigError(f"--task {chosen!r}: expected a 2023+ task ({', '.join(MODERN_CHALLENGES)})")
+    return chosen, None
 
 
 @dataclass
@@ -114,6 +123,7 @@ class ContainerFolder:
     task: str
     image: str
     entry: dict
+    task_note: str | None = None  # why the task is not the bundle's own (a 2017-2021 table)
 
 
 def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, image: str | None = None,
@@ -124,7 +134,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     Every value the generated files take from the bundle or the command line is checked first (no newline or
     control character; shell words quoted; `time_budget` parsed as serve-challenge will parse it), so nothing
     is written for a value that would break or inject a line."""
-    task = resolve_task(bundle, task)
+    task, task_note = resolve_task(bundle, task)
     parse_duration(time_budget)
     image = script_text(image or f"brats-swap-{task}:latest", "--image", "container")
     name = script_text(bundle.metadata.get("name"), "bundle name", f"{bundle.path}: {METADATA}")
@@ -157,7 +167,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     entry = brainlesion_entry(task, image)
     atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
     atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir))
-    return ContainerFolder(out_dir, task, image, entry)
+    return ContainerFolder(out_dir, task, image, entry, task_note)
 
 
 def _dockerfile(bundle: Bundle, name: str, task: str, no_deps: list[str]) -> str:

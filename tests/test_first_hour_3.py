@@ -1,0 +1,77 @@
+"""The first hour, third round: the friction a new user still met. A bundle trained on a 2017-2021 table ships
+as the glioma task, check-submission counts the inputs it could not name, serve-challenge redirects only the
+folders that cannot be written, honest --help, a plan under the device overhead says what fits, the image's
+Python is the pins', and the contract test reaches a venv under a home only its owner can enter."""
+
+from __future__ import annotations
+
+import shutil
+
+import nibabel as nib
+import numpy as np
+import pytest
+from ship_helpers import challenge_input, task_run
+from typer.testing import CliRunner
+
+from brats_swap.cli.main import app
+from brats_swap.data.phantom import synthesize_dataset
+from brats_swap.ship.bundle import export_bundle
+from brats_swap.ship.challenge import writable_home
+from brats_swap.ship.submission import check_submission
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def legacy_bundle(tmp_path_factory):
+    base = tmp_path_factory.mktemp("legacy")
+    return export_bundle(task_run(base, "2021"), base / "model.zip").path
+
+
+# ---- a bundle trained on the 2017-2021 tables ships as the glioma task ---------------------------------------
+
+def test_container_defaults_a_legacy_bundle_to_the_glioma_task_and_says_so(legacy_bundle, tmp_path):
+    result = invoke("container", "--model", legacy_bundle, "--out", tmp_path / "image")
+    assert result.exit_code == 0, result.output
+    assert "--task gli: the bundle was trained on the 2021 table" in result.output
+    assert "--task gli " in (tmp_path / "image" / "entrypoint.sh").read_text()
+
+
+def test_serve_challenge_defaults_a_legacy_bundle_to_the_glioma_task_and_writes_its_labels(legacy_bundle, tmp_path):
+    ids = challenge_input(tmp_path / "in", "gli", 1)
+    result = invoke("serve-challenge", "--model", legacy_bundle, "--input", tmp_path / "in", "--output",
+                    tmp_path / "out", "--no-tta", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert sum("--task gli: the bundle was trained on the 2021 table" in line for line in result.output.splitlines()) == 1
+    labels = np.asarray(nib.load(tmp_path / "out" / f"{ids[0]}.nii.gz").dataobj)
+    assert set(np.unique(labels).tolist()) <= {0, 1, 2, 3}
+    assert check_submission(tmp_path / "out", tmp_path / "in", "gli").problems == []
+
+
+def test_a_legacy_task_given_is_still_refused(legacy_bundle, tmp_path):
+    result = invoke("container", "--model", legacy_bundle, "--out", tmp_path / "image", "--task", "2021")
+    assert result.exit_code == 2 and "expected a 2023+ task" in result.output
+
+
+# ---- serve-challenge redirects only what cannot be written ----------------------------------------------------
+
+def test_a_writable_home_leaves_every_cache_folder_alone(tmp_path):
+    environ = {"HOME": str(tmp_path)}
+    assert writable_home(environ) == {} and environ == {"HOME": str(tmp_path)}
+
+
+# ---- check-submission counts the inputs it could not name -----------------------------------------------------
+
+def test_check_submission_counts_and_names_the_inputs_named_another_way(tmp_path):
+    ids = synthesize_dataset(tmp_path / "in", 2, seed=0, shape=(16, 16, 16))  # named the 2021 way
+    (tmp_path / "out").mkdir()
+    for case_id in ids:
+        shutil.copy2(next((tmp_path / "in" / case_id).glob("*seg.nii.gz")), tmp_path / "out" / f"{case_id}.nii.gz")
+    result = invoke("check-submission", tmp_path / "out", "--input", tmp_path / "in", "--task", "gli")
+    assert result.exit_code == 1
+    last = [line for line in result.output.splitlines() if line.startswith("error:")][-1]
+    assert "for 2 input case(s) (2 could not be named: BraTS2021_00000, BraTS2021_00001)" in last
+    assert f"input {tmp_path / 'in' / ids[0]}: no image named as a gli case" in result.output
+    assert "BraTS-GLI-00001-000" in result.output and "MET" not in result.output
