@@ -5,6 +5,7 @@ Python is the pins', and the contract test reaches a venv under a home only its 
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import nibabel as nib
@@ -14,10 +15,13 @@ from ship_helpers import challenge_input, task_run
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
+from brats_swap.config import load_config
 from brats_swap.data.phantom import synthesize_dataset
+from brats_swap.memory.planner import PlanReport
 from brats_swap.ship.bundle import export_bundle
 from brats_swap.ship.challenge import writable_home
 from brats_swap.ship.submission import check_submission
+from brats_swap.train.planning import no_fit_advice
 
 
 def invoke(*args):
@@ -75,3 +79,33 @@ def test_check_submission_counts_and_names_the_inputs_named_another_way(tmp_path
     assert "for 2 input case(s) (2 could not be named: BraTS2021_00000, BraTS2021_00001)" in last
     assert f"input {tmp_path / 'in' / ids[0]}: no image named as a gli case" in result.output
     assert "BraTS-GLI-00001-000" in result.output and "MET" not in result.output
+
+
+# ---- a plan below the device overhead says what fits --------------------------------------------------------
+
+# A 16³ cube and the smallest U-Net: planning takes seconds, and the device overhead (2 GiB on a GPU) dominates.
+PLAN_TINY = ["plan", "--size", "16", "--set", "model.base_filters=2", "--set", "model.depth=3", "--set",
+             "model.segmentation_levels=2", "--device", "gpu"]
+
+
+def _plan(*extra: str) -> str:
+    result = CliRunner().invoke(app, [*PLAN_TINY, *extra], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())
+
+
+def test_a_budget_below_the_device_overhead_says_the_smallest_budget_that_fits_and_it_does():
+    text = _plan("--budget", "1.5")
+    assert "1.5 GiB is not above the device overhead of 2 GiB" in text, text
+    smallest = re.search(r"the smallest budget that fits is ([\d.]+) GiB", text)
+    assert smallest is not None, text
+    assert "chosen: auto" in _plan("--budget", smallest[1])
+
+
+def test_a_budget_above_the_overhead_but_below_the_floor_says_what_to_shrink():
+    config = load_config(None, ["data.cube=[32,32,32]", "train.batch_size=2"])
+    report = PlanReport(input_shape=(2, 4, 32, 32, 32), dtype="float32", budget_gib=2.5, floor_gib=3.0,
+                        bandwidth_gbs=50, cost_model={}, device_overhead_gib=2.0)
+    advice = no_fit_advice(config, report, 3.4, batch=2)
+    assert advice.startswith("the smallest budget that fits is 3.4 GiB (--budget 3.4")
+    assert "to fit 2.5 GiB, shrink data.cube (now 32x32x32), --batch / train.batch_size (now 2), train.amp" in advice
