@@ -109,3 +109,35 @@ def test_a_budget_above_the_overhead_but_below_the_floor_says_what_to_shrink():
     advice = no_fit_advice(config, report, 3.4, batch=2)
     assert advice.startswith("the smallest budget that fits is 3.4 GiB (--budget 3.4")
     assert "to fit 2.5 GiB, shrink data.cube (now 32x32x32), --batch / train.batch_size (now 2), train.amp" in advice
+
+
+# ---- the image's Python is the one the pins were resolved for -------------------------------------------------
+
+def _supports(tag: str, major: int, minor: int) -> bool:
+    """A wheel tag (`cp311-cp311-manylinux_2_17_x86_64`, `py3-none-any`, `cp39-abi3-...`) installable on
+    CPython major.minor on Linux."""
+    interpreter, abi, platform = tag.split("-")
+    version = f"{major}{minor}"
+    if interpreter in (f"py{major}", f"py{version}", f"cp{version}"):
+        runs = abi in ("none", "abi3", f"cp{version}")
+    elif abi == "abi3" and interpreter.startswith(f"cp{major}"):
+        runs = int(interpreter[len(f"cp{major}"):]) <= minor
+    else:
+        runs = False
+    return runs and (platform == "any" or platform.startswith(("manylinux", "linux")))
+
+
+def test_every_pin_has_a_wheel_for_the_python_the_dockerfile_installs(legacy_bundle, tmp_path):
+    from importlib import metadata
+
+    image = tmp_path / "image"
+    assert invoke("container", "--model", legacy_bundle, "--out", image).exit_code == 0
+    recorded = re.search(r"^ARG PYTHON_VERSION=(\d+)\.(\d+)$", (image / "Dockerfile").read_text(), re.MULTILINE)
+    assert recorded is not None, "the Dockerfile records the Python it installs"
+    major, minor = int(recorded[1]), int(recorded[2])
+    pins = [line.split("==")[0] for line in (image / "requirements.txt").read_text().split()]
+    assert pins
+    for pin in pins:
+        wheel = metadata.distribution(pin).read_text("WHEEL")
+        tags = [line.split(":", 1)[1].strip() for line in (wheel or "").splitlines() if line.startswith("Tag:")]
+        assert tags and any(_supports(tag, major, minor) for tag in tags), (pin, tags, f"{major}.{minor}")

@@ -1,8 +1,9 @@
 """The BraTS challenge image of a bundle (`brats-swap container`): a build folder to read, edit and build.
 
 ```
-DIR/Dockerfile          CUDA 12.8 base (its torch build runs on the A10G, sm_86, and newer cards), a venv with
-                        the exact versions of this environment, brats-swap from source, the bundle copied in
+DIR/Dockerfile          CUDA 12.8 base (its torch build runs on the A10G, sm_86, and newer cards), a venv of
+                        this environment's Python version with its exact package versions, brats-swap from
+                        source, the bundle copied in
 DIR/.dockerignore       only the files below go into the build context
 DIR/requirements.txt    name==version of every package brats-swap needs (torch comes from the CUDA index)
 DIR/entrypoint.sh       exec brats-swap serve-challenge --model /opt/brats-swap/model.zip --task ... "$@"
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from importlib import metadata as distributions
@@ -39,6 +41,11 @@ from brats_swap.ship.challenge import parse_duration
 
 BASE_IMAGE = "nvidia/cuda:12.8.1-base-ubuntu24.04"
 TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
+# The image's Python is the one requirements.txt was resolved with (this interpreter's major.minor), not the
+# base's own (Ubuntu 24.04: 3.12): a pin may have wheels for one and not the other, and the image has no
+# compiler. uv installs that Python (a standalone build) at build time.
+IMAGE_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+UV_IMAGE = "ghcr.io/astral-sh/uv:0.5.4"
 IMAGE_ROOT = "/opt/brats-swap"
 IMAGE_BUNDLE = f"{IMAGE_ROOT}/model.zip"
 # Installed by the CUDA torch wheel itself (its own CUDA libraries), never pinned from this environment.
@@ -183,11 +190,16 @@ ARG BASE_IMAGE={BASE_IMAGE}
 FROM ${{BASE_IMAGE}}
 
 ARG TORCH_INDEX={TORCH_INDEX}
+# Python {IMAGE_PYTHON}: the version requirements.txt was resolved with (the base's own Python may differ, and
+# a pin may have no wheel for it); uv installs a standalone build of it, readable by any uid.
+ARG PYTHON_VERSION={IMAGE_PYTHON}
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \\
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 UV_PYTHON_INSTALL_DIR=/opt/python
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \\
     && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv
+COPY --from={UV_IMAGE} /uv /usr/local/bin/uv
+RUN uv venv --seed --python-preference only-managed --python ${{PYTHON_VERSION}} /opt/venv \\
+    && chmod -R a+rX /opt/python /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 # The exact versions of the environment this folder was written from (torch {torch_release()}, CUDA build).
@@ -253,8 +265,8 @@ as below, before submitting.
     docker build -t {image_word} {folder_word}
 
 (podman: `podman build -t {image_word} {folder_word}`.) The build downloads the CUDA base image, torch
-{torch_release()} (CUDA 12.8 build) and the pinned packages of `requirements.txt`; Ubuntu 24.04's Python 3.12
-runs them.
+{torch_release()} (CUDA 12.8 build), Python {IMAGE_PYTHON} (the version `requirements.txt` was resolved with,
+installed by uv) and the pinned packages.
 
 ## Run locally as the organisers do: no network, your uid, read-only input
 
