@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import re
 import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 import pytest
-from ship_helpers import challenge_input, task_run
+from ship_helpers import NON_ROOT, challenge_input, namespaces_permitted, reachable_paths, task_run
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -141,3 +145,28 @@ def test_every_pin_has_a_wheel_for_the_python_the_dockerfile_installs(legacy_bun
         wheel = metadata.distribution(pin).read_text("WHEEL")
         tags = [line.split(":", 1)[1].strip() for line in (wheel or "").splitlines() if line.startswith("Tag:")]
         assert tags and any(_supports(tag, major, minor) for tag in tags), (pin, tags, f"{major}.{minor}")
+
+
+# ---- the contract tests reach a venv under a home only its owner can enter ------------------------------------
+
+@pytest.mark.skipif(not namespaces_permitted(), reason="needs root with unshare -m -n and setpriv")
+def test_another_uid_reaches_a_venv_under_a_home_only_its_owner_can_enter():
+    work = Path(tempfile.mkdtemp(prefix="brats-swap-home-"))
+    try:
+        work.chmod(0o755)
+        home = work / "root"  # as /root: mode 0700, holding the venv and, beside it, a checkout
+        tools = [home / ".venv" / "bin" / "tool", home / "src" / "deeper" / "tool"]
+        for tool in tools:
+            tool.parent.mkdir(parents=True)
+            tool.write_text("echo reached\n")
+        (home / "src").chmod(0o700)  # a second folder others cannot enter, below the first
+        home.chmod(0o700)
+        mounts = reachable_paths([tool.parent for tool in tools], work / "stage")
+        runs = [f"setpriv --reuid {NON_ROOT} --regid {NON_ROOT} --clear-groups sh {tool}" for tool in tools]
+        done = subprocess.run(["unshare", "-m", "--", "sh", "-c", " && ".join(["mount --make-rprivate /", *mounts,
+                                                                             *runs])],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout.split() == ["reached", "reached"], done.stdout + done.stderr
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700  # outside the namespace nothing changed
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
