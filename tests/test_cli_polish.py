@@ -24,6 +24,29 @@ def test_boolean_flags_show_both_spellings_and_no_value(command):
     assert flags and all("<bool>" not in line for line in flags), result.output
 
 
+@pytest.mark.parametrize("command", [[], ["train"], ["data", "synth"], ["plan"], ["cv"], ["serve-challenge"]])
+def test_no_flag_and_not_help_shows_a_value(command):
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "--help" in line or "--debug" in line]
+    assert lines and all("<bool>" not in line for line in lines), result.output
+
+
+def test_an_option_of_three_values_shows_the_spelling_it_reads(tmp_path):
+    result = CliRunner().invoke(app, ["data", "synth", "--help"], env={"COLUMNS": "200"})
+    assert "<int> <int> <int>" in result.output and "<int,int,int>" not in result.output
+    synth = CliRunner().invoke(app, ["data", "synth", "--out", str(tmp_path / "p"), "--cases", "1",
+                                     "--shape", "16", "16", "16"])
+    assert synth.exit_code == 0, synth.output
+
+
+def test_help_paragraphs_wrap_at_the_console_width_only():
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"})
+    assert "so this works straight from a download." in result.output, result.output
+    listing = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert "on the original grid and affine" in listing, listing
+
+
 def test_a_flag_given_a_value_is_a_usage_error_naming_the_value(tmp_path):
     result = CliRunner().invoke(app, ["predict", "--run", str(tmp_path), "--input", str(tmp_path), "--out",
                                       str(tmp_path), "--tta", "true"])

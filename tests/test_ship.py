@@ -19,7 +19,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from ship_helpers import challenge_input, task_run
+from ship_helpers import NON_ROOT, challenge_input, namespaces_permitted, reachable_interpreter, task_run
 from tiny_cv import tiny_cv_run
 from typer.testing import CliRunner
 
@@ -28,8 +28,6 @@ from brats_swap.data.discovery import discover_cases
 from brats_swap.ship.bundle import METADATA, export_bundle, fold_weights, open_bundle
 from brats_swap.ship.challenge import parse_duration, writable_home
 from brats_swap.ship.submission import check_submission
-
-NON_ROOT = 4242
 
 
 def invoke(*args: str):
@@ -141,33 +139,11 @@ def test_a_changed_or_truncated_bundle_is_refused_in_one_line(cv_bundle, cv_run,
 
 # ---- the challenge entrypoint ---------------------------------------------------------------------------------
 
-def _namespaces_permitted() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None:
-        return False
-    probe = subprocess.run(["unshare", "-m", "-n", "--", "sh", "-c", "mount --make-rprivate / && "
-                            "mount -o remount,bind,ro / && true"], capture_output=True)
-    return probe.returncode == 0
-
-
-def _reachable_interpreter(stage: Path) -> list[str]:
-    """Mount commands that let any uid run this interpreter inside the namespace: the first folder on the way
-    to it that others cannot enter (pyenv under a 0700 /root) is shadowed by a read-only tmpfs holding only
-    the way down. Outside the namespace nothing changes."""
-    real = Path(os.path.realpath(sys.base_prefix))
-    blocked = next((folder for folder in [*reversed(real.parents), real] if not folder.stat().st_mode & 0o001), None)
-    if blocked is None or blocked == real:
-        return []
-    child = blocked / real.relative_to(blocked).parts[0]
-    stage.mkdir()
-    return [f"mount --bind {child} {stage}", f"mount -t tmpfs -o mode=755 tmpfs {blocked}", f"mkdir {child}",
-            f"mount --bind {stage} {child}", f"mount -o remount,ro {blocked}"]
-
-
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
 
 
-@pytest.mark.skipif(not _namespaces_permitted(), reason="needs root with unshare -m -n and setpriv")
+@pytest.mark.skipif(not namespaces_permitted(), reason="needs root with unshare -m -n and setpriv")
 def test_the_entrypoint_keeps_the_container_contract_as_another_uid_without_network(tasks):
     # Everything the other uid must read lives in a world-readable folder (pytest's own are 0700).
     work = Path(tempfile.mkdtemp(prefix="brats-swap-contract-"))
@@ -183,7 +159,7 @@ def test_the_entrypoint_keeps_the_container_contract_as_another_uid_without_netw
         scratch = work / "tmp"
         scratch.mkdir(mode=0o700)
         os.chown(scratch, NON_ROOT, NON_ROOT)
-        script += _reachable_interpreter(work / "interpreter")
+        script += reachable_interpreter(work / "interpreter")
         for folder in [scratch, *runs.values()]:  # the only writable places; the root becomes read-only below
             script.append(f"mount --bind {folder} {folder}")
         for task in tasks:
@@ -254,8 +230,11 @@ def test_an_unwritable_home_and_unset_cache_folders_go_under_the_temporary_folde
     changed = writable_home(environ)
     base = tmp_path / f"brats-swap-{os.getuid()}"
     assert changed["HOME"] == (str(base / "home"), "not writable") and environ["HOME"] == str(base / "home")
-    assert changed["MPLCONFIGDIR"] == (str(base / "matplotlib"), "unset") and (base / "matplotlib").is_dir()
     assert "XDG_CACHE_HOME" not in changed and environ["XDG_CACHE_HOME"] == str(writable)
+    assert "MPLCONFIGDIR" not in changed  # unset: matplotlib's default is under the new, writable HOME
+    (tmp_path / "a-file").write_text("")
+    environ = {"HOME": str(writable), "MPLCONFIGDIR": str(tmp_path / "a-file" / "matplotlib")}
+    assert writable_home(environ)["MPLCONFIGDIR"] == (str(base / "matplotlib"), "not writable")
 
 
 def test_predict_takes_a_run_or_a_bundle(cv_bundle, tmp_path):

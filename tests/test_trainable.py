@@ -20,8 +20,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from ship_helpers import challenge_input
-from test_ship import NON_ROOT, _namespaces_permitted, _reachable_interpreter
+from ship_helpers import NON_ROOT, challenge_input, namespaces_permitted, reachable_interpreter
 
 from brats_swap.config import load_config
 from brats_swap.config.loader import config_to_dict, config_to_yaml
@@ -90,7 +89,7 @@ def _weights(bundle: Path, fold: int) -> dict:
     return open_bundle(bundle).state_dict(fold)
 
 
-@pytest.mark.skipif(not _namespaces_permitted(), reason="needs root with unshare -m -n and setpriv")
+@pytest.mark.skipif(not namespaces_permitted(), reason="needs root with unshare -m -n and setpriv")
 def test_the_trainable_image_trains_as_another_uid_without_network_and_its_bundle_serves(data, tmp_path):
     work = Path(tempfile.mkdtemp(prefix="brats-swap-trainable-"))
     try:
@@ -103,7 +102,7 @@ def test_the_trainable_image_trains_as_another_uid_without_network_and_its_bundl
         for folder in (out, predictions, scratch):
             folder.mkdir(mode=0o700)
             os.chown(folder, NON_ROOT, NON_ROOT)
-        script = ["mount --make-rprivate /", *_reachable_interpreter(work / "interpreter")]
+        script = ["mount --make-rprivate /", *reachable_interpreter(work / "interpreter")]
         script += [f"mount --bind {folder} {folder}" for folder in (out, predictions, scratch)]
         for folder in (work / "data", work / "input"):
             script += [f"mount --bind {folder} {folder}", f"mount -o remount,bind,ro {folder}"]

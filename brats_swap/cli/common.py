@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -12,6 +14,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup, TyperOption
 
 from brats_swap.atomic import DISK_PROBLEMS
 from brats_swap.config import Config, load_config
@@ -53,9 +56,43 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def flag(names: str, help: str) -> Any:
-    """A boolean option spelled `--x/--no-x`. Typer's help would show a `<bool>` type next to it, as if it
-    took a value (`--tta true` is refused); the empty metavar leaves only the two spellings."""
-    return typer.Option(names, help=help, metavar="")
+    """A boolean option spelled `--x/--no-x` (`--tta true` is refused); its help shows no value
+    (`HonestHelpGroup`)."""
+    return typer.Option(names, help=help)
+
+
+def _joined_lines(text: str | None) -> str | None:
+    """A docstring's paragraphs each on one line (the help's console wraps them to its width; the source's own
+    wraps would break them again), keeping lines that start a list item or are indented (examples)."""
+    if not text:
+        return text
+    return re.sub(r"(?<=\S)\n(?=[^\s\-*])", " ", inspect.cleandoc(text))
+
+
+def _honest_help(command: Any) -> None:  # a Typer (click) command or group
+    """Make `command`'s help (and its subcommands') say what it takes: a flag (no value; also --help) gets no
+    `<bool>` type, an option of several values (nargs > 1) the spelling it reads (`<int> <int> <int>`, not
+    `<int,int,int>...`), and the text its own line wraps only."""
+    command.help = _joined_lines(command.help)
+    help_option = command.get_help_option(typer.Context(command))
+    for param in [*command.params, *([help_option] if help_option is not None else [])]:
+        if not isinstance(param, TyperOption) or param.metavar is not None:
+            continue
+        if param.is_flag:
+            param.metavar = ""
+        elif param.nargs > 1:
+            param.metavar = " ".join(f"<{part}>" for part in param.display_type(None).strip("<>").split(","))
+    for sub in getattr(command, "commands", {}).values():
+        _honest_help(sub)
+
+
+class HonestHelpGroup(TyperGroup):
+    """The top-level command group: every command's --help made honest once, when the app is built (Typer
+    shows a `<bool>` value for flags and a comma-joined type for options of several values)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _honest_help(self)
 
 
 def resolve_config(config: Path | None, overrides: list[str] | None, data_root: Path | None = None) -> Config:

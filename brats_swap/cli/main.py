@@ -19,10 +19,11 @@ from brats_swap.cli import plan as plan_cmd
 from brats_swap.cli import predict as predict_cmd
 from brats_swap.cli import ship as ship_cmd
 from brats_swap.cli import train as train_cmd
-from brats_swap.cli.common import DEBUG
+from brats_swap.cli.common import DEBUG, HonestHelpGroup
 
 app = typer.Typer(
     name="brats-swap",
+    cls=HonestHelpGroup,
     help="Train and evaluate 3D U-Nets for BraTS on whole volumes, swapping activations to host memory.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

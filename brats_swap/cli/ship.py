@@ -18,7 +18,7 @@ from brats_swap.run.console import line_console, warn
 
 TaskOption = Annotated[str | None, typer.Option("--task", help="The challenge task, i.e. its label table: gli, "
                                                 "gli-post, met, men, men-rt, ped, ssa, goat (default: the "
-                                                "bundle's).", show_default=False)]
+                                                "bundle's; gli for a bundle trained on a 2017-2021 table).", show_default=False)]
 
 
 def _say(line: str) -> None:
@@ -71,6 +71,8 @@ def container(
     from brats_swap.ship.container import write_container
 
     written = write_container(open_bundle(model), out, task, image, time_budget, trainable=trainable)
+    if written.task_note is not None:
+        _say(written.task_note)
     _say(f"wrote {written.folder}: Dockerfile, .dockerignore, entrypoint.sh, README.md (task {written.task}); "
          f"build with: docker build -t {written.image} {written.folder}")
     _say("entry for the BrainLesion brats package (also in brainlesion.yml; add authors, paper, rank to meta):")
@@ -118,7 +120,10 @@ def serve_challenge(
     from brats_swap.ship.container import resolve_task
 
     bundle = open_bundle(model)
-    predictor = bundle_predictor(bundle, folds, device=device, challenge=resolve_task(bundle, task))
+    task, task_note = resolve_task(bundle, task)
+    if task_note is not None:
+        _say(task_note)
+    predictor = bundle_predictor(bundle, folds, device=device, challenge=task)
     report = serve(predictor, input_dir, output_dir, tta=tta, time_budget_s=budget, say=_say)
     _say(f"wrote {len(report.written)} of {report.cases} segmentation(s) to {output_dir}")
     report.failures.raise_if_any(f"serve-challenge {input_dir}", report.cases)
@@ -183,8 +188,10 @@ def check_submission(
     for line in report.problems:
         line_console.print(f"problem: {line}")
     if report.problems:
-        raise DataError(f"{output_dir}: {len(report.problems)} problem(s) for {report.cases} input case(s); "
-                        "fix them before submitting")
+        unnamed = (f" ({len(report.unnamed)} could not be named: {', '.join(report.unnamed[:3])}"
+                   f"{', ...' if len(report.unnamed) > 3 else ''})" if report.unnamed else "")
+        raise DataError(f"{output_dir}: {len(report.problems)} problem(s) for {report.cases} input case(s)"
+                        f"{unnamed}; fix them before submitting")
     _say(f"{output_dir}: ok, {report.checked} segmentation(s) for {report.cases} input case(s)")
 
 

@@ -9,7 +9,8 @@ The contract (BraTS 2025+: a Docker image run with no network, as any uid, with 
   and header (those of its first modality). Each file is written through a temporary file and a rename, so
   a case cut short leaves no half-written segmentation.
 - Any uid, an unwritable HOME: home, torch, matplotlib and cache folders are set under the temporary folder
-  (`$TMPDIR`, else /tmp) when theirs are not writable, before anything could use them.
+  (`$TMPDIR`, else /tmp) only when theirs (or, unset, their default under HOME) cannot be written, before
+  anything could use them.
 - Case by case: a broken case (a missing or unreadable image, a folder holding no case) is named and skipped,
   the others are segmented, and the command then fails (exit 1) naming every failed case.
 - A time budget for the whole test set: after each case, the time so far plus the remaining cases at the last
@@ -33,32 +34,54 @@ from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.predicting import predict_case
 
-# Variables naming folders that torch, matplotlib and other libraries write to; each is pointed under the
-# temporary folder when it is unset or not writable.
+# Variables naming folders that torch, matplotlib and other libraries write to, each with the folder its library
+# uses when it is unset (under another of them, resolved in this order); each is pointed under the temporary
+# folder only when the folder it names, or would default to, cannot be written.
 CACHE_VARIABLES = {"HOME": "home", "TORCH_HOME": "torch", "MPLCONFIGDIR": "matplotlib",
                    "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config"}
+_DEFAULT_FOLDERS = {"HOME": None, "XDG_CACHE_HOME": ("HOME", ".cache"), "XDG_CONFIG_HOME": ("HOME", ".config"),
+                    "TORCH_HOME": ("XDG_CACHE_HOME", "torch"), "MPLCONFIGDIR": ("XDG_CONFIG_HOME", "matplotlib")}
 _DURATION = re.compile(r"^\s*(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[smhd]?)\s*$", re.IGNORECASE)
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _writable(folder: str | None) -> bool:
-    return bool(folder) and os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
+def _writable(folder: str | None, *, creatable: bool = True) -> bool:
+    """A writable folder, or (`creatable`) one its nearest existing parent, a writable folder, can hold."""
+    if not folder:
+        return False
+    path = Path(folder)
+    while creatable and not path.exists() and path != path.parent:
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def _default_folder(variable: str, environ) -> str | None:
+    """The folder the library uses when `variable` is unset: under the (already resolved) variable above it."""
+    if _DEFAULT_FOLDERS[variable] is None:
+        return None
+    above, name = _DEFAULT_FOLDERS[variable]
+    parent = environ.get(above) or _default_folder(above, environ)
+    return os.path.join(parent, name) if parent else None
 
 
 def writable_home(environ: dict | None = None) -> dict[str, tuple[str, str]]:
-    """Point HOME and the cache folders, when unset or not writable, under the temporary folder, in
-    `environ` (default os.environ); returns variable -> (the folder it set, why). Call it before importing
-    matplotlib: it reads MPLCONFIGDIR once, at import."""
+    """Point HOME and the cache folders under the temporary folder when the folder they name (or, unset, the
+    one their library defaults to: ~/.cache/torch, ~/.config/matplotlib, ...) cannot be written, in `environ`
+    (default os.environ); returns variable -> (the folder it set, why). Call it before importing matplotlib:
+    it reads MPLCONFIGDIR once, at import."""
     environ = os.environ if environ is None else environ
     base: Path | None = None
     changed = {}
-    for variable, name in CACHE_VARIABLES.items():
-        if _writable(environ.get(variable)):
+    for variable in _DEFAULT_FOLDERS:
+        name = CACHE_VARIABLES[variable]
+        given = environ.get(variable)
+        # A missing HOME is not made (its owner would be this uid, not the user's); a cache folder is.
+        if _writable(given if given is not None else _default_folder(variable, environ), creatable=variable != "HOME"):
             continue
         base = base or private_temp_folder()
         folder = base / name
         folder.mkdir(exist_ok=True, mode=0o700)
-        changed[variable] = (str(folder), "unset" if environ.get(variable) is None else "not writable")
+        changed[variable] = (str(folder), "unset" if given is None else "not writable")
         environ[variable] = str(folder)
     return changed
 

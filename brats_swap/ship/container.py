@@ -1,8 +1,9 @@
 """The BraTS challenge image of a bundle (`brats-swap container`): a build folder to read, edit and build.
 
 ```
-DIR/Dockerfile          CUDA 12.8 base (its torch build runs on the A10G, sm_86, and newer cards), a venv with
-                        the exact versions of this environment, brats-swap from source, the bundle copied in
+DIR/Dockerfile          CUDA 12.8 base (its torch build runs on the A10G, sm_86, and newer cards), a venv of
+                        this environment's Python version with its exact package versions, brats-swap from
+                        source, the bundle copied in
 DIR/.dockerignore       only the files below go into the build context
 DIR/requirements.txt    name==version of every package brats-swap needs (torch comes from the CUDA index)
 DIR/entrypoint.sh       exec brats-swap serve-challenge --model /opt/brats-swap/model.zip --task ... "$@"
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from importlib import metadata as distributions
@@ -39,6 +41,11 @@ from brats_swap.ship.challenge import parse_duration
 
 BASE_IMAGE = "nvidia/cuda:12.8.1-base-ubuntu24.04"
 TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
+# The image's Python is the one requirements.txt was resolved with (this interpreter's major.minor), not the
+# base's own (Ubuntu 24.04: 3.12): a pin may have wheels for one and not the other, and the image has no
+# compiler. uv installs that Python (a standalone build) at build time.
+IMAGE_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+UV_IMAGE = "ghcr.io/astral-sh/uv:0.5.4"
 IMAGE_ROOT = "/opt/brats-swap"
 IMAGE_BUNDLE = f"{IMAGE_ROOT}/model.zip"
 # Installed by the CUDA torch wheel itself (its own CUDA libraries), never pinned from this environment.
@@ -99,13 +106,22 @@ def brainlesion_entry(task: str, image: str) -> dict:
                      "subject_modality_separator": spec.separator}}}
 
 
-def resolve_task(bundle: Bundle, task: str | None) -> str:
-    """`--task`, else the bundle's challenge; ConfigError for a legacy (2017-2021) table or an unknown task."""
+# The 2023+ task a bundle trained on a 2017-2021 table serves by default: the one with the same regions (adult
+# glioma), whose table `bundle_predictor` maps the legacy labels onto (4 -> 3).
+LEGACY_TASK = "gli"
+
+
+def resolve_task(bundle: Bundle, task: str | None) -> tuple[str, str | None]:
+    """(the task, a line saying why when it is not the one asked for or the bundle's): `--task`, else the
+    bundle's challenge, else (a 2017-2021 table) `LEGACY_TASK`; ConfigError for a legacy or unknown `--task`."""
+    if task is None and bundle.challenge not in MODERN_CHALLENGES:
+        return LEGACY_TASK, (f"--task {LEGACY_TASK}: the bundle was trained on the {bundle.challenge} table, "
+                             f"served as the 2023+ task with the same regions (label 4 written as 3); "
+                             "give --task to choose another")
     chosen = task or bundle.challenge
     if chosen not in MODERN_CHALLENGES:
-        raise ConfigError(f"--task {chosen!r}: expected a 2023+ task ({', '.join(MODERN_CHALLENGES)})"
-                          + ("" if task else f"; the bundle was trained on the {bundle.challenge} table"))
-    return chosen
+        raise ConfigError(f"--task {chosen!r}: expected a 2023+ task ({', '.join(MODERN_CHALLENGES)})")
+    return chosen, None
 
 
 @dataclass
@@ -114,6 +130,7 @@ class ContainerFolder:
     task: str
     image: str
     entry: dict
+    task_note: str | None = None  # why the task is not the bundle's own (a 2017-2021 table)
 
 
 def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, image: str | None = None,
@@ -124,7 +141,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     Every value the generated files take from the bundle or the command line is checked first (no newline or
     control character; shell words quoted; `time_budget` parsed as serve-challenge will parse it), so nothing
     is written for a value that would break or inject a line."""
-    task = resolve_task(bundle, task)
+    task, task_note = resolve_task(bundle, task)
     parse_duration(time_budget)
     image = script_text(image or f"brats-swap-{task}:latest", "--image", "container")
     name = script_text(bundle.metadata.get("name"), "bundle name", f"{bundle.path}: {METADATA}")
@@ -157,7 +174,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     entry = brainlesion_entry(task, image)
     atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
     atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir))
-    return ContainerFolder(out_dir, task, image, entry)
+    return ContainerFolder(out_dir, task, image, entry, task_note)
 
 
 def _dockerfile(bundle: Bundle, name: str, task: str, no_deps: list[str]) -> str:
@@ -173,11 +190,16 @@ ARG BASE_IMAGE={BASE_IMAGE}
 FROM ${{BASE_IMAGE}}
 
 ARG TORCH_INDEX={TORCH_INDEX}
+# Python {IMAGE_PYTHON}: the version requirements.txt was resolved with (the base's own Python may differ, and
+# a pin may have no wheel for it); uv installs a standalone build of it, readable by any uid.
+ARG PYTHON_VERSION={IMAGE_PYTHON}
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \\
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 UV_PYTHON_INSTALL_DIR=/opt/python
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \\
     && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv
+COPY --from={UV_IMAGE} /uv /usr/local/bin/uv
+RUN uv venv --seed --python-preference only-managed --python ${{PYTHON_VERSION}} /opt/venv \\
+    && chmod -R a+rX /opt/python /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
 # The exact versions of the environment this folder was written from (torch {torch_release()}, CUDA build).
@@ -243,8 +265,8 @@ as below, before submitting.
     docker build -t {image_word} {folder_word}
 
 (podman: `podman build -t {image_word} {folder_word}`.) The build downloads the CUDA base image, torch
-{torch_release()} (CUDA 12.8 build) and the pinned packages of `requirements.txt`; Ubuntu 24.04's Python 3.12
-runs them.
+{torch_release()} (CUDA 12.8 build), Python {IMAGE_PYTHON} (the version `requirements.txt` was resolved with,
+installed by uv) and the pinned packages.
 
 ## Run locally as the organisers do: no network, your uid, read-only input
 

@@ -40,8 +40,9 @@ def submission_key(case_id: str) -> str:
 class SubmissionCheck:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    cases: int = 0
+    cases: int = 0  # input case folders, named or not
     checked: int = 0  # segmentations whose grid and labels were read
+    unnamed: list[str] = field(default_factory=list)  # input case folders whose images the task does not name
 
 
 def check_submission(output_dir: Path, input_dir: Path, task: str | None = None) -> SubmissionCheck:
@@ -51,7 +52,7 @@ def check_submission(output_dir: Path, input_dir: Path, task: str | None = None)
     if not output_dir.is_dir():
         raise DataError(f"{output_dir}: output folder not found")
     cases = _input_cases(input_dir, task, report)
-    report.cases = len(cases)
+    report.cases = len(cases) + len(report.unnamed)
     matched: dict[str, list[Path]] = {case.case_id: [] for case in cases}
     for entry in sorted(output_dir.iterdir()):
         if entry.is_dir():
@@ -62,7 +63,7 @@ def check_submission(output_dir: Path, input_dir: Path, task: str | None = None)
             owners = [c.case_id for c in cases if entry.name.endswith(submission_key(c.case_id) + SEGMENTATION_EXTENSION)]
             if not owners:
                 report.problems.append(f"{entry}: misnamed: the name ends in no input case's id (names end in "
-                                       f"<5-digit id>-<3-digit timepoint>.nii.gz, e.g. {_example(cases)})")
+                                       f"<5-digit id>-<3-digit timepoint>.nii.gz, e.g. {_example(cases, task)})")
             for owner in owners:
                 matched[owner].append(entry)
     for case in cases:
@@ -78,8 +79,10 @@ def check_submission(output_dir: Path, input_dir: Path, task: str | None = None)
     return report
 
 
-def _example(cases: list[Case]) -> str:
-    return f"{cases[0].case_id}{SEGMENTATION_EXTENSION}" if cases else f"BraTS-MET-00001-000{SEGMENTATION_EXTENSION}"
+def _example(cases: list[Case], task: str | None) -> str:
+    """An output name to show: the first input case's, else one of the task's (glioma's when none is given)."""
+    case_id = cases[0].case_id if cases else get_challenge(task or "gli").example_id(1)
+    return f"{case_id}{SEGMENTATION_EXTENSION}"
 
 
 def _input_cases(input_dir: Path, task: str | None, report: SubmissionCheck) -> list[Case]:
@@ -89,8 +92,17 @@ def _input_cases(input_dir: Path, task: str | None, report: SubmissionCheck) -> 
             found = discover_cases(folder, challenge=task or "auto")
         except DataError as exc:
             report.problems.append(f"input {folder}: {exc}")
+            report.unnamed.append(folder.name)
             continue
-        cases.extend(case for case in found if case.images)
+        named = [case for case in found if case.images]
+        if not named:
+            spec = get_challenge(task or "gli")
+            example = spec.example_id(1)
+            report.unnamed.append(folder.name)
+            report.problems.append(f"input {folder}: no image named as a {spec.key} case (expected e.g. "
+                                   f"{example}/{example}{spec.separator}t1c.nii.gz); its segmentation cannot be "
+                                   "checked")
+        cases.extend(named)
     return cases
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from brats_swap.data.challenges import get_challenge
 from brats_swap.data.discovery import check_forced_convention, resolve_convention
 from brats_swap.errors import DeviceOutOfMemoryError
 from brats_swap.memory.arena import arena_bytes, available_host_bytes, check_host_memory
-from brats_swap.memory.budget import with_inflight_window, with_overhead
+from brats_swap.memory.budget import BUDGET_HEADROOM, with_inflight_window, with_overhead
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
 from brats_swap.memory.presets import named_policies
 from brats_swap.memory.records import SWAP_MODES, effective_memory_config
@@ -283,8 +284,47 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     prelude = augmentation_bytes(dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch)))
-    return plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype, cost=cost,
-                       loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config), prelude_bytes=prelude)
+    report, planner = plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype,
+                                  cost=cost, loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config),
+                                  prelude_bytes=prelude)
+    if report.chosen is None and report.budget_gib is not None:
+        report.reason += "; " + no_fit_advice(config, report, smallest_fitting_budget(planner, memory, report), batch)
+    return report, planner
+
+
+# Tries of `smallest_fitting_budget` past the first estimate (a larger budget widens the in-flight window, so a
+# swap plan's peak can grow with it), each this much larger.
+_BUDGET_TRIES, _BUDGET_STEP = 4, 1.1
+
+
+def smallest_fitting_budget(planner: Planner, memory: MemoryConfig, report: PlanReport) -> float | None:
+    """The smallest budget (GiB, rounded up to 0.1) the auto-tuner finds a plan for, from the leanest priced
+    policy's peak (its tensors are what `memory.budget.tensor_limit` must hold); None if none of the tries
+    does."""
+    overhead = report.device_overhead_gib
+    leanest = min(p.peak_bytes for p in report.policies) / GIB
+    budget = math.ceil(((leanest - overhead) / BUDGET_HEADROOM + overhead) * 10) / 10
+    for _ in range(_BUDGET_TRIES):
+        if planner.auto(budget * GIB, dataclasses.replace(memory, budget_gib=budget))[0] is not None:
+            return budget
+        budget = math.ceil(budget * _BUDGET_STEP * 10) / 10
+    return None
+
+
+def no_fit_advice(config: Config, report: PlanReport, smallest: float | None, batch: int) -> str:
+    """What to change when nothing fits `report.budget_gib`: the smallest budget that does, and what to shrink."""
+    fits = (f"the smallest budget that fits is {smallest:g} GiB (--budget {smallest:g}, memory.budget_gib: "
+            f"{smallest:g})" if smallest is not None else "no budget tried up to the leanest plan's peak fits")
+    if report.budget_gib <= report.device_overhead_gib:
+        return (f"{fits}; {report.budget_gib:g} GiB is not above the device overhead of "
+                f"{report.device_overhead_gib:g} GiB (memory.device_overhead_gib: what the card holds before a step), "
+                "so no step fits it")
+    sample = "train.patch" if config.train.mode == "patch" else "data.cube"
+    shape = "x".join(map(str, training_input_shape(config)[2:]))
+    lower = [f"{sample} (now {shape})"] + ([f"--batch / train.batch_size (now {batch})"] if batch > 1 else [])
+    if config.train.amp == "none":
+        lower.append("train.amp (bf16 halves the saved activations)")
+    return f"{fits}; to fit {report.budget_gib:g} GiB, shrink {', '.join(lower)}"
 
 
 _TIMELINE_COLORS = {"fwd": "#4C72B0", "bwd": "#DD8452", "recompute": "#55A868", "stall": "#C44E52",
