@@ -160,3 +160,15 @@ def test_a_yaml_error_says_the_parsers_reason_line_and_column(tmp_path):
         load_config(path, [])
     assert str(caught.value) == (f"{path}: not valid YAML at line 3, column 5: expected ',' or ']', but got ':' "
                                  "(while parsing a flow sequence that starts at line 2, column 7)")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_data_check_counts_the_unlabelled_cases_as_for_prediction_only(layout, tmp_path):
+    from brats_swap.data.check import check_dataset, summary_line
+
+    root, unlabelled = LAYOUTS[layout](tmp_path)
+    results = check_dataset(root, progress=False)
+    assert [r.case_id for r in results if r.unlabelled] == [unlabelled]
+    line = summary_line(results)
+    assert line.startswith("4 usable, 0 skipped") and "1 of the usable have no segmentation" in line
+    assert "for prediction only" in line

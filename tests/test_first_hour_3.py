@@ -23,8 +23,8 @@ from brats_swap.config import load_config
 from brats_swap.data.phantom import synthesize_dataset
 from brats_swap.memory.planner import PlanReport
 from brats_swap.ship.bundle import export_bundle
-from brats_swap.ship.challenge import writable_home
 from brats_swap.ship.submission import check_submission
+from brats_swap.ship.writable_folders import writable_home
 from brats_swap.train.planning import no_fit_advice
 
 

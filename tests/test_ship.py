@@ -26,8 +26,9 @@ from typer.testing import CliRunner
 from brats_swap.cli.main import app
 from brats_swap.data.discovery import discover_cases
 from brats_swap.ship.bundle import METADATA, export_bundle, fold_weights, open_bundle
-from brats_swap.ship.challenge import parse_duration, writable_home
 from brats_swap.ship.submission import check_submission
+from brats_swap.ship.time_budget import parse_duration
+from brats_swap.ship.writable_folders import writable_home
 
 
 def invoke(*args: str):

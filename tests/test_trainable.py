@@ -96,6 +96,7 @@ def test_the_trainable_image_trains_as_another_uid_without_network_and_its_bundl
         work.chmod(0o755)
         image = write_container(open_bundle(recipe_bundle(tmp_path, "goat-recipe", [0])), work / "image", "goat",
                                 trainable=True).folder
+        assert " train --time-budget" in (image / "README.md").read_text()  # how the organisers retrain it
         shutil.copytree(data, work / "data")
         challenge_input(work / "input", "goat", 2, seed=5)
         out, predictions, scratch = work / "out", work / "predictions", work / "tmp"

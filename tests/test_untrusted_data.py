@@ -28,7 +28,7 @@ from brats_swap.data.cache import CacheWriteError, list_prepared, prepare_datase
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.errors import DataError
 from brats_swap.evaluate.predicting import Predictor, predict_case, predict_with
-from brats_swap.ship.challenge import case_folders, serve
+from brats_swap.ship.serve import case_folders, serve
 
 SHAPE = (16, 16, 16)
 CHANNELS = {"0": "T1", "1": "T1ce", "2": "T2", "3": "Flair"}

@@ -20,8 +20,8 @@ from brats_swap.cv.slurm import SlurmOptions, cv_script, summary_script
 from brats_swap.errors import BratsSwapError, ConfigError, DataError
 from brats_swap.run.folder import RunFolder
 from brats_swap.ship.bundle import export_bundle, open_bundle
-from brats_swap.ship.challenge import private_temp_folder, writable_home
 from brats_swap.ship.container import write_container
+from brats_swap.ship.writable_folders import private_temp_folder, writable_home
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,8 @@ def serve_challenge(
 
     Example: brats-swap serve-challenge --model model.zip --input in/ --output out/ --time-budget 8h
     """
-    from brats_swap.ship.challenge import parse_duration, writable_home
+    from brats_swap.ship.time_budget import parse_duration
+    from brats_swap.ship.writable_folders import writable_home
 
     for variable, (folder, why) in writable_home().items():  # before matplotlib could read them
         _say(f"{variable}: {why}, using {folder}")
@@ -116,8 +117,8 @@ def serve_challenge(
         _say(f"--parameters_file {parameters_file}: not read, the bundle holds every setting")
     budget = parse_duration(time_budget) if time_budget is not None else None
     from brats_swap.ship.bundle import bundle_predictor, open_bundle
-    from brats_swap.ship.challenge import serve
     from brats_swap.ship.container import resolve_task
+    from brats_swap.ship.serve import serve
 
     bundle = open_bundle(model)
     task, task_note = resolve_task(bundle, task)
@@ -150,7 +151,8 @@ def train_challenge(
 
     Example: brats-swap train-challenge --model model.zip --data data/GoAT --output out/ --time-budget 72h
     """
-    from brats_swap.ship.challenge import parse_duration, writable_home
+    from brats_swap.ship.time_budget import parse_duration
+    from brats_swap.ship.writable_folders import writable_home
 
     for variable, (folder, why) in writable_home().items():  # before matplotlib could read them
         _say(f"{variable}: {why}, using {folder}")

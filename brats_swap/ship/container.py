@@ -37,7 +37,7 @@ from brats_swap.data.challenges import MODERN_CHALLENGES, get_challenge
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.names import script_text, shell_word
 from brats_swap.ship.bundle import METADATA, Bundle
-from brats_swap.ship.challenge import parse_duration
+from brats_swap.ship.time_budget import parse_duration
 
 BASE_IMAGE = "nvidia/cuda:12.8.1-base-ubuntu24.04"
 TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
@@ -173,7 +173,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     entrypoint.chmod(0o755)
     entry = brainlesion_entry(task, image)
     atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
-    atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir))
+    atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir, trainable))
     return ContainerFolder(out_dir, task, image, entry, task_note)
 
 
@@ -247,7 +247,7 @@ exec brats-swap serve-challenge --model {IMAGE_BUNDLE} --task {task_word} --time
 """
 
 
-def _readme(bundle: Bundle, name: str, task: str, image: str, out_dir: Path) -> str:
+def _readme(bundle: Bundle, name: str, task: str, image: str, out_dir: Path, trainable: bool = False) -> str:
     spec = get_challenge(task)
     example = spec.example_id(1)
     image_word, folder_word = shell_word(image, "--image", "container"), shell_word(out_dir, "--out", "container")
@@ -283,7 +283,7 @@ leave out `--gpus all` (it runs on the CPU, slowly). The older MLCube form works
 ## Check the output as the organisers will
 
     brats-swap check-submission out --input in --task {task}
-
+{_retrain_section(image_word) if trainable else ""}
 ## Save or push
 
     docker save {image_word} | gzip > {saved}
@@ -295,4 +295,20 @@ leave out `--gpus all` (it runs on the CPU, slowly). The older MLCube form works
 
 `brainlesion.yml` is this image's entry for the package's algorithm list (add `authors`, `paper` and
 `rank` to `meta` as its other entries have them).
+"""
+
+
+def _retrain_section(image_word: str) -> str:
+    """The README's part for a `--trainable` image: how the organisers retrain it (ship/retrain.py)."""
+    return f"""
+## Retrain it as the organisers will (a `--trainable` image)
+
+    mkdir -p trained
+    docker run --rm --network none --gpus all --user "$(id -u):$(id -g)" --read-only --tmpfs /tmp \\
+        --shm-size 4g -v "$PWD/data:/data:ro" -v "$PWD/trained:/output:rw" {image_word} train --time-budget 72h
+
+`data/` is a BraTS-format training folder (or an nnU-Net raw / Decathlon one). The entry measures the card,
+plans the memory policy within the bundle's recipe, shortens the schedule up front to the time budget (and
+says so), trains, and writes `trained/model.zip` with its training log and the plan it chose. Run the same
+command again after a stop: it resumes where it stopped.
 """

@@ -21,7 +21,7 @@ from brats_swap.data.challenges import get_challenge
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import read_volume
 from brats_swap.errors import DataError
-from brats_swap.ship.challenge import case_folders
+from brats_swap.ship.serve import case_folders
 
 # The organisers' validator: the key of a case in an output file name.
 ORGANISERS_NAME = re.compile(r"(\d{5}-\d{3})\.nii\.gz$")
