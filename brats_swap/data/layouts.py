@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from brats_swap.data.challenges import ChallengeSpec, label_map_from_names
-from brats_swap.errors import DataError
+from brats_swap.errors import BratsSwapError, DataError
 from brats_swap.names import checked_name, relative_path_inside
 
 DATASET_JSON = "dataset.json"
@@ -79,12 +79,7 @@ def find_layout(folder: Path) -> Layout | None:
     if not description.is_file():
         raise DataError(f"{folder}: {has_folders[0]}/ without a {DATASET_JSON}: the channel order and the meaning "
                         f"of the label values cannot be known; put the dataset's {DATASET_JSON} in {folder}")
-    try:
-        meta = json.loads(description.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{description}: unreadable ({exc})") from exc
-    if not isinstance(meta, dict):
-        raise DataError(f"{description}: expected a JSON object")
+    meta = read_json_object(description)
     names = meta.get("channel_names", meta.get("modality"))
     if not isinstance(names, dict) or not names:
         raise DataError(f"{description}: no channel_names (nnU-Net v2) or modality (Decathlon) entry")
@@ -206,3 +201,15 @@ def _listed_case(folder: Path, description: Path, case_id: str, entry, modalitie
               for index, path in zip(sorted(modalities), entry["images"], strict=True)}  # in channel order
     seg = entry.get("label")
     return LayoutCase(case_id, images, relative_path_inside(folder, seg, f"{where}: label", description) if seg else None)
+
+
+def read_json_object(path: Path, error: type[BratsSwapError] = DataError) -> dict:
+    """A JSON file that must hold an object (`dataset.json`, nnU-Net's `plans.json`); `error` (one line naming
+    the file) when it cannot be read, is not JSON or holds something else."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise error(f"{path}: unreadable ({exc})") from exc
+    if not isinstance(record, dict):
+        raise error(f"{path}: expected a JSON object, got {type(record).__name__}")
+    return record

@@ -38,7 +38,12 @@ from brats_swap.atomic import atomic_write_text
 from brats_swap.config import Config, config_to_dict, config_to_yaml, load_config
 from brats_swap.config.networks import architecture_record, input_divisor
 from brats_swap.data.challenges import get_challenge, label_map_from_names
-from brats_swap.data.layouts import channel_modalities, declared_labels, modern_channel_names
+from brats_swap.data.layouts import (
+    channel_modalities,
+    declared_labels,
+    modern_channel_names,
+    read_json_object,
+)
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.run.checkpoint import save_checkpoint
 from brats_swap.run.folder import RunFolder
@@ -71,7 +76,7 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
                   edition: str = "auto", challenge: str = "auto") -> NnUNetImport:
     """Write the run folder `out` from nnU-Net's results folder (see the module docstring)."""
     results_dir, run = Path(results_dir), RunFolder.of(out)
-    plans, dataset = (_read_json(results_dir / name) for name in ("plans.json", "dataset.json"))
+    plans, dataset = (read_json_object(results_dir / name, ConfigError) for name in ("plans.json", "dataset.json"))
     configuration = _configuration(results_dir, plans)
     folds = sorted(int(p.name.split("_")[1]) for p in results_dir.glob("fold_*")
                    if p.name.split("_")[1].isdigit() and (p / checkpoint_name).is_file())
@@ -109,14 +114,6 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
     return NnUNetImport(run, config, folds, notes)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: unreadable ({exc})") from exc
-    if not isinstance(record, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(record).__name__}")
-    return record
 
 
 # ---- the plans file, checked before anything is read from it -------------------------------------------------
