@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A single-node SLURM on this machine, to try `brats-swap cv --submit slurm` and to test it (CI does).
+# A single-node SLURM on this machine, to try `brats-swap cv submit slurm` and to test it (CI does).
 #
 #   sudo scripts/local_slurm.sh start   # install (Debian/Ubuntu: slurm-wlm, munge) if missing, start, wait
 #   sudo scripts/local_slurm.sh stop    # stop the daemons this script started
