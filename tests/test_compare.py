@@ -84,7 +84,7 @@ def test_compare_resumes_where_the_window_closed(fake, config, tmp_path):
 
 def test_compare_is_locked_per_folder(fake, config, tmp_path):
     run_dir = tmp_path / "cmp"
-    with run_lock(run_dir / "patch"):  # e.g. `brats-swap cv --run cmp/patch` still running
+    with run_lock(run_dir / "patch"):  # e.g. `brats-swap cv run --run cmp/patch` still running
         with pytest.raises(RunLockedError, match="patch"):
             compare.run_compare(config, run_dir, folds=[0])
     assert fake.calls == []

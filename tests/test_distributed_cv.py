@@ -1,4 +1,4 @@
-"""`brats-swap cv --parallel-folds 2` on CPU: two folds train at once in worker processes, with the
+"""`brats-swap cv run --parallel-folds 2` on CPU: two folds train at once in worker processes, with the
 sequential runner's lock and summary (the real training loop on 4 tiny phantom cases, 16³ cubes)."""
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from brats_swap.cli.main import app
 from brats_swap.data.phantom import synthesize_dataset
 from brats_swap.run.checkpoint import load_checkpoint
-from brats_swap.run.nnunet_import import import_nnunet
 from brats_swap.run.trained import load_trained_model
+from brats_swap.ship.nnunet_import import import_nnunet
 
 pytest.importorskip("dynamic_network_architectures")
 RESULTS = (Path(__file__).parent / "fixtures" / "nnunet_results" / "Dataset991_BraTSPhantoms"

@@ -20,6 +20,7 @@ from brats_swap.evaluate.official import official_columns
 from brats_swap.evaluate.postprocessing_rules import apply, load_plan
 from brats_swap.evaluate.scoring import evaluate_predictions
 from brats_swap.model.targets import labels_from_probs, output_names
+from brats_swap.run.trained import load_run_config
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def test_tta_changes_the_probabilities_and_postprocessing_can_be_turned_off(cv_r
     tta_probs = np.load(mirrored.with_name(f"{case.case_id}.npz"))["probabilities"]
     assert np.abs(plain_probs - tta_probs).max() > 1e-4
     # Without postprocessing the labels are the probabilities' labels as they are.
-    config = predicting.load_run_config(run)
+    config = load_run_config(run)
     raw = labels_from_probs(plain_probs, case.edition, config.model.outputs, config.evaluate.threshold)
     np.testing.assert_array_equal(np.asarray(nib.load(plain).dataobj), raw)
 

@@ -1,8 +1,8 @@
-"""`brats-swap cv --submit slurm` on a real SLURM (marked `slurm`; `.ci/run` starts one with
+"""`brats-swap cv submit` on a real SLURM (marked `slurm`; `.ci/run` starts one with
 scripts/local_slurm.sh, elsewhere this test is skipped): a 2-fold cv on 16³ phantoms as an array job, one
 task preempted mid-epoch with SIGUSR1 as SLURM's `--signal` would, requeued once, resumed inside the epoch and
 bitwise equal at the end to the fold trained straight through in one process; the summary job's
-cv_summary.json and postprocessing.json; `cv --status`. Nothing is left running."""
+cv_summary.json and postprocessing.json; `cv status`. Nothing is left running."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from untrusted_helpers import GIB, memory_limit
 from brats_swap.cli.main import app
 from brats_swap.errors import BratsSwapError
 from brats_swap.model.pricing import MAX_NETWORK_PARAMETERS
-from brats_swap.run.nnunet_import import import_nnunet
+from brats_swap.ship.nnunet_import import import_nnunet
 
 pytest.importorskip("dynamic_network_architectures")
 RESULTS = (Path(__file__).parent / "fixtures" / "nnunet_results" / "Dataset991_BraTSPhantoms"

@@ -51,6 +51,7 @@ FoldsOption = Annotated[
     str, typer.Option("--folds", "--fold", "-f", help="Folds: all, a fold K, or folds K,K (--fold is the same "
                                                       "option).")
 ]
+CheckpointOption = Annotated[str, typer.Option("--checkpoint", help="best, latest, or a checkpoint file.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -26,7 +26,7 @@ def import_nnunet(
 
     Example: brats-swap import-nnunet nnUNet_results/Dataset137_BraTS2021/nnUNetTrainer__nnUNetPlans__3d_fullres --out runs/nnunet
     """
-    from brats_swap.run.nnunet_import import import_nnunet as run_import
+    from brats_swap.ship.nnunet_import import import_nnunet as run_import
 
     imported = run_import(results, out, checkpoint, edition=edition, challenge=challenge)
     model = imported.config.model

@@ -7,8 +7,7 @@ from typing import Annotated
 
 import typer
 
-from brats_swap.cli.common import FoldsOption, flag, handle_errors
-from brats_swap.cli.train import CheckpointOption
+from brats_swap.cli.common import CheckpointOption, FoldsOption, flag, handle_errors
 from brats_swap.errors import ConfigError
 from brats_swap.run.console import line_console, warn
 

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from brats_swap.cli.common import (
+    CheckpointOption,
     ConfigOption,
     FoldsOption,
     RunOption,
@@ -31,7 +32,6 @@ from brats_swap.run.folder import RunFolder
 FoldOption = Annotated[str | None, typer.Option("--fold", "--folds", "-f", help="The fold of splits.json to "
                                                 "train (default 0); the spelling of --folds elsewhere, one fold.",
                                                 show_default=False)]
-CheckpointOption = Annotated[str, typer.Option("--checkpoint", help="best, latest, or a checkpoint file.")]
 
 
 @handle_errors

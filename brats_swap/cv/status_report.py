@@ -1,4 +1,4 @@
-"""`brats-swap cv --status`: each fold's state, read from the run folder alone (no scheduler is asked).
+"""`brats-swap cv status`: each fold's state, read from the run folder alone (no scheduler is asked).
 
 A fold is *done* (trained and evaluated), *running* (a process holds its lock: which pid, host and SLURM
 job), *stopped* (a checkpoint, nobody working on it: the next `cv` or requeued task continues), *trained*

@@ -5,12 +5,13 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from brats_swap.timestamps import utc_now
 
 
 def environment_record(device: torch.device) -> dict[str, Any]:
@@ -25,7 +26,7 @@ def environment_record(device: torch.device) -> dict[str, Any]:
         "monai": monai.__version__, "nibabel": nibabel.__version__, "numpy": np.__version__,
         "platform": platform.platform(), "hostname": platform.node(), "device": str(device),
         "cpu_threads": torch.get_num_threads(), "command": " ".join(sys.argv),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "started_at": utc_now(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -38,7 +38,6 @@ import json
 import pickle
 import platform
 import stat
-import time
 import zipfile
 import zlib
 from dataclasses import dataclass, replace
@@ -61,6 +60,7 @@ from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder, fold_name
 from brats_swap.run.trained import inference_config, load_run_config, load_trained_model, trained_model
+from brats_swap.timestamps import utc_now
 
 BUNDLE_FORMAT = "brats-swap-bundle"
 BUNDLE_FORMAT_VERSION = 1
@@ -192,7 +192,7 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
         files[f"figures/{figure.name}"] = figure.read_bytes()
     metadata = {
         "format": BUNDLE_FORMAT, "format_version": BUNDLE_FORMAT_VERSION, "name": config.name,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **_versions(),
+        "created": utc_now(), **_versions(),
         "task": f"BraTS {get_challenge(challenge).title} segmentation", "challenge": challenge,
         "description": f"brats-swap run {config.name}: {len(chosen)} fold(s), {checkpoint} checkpoint",
         "network_data_format": _network_data_format(first, labels), "architecture": architecture_record(first.model),
