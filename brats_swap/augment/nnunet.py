@@ -1,5 +1,5 @@
-"""The nnU-Net recipes (`nnunet`, `nnunet_brats2020`): a parameter table (`recipes.py`) drawn per sample in
-the worker, and `augment_batch` (`pipeline.py`) on the device."""
+"""The nnU-Net recipes (`nnunet`, `nnunet_brats2020`): a recipe table (`recipes.py`: spatial parameters and
+steps) drawn per sample in the worker, and `augment_batch` (`pipeline.py`) running its steps on the device."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from brats_swap.augment import recipes
-from brats_swap.augment.pipeline import OUTSIDE_LABEL, augment_batch, augment_buffer_bytes
-from brats_swap.augment.recipes import Recipe, SampleAugment, draw_from_recipe, enlarged_crop_size
+from brats_swap.augment.pipeline import augment_batch, augment_buffer_bytes
+from brats_swap.augment.recipes import Recipe, SampleAugment
+from brats_swap.augment.spatial import OUTSIDE_LABEL
 
 
 def mark_outside_the_brain(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -28,19 +29,20 @@ class NnunetAugment:
         """In patch mode nnU-Net's enlarged patch (`get_patch_size`), so a rotated or scaled patch has no
         padded corners; a whole cube is read as it is."""
         if patch_mode:
-            return tuple(int(v) for v in enlarged_crop_size(self.table, tuple(sample_size)))  # type: ignore[return-value]
+            return tuple(int(v) for v in self.table.crop(self.table.spatial, tuple(sample_size)))  # type: ignore[return-value]
         return tuple(int(v) for v in sample_size)  # type: ignore[return-value]
 
     def draw(self, rng: np.random.Generator, sample_size: tuple[int, int, int], channels: int) -> SampleAugment:
-        return draw_from_recipe(self.table, rng, tuple(sample_size), channels)
+        return self.table.draw(rng, tuple(sample_size), channels)
 
     def apply(self, images, labels, params, sample_size, label_values):
         labels = mark_outside_the_brain(images, labels)
-        return augment_batch(images, labels, params, sample_size, label_values, pad_label=self.table.pad_label)
+        return augment_batch(images, labels, params, sample_size, label_values, steps=self.table.steps)
 
     def buffer_bytes(self, batch: int, channels: int, sample_size: Sequence[int], num_labels: int,
                      crop: Sequence[int]) -> int:
-        return int(augment_buffer_bytes(batch, channels, tuple(sample_size), num_labels, tuple(crop)))
+        return int(augment_buffer_bytes(batch, channels, tuple(sample_size), num_labels, tuple(crop),
+                                        steps=self.table.steps))
 
 
 NNUNET_V2 = NnunetAugment(recipes.NNUNET)

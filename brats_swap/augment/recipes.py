@@ -1,19 +1,35 @@
-"""The nnU-Net recipes' tables (`Recipe`: probabilities, ranges, the padding label) and the per-sample
-parameters drawn from them (`SampleAugment`).
+"""The nnU-Net recipes' tables (`Recipe`: the spatial parameters, the ordered steps after them, the crop rule)
+and the per-sample values drawn from them (`SampleAugment`).
 
-`draw_from_recipe` draws one sample's parameters from a table with the sample's numpy Generator, in the
-loader's worker, so every draw follows the sample's seed (exact resume, ranks differ). The draws reproduce
-batchgeneratorsv2's `get_parameters` distributions transform by transform (tests/test_augment_draws.py
-compares them over thousands of draws). The recipes themselves, by name, are `brats_swap.augment.registry`'s.
+`Recipe.draw` draws one sample's values with the sample's numpy Generator, in the loader's worker, so every
+draw follows the sample's seed (exact resume, ranks differ): the seed, the spatial values, then each step's
+value in the order the steps run. The draws reproduce batchgeneratorsv2's `get_parameters` distributions
+transform by transform (tests/test_augment_draws.py compares them over thousands of draws). The recipes
+themselves, by name, are `brats_swap.augment.registry`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from brats_swap.augment.ranges import BGContrastRange, UniformRange
+from brats_swap.augment.spatial import SpatialParams, SpatialValues, enlarged_crop_size
+from brats_swap.augment.steps import Step
+from brats_swap.augment.steps.additive_brightness import AdditiveBrightness
+from brats_swap.augment.steps.blur import Blur
+from brats_swap.augment.steps.brightness import Brightness
+from brats_swap.augment.steps.contrast import Contrast
+from brats_swap.augment.steps.gamma import Gamma
+from brats_swap.augment.steps.low_resolution import LowResolution
+from brats_swap.augment.steps.mask_outside import MaskOutside
+from brats_swap.augment.steps.mirror import Mirror
+from brats_swap.augment.steps.noise import Noise
 
 # The rotation range nnU-Net v2 uses for 3D patches that are not "dummy 2D" (all of BraTS's):
 # nnUNetTrainer.configure_rotation_dummyDA_mirroring_and_inital_patch_size, (-30 deg, 30 deg).
@@ -21,71 +37,98 @@ _THIRTY_DEGREES = 30.0 / 360.0 * 2.0 * math.pi
 
 
 @dataclass(frozen=True)
-class BGContrastRange:
-    """batchgeneratorsv2's `BGContrast` draw: half the time U(low, 1), otherwise U(max(low, 1), high), so a
-    factor below one is as likely as one above it however lopsided the range is."""
+class SampleAugment:
+    """One sample's drawn augmentation: plain numbers and small tuples (picklable, cheap to collate).
 
-    low: float
-    high: float
+    `steps` holds (step name, value) in the recipe's order, each value its step's `draw` (the step's
+    `neutral` means "not applied"); `value(name)` reads one. `seed` seeds the device's torch.Generator for the
+    full-size random fields (the noise image, the elastic displacement), so augment_batch is a function of
+    these values alone. `channels` is the channel count they were drawn for.
+    """
 
+    seed: int
+    channels: int
+    spatial: SpatialValues
+    steps: tuple[tuple[str, Any], ...]
 
-@dataclass(frozen=True)
-class UniformRange:
-    low: float
-    high: float
+    def value(self, name: str) -> Any:
+        for step_name, value in self.steps:
+            if step_name == name:
+                return value
+        raise KeyError(f"augment parameters: no step {name!r} (the steps: {', '.join(n for n, _ in self.steps)})")
+
+    def with_values(self, **values: Any) -> SampleAugment:
+        """A copy with the named steps' values or spatial values (rotation, scaling, ...) replaced."""
+        spatial_fields = {f.name for f in dataclasses.fields(SpatialValues)}
+        spatial = {k: v for k, v in values.items() if k in spatial_fields}
+        steps = {k: v for k, v in values.items() if k not in spatial_fields}
+        unknown = set(steps) - {n for n, _ in self.steps}
+        if unknown:
+            raise KeyError(f"augment parameters: no step or spatial value {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, spatial=dataclasses.replace(self.spatial, **spatial),
+                                   steps=tuple((n, steps.get(n, v)) for n, v in self.steps))
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """One recipe's probabilities (`p_*`) and ranges, named after the batchgeneratorsv2 arguments they set."""
+    """One nnU-Net recipe: its spatial transform's parameters, the steps after it in the order they run, and
+    the crop a loader reads for a patch (`crop`, from the spatial parameters and the patch size)."""
 
-    p_rotation: float
-    rotation: UniformRange
-    p_scaling: float
-    scaling: UniformRange | BGContrastRange
-    p_synchronize_scaling_across_axes: float
-    p_elastic_deform: float
-    elastic_deform_scale: UniformRange  # sigma of the smoothing, as a fraction of the patch edge
-    p_noise: float
-    noise_std: UniformRange
-    p_blur: float
-    p_blur_per_channel: float
-    blur_sigma: UniformRange
-    blur_synchronize_axes: bool
-    p_brightness: float
-    brightness: UniformRange | BGContrastRange
-    p_contrast: float
-    contrast: BGContrastRange
-    p_low_resolution: float
-    p_low_resolution_per_channel: float
-    low_resolution_scale: UniformRange
-    p_gamma_inverted: float
-    p_gamma: float
-    gamma: BGContrastRange
-    p_additive_brightness: float
-    additive_brightness_sigma: float  # N(0, sigma) per channel
-    p_mirror_per_axis: float
-    # The label the spatial transform gives space outside its input (the image there is 0): -1, nnU-Net's
-    # "outside the brain", which the mask step then zeroes in every channel; or 0, background.
-    pad_label: int
+    spatial: SpatialParams
+    steps: tuple[Step, ...]
+    crop: Callable[[SpatialParams, tuple[int, int, int]], tuple[int, int, int]] = enlarged_crop_size
+
+    def __post_init__(self) -> None:
+        names = [step.name for step in self.steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"augment recipe: step names {names} are not unique")
+
+    def step(self, name: str) -> Step:
+        for step in self.steps:
+            if step.name == name:
+                return step
+        raise KeyError(f"augment recipe: no step {name!r} (the steps: {', '.join(s.name for s in self.steps)})")
+
+    def with_changes(self, spatial: Mapping[str, Any] | None = None, **steps: Mapping[str, Any]) -> Recipe:
+        """A copy with spatial parameters and the named steps' parameters replaced, order kept."""
+        unknown = set(steps) - {s.name for s in self.steps}
+        if unknown:
+            raise KeyError(f"augment recipe: no step {', '.join(sorted(unknown))}")
+        return dataclasses.replace(
+            self, spatial=dataclasses.replace(self.spatial, **(spatial or {})),
+            steps=tuple(dataclasses.replace(s, **steps.get(s.name, {})) for s in self.steps))
+
+    def draw(self, rng: np.random.Generator, patch_size: tuple[int, int, int], channels: int) -> SampleAugment:
+        """Draw one sample's values, in the order of nnU-Net's pipeline."""
+        patch_size = tuple(int(s) for s in patch_size)  # type: ignore[assignment]
+        seed = int(rng.integers(0, 2**63 - 1))
+        spatial = self.spatial.draw(rng, patch_size)
+        steps = tuple((step.name, step.draw(rng, channels)) for step in self.steps)
+        return SampleAugment(seed=seed, channels=channels, spatial=spatial, steps=steps)
 
 
 # nnU-Net v2's defaults as of nnunetv2 2.8.1: nnUNetTrainer.get_training_transforms (MIC-DKFZ/nnUNet,
 # nnunetv2/training/nnUNetTrainer/nnUNetTrainer.py) with the 3D rotation range above. Since 2.7 its
 # SpatialTransform pads the segmentation with -1 (border_mode_seg='constant', padding_value_seg=-1).
 NNUNET = Recipe(
-    p_rotation=0.2, rotation=UniformRange(-_THIRTY_DEGREES, _THIRTY_DEGREES),
-    p_scaling=0.2, scaling=UniformRange(0.7, 1.4), p_synchronize_scaling_across_axes=1.0,
-    p_elastic_deform=0.0, elastic_deform_scale=UniformRange(0.0, 0.0),
-    p_noise=0.1, noise_std=UniformRange(0.0, 0.1),  # `noise_variance=(0, 0.1)`, used as the std by the code
-    p_blur=0.2, p_blur_per_channel=0.5, blur_sigma=UniformRange(0.5, 1.0), blur_synchronize_axes=False,
-    p_brightness=0.15, brightness=BGContrastRange(0.75, 1.25),
-    p_contrast=0.15, contrast=BGContrastRange(0.75, 1.25),
-    p_low_resolution=0.25, p_low_resolution_per_channel=0.5, low_resolution_scale=UniformRange(0.5, 1.0),
-    p_gamma_inverted=0.1, p_gamma=0.3, gamma=BGContrastRange(0.7, 1.5),
-    p_additive_brightness=0.0, additive_brightness_sigma=0.0,
-    p_mirror_per_axis=0.5,
-    pad_label=-1,
+    spatial=SpatialParams(
+        p_rotation=0.2, rotation=UniformRange(-_THIRTY_DEGREES, _THIRTY_DEGREES),
+        p_scaling=0.2, scaling=UniformRange(0.7, 1.4), p_synchronize_scaling_across_axes=1.0,
+        p_elastic_deform=0.0, elastic_deform_scale=UniformRange(0.0, 0.0)),
+    steps=(
+        Noise(p=0.1, std=UniformRange(0.0, 0.1)),  # `noise_variance=(0, 0.1)`, used as the std by the code
+        Blur(p=0.2, p_per_channel=0.5, sigma=UniformRange(0.5, 1.0), synchronize_axes=False),
+        Brightness(p=0.15, multiplier=BGContrastRange(0.75, 1.25)),
+        Contrast(p=0.15, factor=BGContrastRange(0.75, 1.25)),
+        LowResolution(p=0.25, p_per_channel=0.5, scale=UniformRange(0.5, 1.0)),
+        Gamma(p=0.1, gamma=BGContrastRange(0.7, 1.5), invert=True),
+        # nnU-Net v2's pipeline has no additive brightness: p 0, kept in the tuple because its draw takes one
+        # number from the sample's generator, so every later draw is the one earlier runs made (exact resume).
+        AdditiveBrightness(p=0.0, sigma=0.0),
+        Gamma(p=0.3, gamma=BGContrastRange(0.7, 1.5), invert=False),
+        Mirror(p_per_axis=0.5),
+        MaskOutside(),
+    ),
 )
 
 # nnU-Net's BraTS 2020 entry (Isensee et al., "nnU-Net for Brain Tumor Segmentation", arXiv 2011.00848; the
@@ -102,152 +145,21 @@ NNUNET = Recipe(
 #   brightness U(0.7, 1.3) p 0.15; contrast (0.65, 1.5) p 0.15 keeping the range; low resolution p 0.25, each
 #   channel 0.5, scale U(0.5, 1) (v1 upsampled cubic, v2 trilinear: v2's is used); inverted gamma p 0.15;
 #   additive brightness N(0, 0.2) per channel p 0.3; gamma p 0.3; both gammas in (0.5, 1.6) keeping mean and std;
-# - outside the input the labels are background 0 (batchgeneratorsv2's default zeros padding, as this recipe
-#   always did).
-NNUNET_BRATS2020 = dataclasses.replace(
-    NNUNET,
-    p_rotation=0.3, p_scaling=0.3, scaling=BGContrastRange(0.65, 1.6), p_synchronize_scaling_across_axes=0.7,
-    p_elastic_deform=0.3, elastic_deform_scale=UniformRange(0.0, 0.25),
-    p_noise=0.15, blur_sigma=UniformRange(0.5, 1.5), blur_synchronize_axes=True,
-    brightness=UniformRange(0.7, 1.3), contrast=BGContrastRange(0.65, 1.5),
-    p_gamma_inverted=0.15, gamma=BGContrastRange(0.5, 1.6),
-    p_additive_brightness=0.3, additive_brightness_sigma=0.2,
-    pad_label=0,
+# - outside the input the labels are -1, then the image is zeroed there and -1 becomes 0, as in the v2 recipe:
+#   get_insaneDA_augmentation2 (nnunet/training/data_augmentation/data_augmentation_insaneDA2.py) passes
+#   SpatialTransform_2 `border_mode_seg="constant", border_cval_seg=border_val_seg` with its default
+#   `border_val_seg=-1` (the trainers above pass none), then MaskTransform(..., set_outside_to=0) and
+#   RemoveLabelTransform(-1, 0) (brats_swap.augment.spatial; the last step, steps/mask_outside.py).
+_BRATS2020_GAMMA = BGContrastRange(0.5, 1.6)
+NNUNET_BRATS2020 = NNUNET.with_changes(
+    spatial={"p_rotation": 0.3, "p_scaling": 0.3, "scaling": BGContrastRange(0.65, 1.6),
+             "p_synchronize_scaling_across_axes": 0.7, "p_elastic_deform": 0.3,
+             "elastic_deform_scale": UniformRange(0.0, 0.25)},
+    noise={"p": 0.15},
+    blur={"sigma": UniformRange(0.5, 1.5), "synchronize_axes": True},
+    brightness={"multiplier": UniformRange(0.7, 1.3)},
+    contrast={"factor": BGContrastRange(0.65, 1.5)},
+    gamma_inverted={"p": 0.15, "gamma": _BRATS2020_GAMMA},
+    additive_brightness={"p": 0.3, "sigma": 0.2},
+    gamma={"gamma": _BRATS2020_GAMMA},
 )
-
-# nnU-Net sizes the enlarged crop with the scale range (0.85, 1.25) whatever the recipe's scaling (its
-# configure_rotation_dummyDA_mirroring_and_inital_patch_size says so; v1's DA3 computed it before widening its
-# scale range too).
-_CROP_SCALE_MIN = 0.85
-
-
-@dataclass(frozen=True)
-class SampleAugment:
-    """One sample's drawn augmentation: plain numbers and small tuples (picklable, cheap to collate).
-
-    Neutral values mean "not applied": rotation 0, scaling 1, elastic magnitude 0, noise std 0, blur sigmas
-    (0, 0, 0), multipliers and gammas 1, additive shift 0. A drawn factor is never exactly neutral except with
-    probability ~2**-53. `seed` seeds the device's torch.Generator for the full-size random fields (the noise
-    image, the elastic displacement), so augment_batch is a function of these parameters alone.
-    """
-
-    seed: int
-    rotation: tuple[float, float, float]  # radians about axes 0, 1, 2
-    scaling: tuple[float, float, float]  # > 1 shrinks objects (samples a larger region)
-    elastic_sigmas: tuple[float, float, float]  # voxels: smoothing of the displacement noise
-    elastic_magnitudes: tuple[float, float, float]  # voxels: largest displacement per axis; 0 = none
-    noise_std: float
-    blur_sigmas: tuple[tuple[float, float, float], ...]  # per channel, per axis
-    brightness: tuple[float, ...]  # per channel multipliers
-    contrast: tuple[float, ...]  # per channel factors around the channel mean, range kept
-    low_resolution: tuple[float, ...]  # per channel down-scaling factors
-    gamma_inverted: tuple[float, ...]  # per channel gamma of the inverted image, mean and std kept
-    additive_brightness: tuple[float, ...]  # per channel shifts
-    gamma: tuple[float, ...]  # per channel gamma, mean and std kept
-    mirror: tuple[bool, bool, bool]
-
-    @property
-    def resamples(self) -> bool:
-        """Whether the spatial transform resamples (rotation, scaling or elastic); otherwise a plain crop."""
-        return (any(a != 0.0 for a in self.rotation) or any(s != 1.0 for s in self.scaling)
-                or any(m != 0.0 for m in self.elastic_magnitudes))
-
-
-def _draw(rng: np.random.Generator, spec: UniformRange | BGContrastRange) -> float:
-    if isinstance(spec, BGContrastRange):
-        if rng.random() < 0.5 and spec.low < 1:
-            return float(rng.uniform(spec.low, 1.0))
-        return float(rng.uniform(max(spec.low, 1.0), spec.high))
-    return float(rng.uniform(spec.low, spec.high))
-
-
-def _draw_spatial(rng: np.random.Generator, r: Recipe, patch_size: tuple[int, int, int]) -> dict:
-    do_rotation = rng.random() < r.p_rotation
-    do_scaling = rng.random() < r.p_scaling
-    do_elastic = rng.random() < r.p_elastic_deform
-    rotation = tuple(_draw(rng, r.rotation) for _ in range(3)) if do_rotation else (0.0, 0.0, 0.0)
-    scaling = (1.0, 1.0, 1.0)
-    if do_scaling:
-        if rng.random() <= r.p_synchronize_scaling_across_axes:
-            scaling = (_draw(rng, r.scaling),) * 3
-        else:
-            scaling = tuple(_draw(rng, r.scaling) for _ in range(3))
-    sigmas, magnitudes = (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)
-    if do_elastic:
-        scale = _draw(rng, r.elastic_deform_scale)  # one deformation scale for all axes
-        sigmas = tuple(scale * size for size in patch_size)
-        magnitudes = tuple(float(rng.uniform(s / 8, s / 2)) for s in sigmas)
-    return {"rotation": rotation, "scaling": scaling, "elastic_sigmas": sigmas,
-            "elastic_magnitudes": magnitudes}
-
-
-def _per_channel(rng: np.random.Generator, p: float, p_channel: float, spec, channels: int,
-                 neutral: float) -> tuple[float, ...]:
-    """A transform that fires with p, then on each channel with p_channel, one draw per chosen channel."""
-    if not rng.random() < p:
-        return (neutral,) * channels
-    chosen = rng.random(channels) < p_channel
-    return tuple(_draw(rng, spec) if use else neutral for use in chosen)
-
-
-def _blur(rng: np.random.Generator, r: Recipe, channels: int) -> tuple[tuple[float, float, float], ...]:
-    none = (0.0, 0.0, 0.0)
-    if not rng.random() < r.p_blur:
-        return (none,) * channels
-    chosen = rng.random(channels) < r.p_blur_per_channel
-    sigmas = []
-    for use in chosen:
-        if not use:
-            sigmas.append(none)
-        elif r.blur_synchronize_axes:
-            sigmas.append((_draw(rng, r.blur_sigma),) * 3)
-        else:
-            sigmas.append(tuple(_draw(rng, r.blur_sigma) for _ in range(3)))
-    return tuple(sigmas)
-
-
-def draw_from_recipe(r: Recipe, rng: np.random.Generator, patch_size: tuple[int, int, int],
-                     channels: int) -> SampleAugment:
-    """Draw one sample's parameters from a recipe table, in the order of nnU-Net's pipeline."""
-    patch_size = tuple(int(s) for s in patch_size)
-    seed = int(rng.integers(0, 2**63 - 1))
-    spatial = _draw_spatial(rng, r, patch_size)
-    noise_std = _draw(rng, r.noise_std) if rng.random() < r.p_noise else 0.0
-    blur = _blur(rng, r, channels)
-    brightness = _per_channel(rng, r.p_brightness, 1.0, r.brightness, channels, 1.0)
-    contrast = _per_channel(rng, r.p_contrast, 1.0, r.contrast, channels, 1.0)
-    low_resolution = _per_channel(rng, r.p_low_resolution, r.p_low_resolution_per_channel,
-                                  r.low_resolution_scale, channels, 1.0)
-    gamma_inverted = _per_channel(rng, r.p_gamma_inverted, 1.0, r.gamma, channels, 1.0)
-    additive = (0.0,) * channels
-    if rng.random() < r.p_additive_brightness:
-        additive = tuple(float(v) for v in rng.normal(0.0, r.additive_brightness_sigma, channels))
-    gamma = _per_channel(rng, r.p_gamma, 1.0, r.gamma, channels, 1.0)
-    mirror = tuple(bool(m) for m in rng.random(3) < r.p_mirror_per_axis)
-    return SampleAugment(seed=seed, **spatial, noise_std=noise_std, blur_sigmas=blur, brightness=brightness,
-                         contrast=contrast, low_resolution=low_resolution, gamma_inverted=gamma_inverted,
-                         additive_brightness=additive, gamma=gamma, mirror=mirror)
-
-
-def rotation_matrix(angle: float, axis: int) -> np.ndarray:
-    c, s = math.cos(angle), math.sin(angle)
-    if axis == 0:
-        return np.array([[1, 0, 0], [0, c, -s], [0, s, c]])
-    if axis == 1:
-        return np.array([[c, 0, s], [0, 1, 0], [-s, 0, c]])
-    return np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]])
-
-
-def enlarged_crop_size(r: Recipe, patch_size: tuple[int, int, int]) -> tuple[int, int, int]:
-    """nnU-Net's `get_patch_size`: the crop the loader takes so the rotated and scaled patch rarely reaches
-    past it (128^3 -> 205^3). The patch's diagonal vector is rotated by the largest angle about each axis in
-    turn, the largest extent per axis kept, divided by the smallest scale 0.85 and truncated."""
-    extent = np.array(patch_size, dtype=float)
-    largest = max(abs(r.rotation.low), abs(r.rotation.high)) if r.p_rotation > 0 else 0.0
-    angle = min(largest, math.pi / 2)
-    shape = extent.copy()
-    for axis in range(3):
-        # batchgenerators' rotate_coords_3d multiplies the row vector by the rotation matrix.
-        shape = np.maximum(shape, np.abs(extent @ rotation_matrix(angle, axis)))
-    shape = shape / _CROP_SCALE_MIN
-    return tuple(int(s) for s in shape)
