@@ -4,13 +4,14 @@ parameters of brats_swap.augment's recipes."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 import torch
 
-from brats_swap.augment.recipes import NNUNET, BGContrastRange, Recipe, SampleAugment
+from brats_swap.augment.ranges import BGContrastRange
+from brats_swap.augment.recipes import NNUNET, Recipe, SampleAugment
+from brats_swap.augment.spatial import NO_SPATIAL
 
 LABEL_VALUES = (0, 1, 2, 3)
 
@@ -34,15 +35,11 @@ def volume(channels: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch
     return image.float(), labels
 
 
-def neutral(channels: int, seed: int = 0, **fields) -> SampleAugment:
-    """Parameters that change nothing, with `fields` replaced."""
-    base = SampleAugment(
-        seed=seed, rotation=(0.0, 0.0, 0.0), scaling=(1.0, 1.0, 1.0), elastic_sigmas=(0.0, 0.0, 0.0),
-        elastic_magnitudes=(0.0, 0.0, 0.0), noise_std=0.0, blur_sigmas=((0.0, 0.0, 0.0),) * channels,
-        brightness=(1.0,) * channels, contrast=(1.0,) * channels, low_resolution=(1.0,) * channels,
-        gamma_inverted=(1.0,) * channels, additive_brightness=(0.0,) * channels, gamma=(1.0,) * channels,
-        mirror=(False, False, False))
-    return dataclasses.replace(base, **fields)
+def neutral(channels: int, seed: int = 0, recipe: Recipe = NNUNET, **values) -> SampleAugment:
+    """Parameters of `recipe` that change nothing, with `values` (step names, spatial fields) replaced."""
+    base = SampleAugment(seed=seed, channels=channels, spatial=NO_SPATIAL,
+                         steps=tuple((step.name, step.neutral(channels)) for step in recipe.steps))
+    return base.with_values(**values)
 
 
 def angles_and_scales(affine: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -92,25 +89,28 @@ def nnunet_spatial_transform(patch_size, **overrides):
     return SpatialTransform(tuple(patch_size), **kwargs)
 
 
-def spatial_transform(r: Recipe, patch_size, **overrides):
-    """The recipe's SpatialTransform: nnU-Net v2's own for NNUNET, else one built from the recipe's values."""
-    if r is NNUNET:
+def spatial_transform(recipe: Recipe, patch_size, **overrides):
+    """The recipe's SpatialTransform: nnU-Net v2's own for NNUNET, else one built from the recipe's values
+    (space outside the input labelled -1, as nnU-Net v1's get_insaneDA_augmentation2 pads it too)."""
+    if recipe is NNUNET:
         return nnunet_spatial_transform(patch_size, **overrides)
     from batchgeneratorsv2.transforms.spatial.spatial import SpatialTransform
 
+    r = recipe.spatial
     kwargs = dict(
         patch_center_dist_from_border=0, random_crop=False, p_elastic_deform=r.p_elastic_deform,
         elastic_deform_scale=bg_range(r.elastic_deform_scale), elastic_deform_magnitude=elastic_magnitude,
         p_synchronize_def_scale_across_axes=1, p_rotation=r.p_rotation, rotation=bg_range(r.rotation),
         p_scaling=r.p_scaling, scaling=bg_range(r.scaling),
         p_synchronize_scaling_across_axes=r.p_synchronize_scaling_across_axes, bg_style_seg_sampling=False,
-        border_mode_seg="constant", padding_value_seg=r.pad_label)
+        border_mode_seg="constant", padding_value_seg=-1)
     kwargs.update(overrides)
     return SpatialTransform(tuple(patch_size), **kwargs)
 
 
-def intensity_transforms(r: Recipe) -> dict:
-    """name -> (apply probability, batchgeneratorsv2 transform), nnU-Net's pipeline with the recipe's values."""
+def intensity_transforms(recipe: Recipe) -> dict:
+    """step name -> (apply probability, batchgeneratorsv2 transform), nnU-Net's pipeline with the recipe's
+    values."""
     from batchgeneratorsv2.transforms.intensity.brightness import (
         BrightnessAdditiveTransform,
         MultiplicativeBrightnessTransform,
@@ -121,33 +121,36 @@ def intensity_transforms(r: Recipe) -> dict:
     from batchgeneratorsv2.transforms.noise.gaussian_blur import GaussianBlurTransform
     from batchgeneratorsv2.transforms.spatial.low_resolution import SimulateLowResolutionTransform
 
+    noise, blur, brightness, contrast, low_resolution, gamma_inverted, additive, gamma = (
+        recipe.step(name) for name in ("noise", "blur", "brightness", "contrast", "low_resolution",
+                                       "gamma_inverted", "additive_brightness", "gamma"))
     transforms = {
-        "noise": (r.p_noise, GaussianNoiseTransform(noise_variance=bg_range(r.noise_std), p_per_channel=1,
-                                                    synchronize_channels=True)),
-        "blur": (r.p_blur, GaussianBlurTransform(blur_sigma=bg_range(r.blur_sigma), synchronize_channels=False,
-                                                 synchronize_axes=r.blur_synchronize_axes,
-                                                 p_per_channel=r.p_blur_per_channel, benchmark=False)),
-        "brightness": (r.p_brightness, MultiplicativeBrightnessTransform(
-            multiplier_range=bg_range(r.brightness), synchronize_channels=False, p_per_channel=1)),
-        "contrast": (r.p_contrast, ContrastTransform(contrast_range=bg_range(r.contrast), preserve_range=True,
-                                                     synchronize_channels=False, p_per_channel=1)),
-        "low_resolution": (r.p_low_resolution, SimulateLowResolutionTransform(
-            scale=bg_range(r.low_resolution_scale), synchronize_channels=False, synchronize_axes=True,
-            ignore_axes=None, allowed_channels=None, p_per_channel=r.p_low_resolution_per_channel)),
-        "gamma_inverted": (r.p_gamma_inverted, GammaTransform(gamma=bg_range(r.gamma), p_invert_image=1,
-                                                              synchronize_channels=False, p_per_channel=1,
-                                                              p_retain_stats=1)),
-        "additive_brightness": (r.p_additive_brightness, BrightnessAdditiveTransform(
-            mu=0.0, sigma=r.additive_brightness_sigma, synchronize_channels=False, p_per_channel=1)),
-        "gamma": (r.p_gamma, GammaTransform(gamma=bg_range(r.gamma), p_invert_image=0,
-                                            synchronize_channels=False, p_per_channel=1, p_retain_stats=1)),
+        "noise": (noise.p, GaussianNoiseTransform(noise_variance=bg_range(noise.std), p_per_channel=1,
+                                                  synchronize_channels=True)),
+        "blur": (blur.p, GaussianBlurTransform(blur_sigma=bg_range(blur.sigma), synchronize_channels=False,
+                                               synchronize_axes=blur.synchronize_axes,
+                                               p_per_channel=blur.p_per_channel, benchmark=False)),
+        "brightness": (brightness.p, MultiplicativeBrightnessTransform(
+            multiplier_range=bg_range(brightness.multiplier), synchronize_channels=False, p_per_channel=1)),
+        "contrast": (contrast.p, ContrastTransform(contrast_range=bg_range(contrast.factor), preserve_range=True,
+                                                   synchronize_channels=False, p_per_channel=1)),
+        "low_resolution": (low_resolution.p, SimulateLowResolutionTransform(
+            scale=bg_range(low_resolution.scale), synchronize_channels=False, synchronize_axes=True,
+            ignore_axes=None, allowed_channels=None, p_per_channel=low_resolution.p_per_channel)),
+        "gamma_inverted": (gamma_inverted.p, GammaTransform(gamma=bg_range(gamma_inverted.gamma), p_invert_image=1,
+                                                            synchronize_channels=False, p_per_channel=1,
+                                                            p_retain_stats=1)),
+        "additive_brightness": (additive.p, BrightnessAdditiveTransform(
+            mu=0.0, sigma=additive.sigma, synchronize_channels=False, p_per_channel=1)),
+        "gamma": (gamma.p, GammaTransform(gamma=bg_range(gamma.gamma), p_invert_image=0,
+                                          synchronize_channels=False, p_per_channel=1, p_retain_stats=1)),
     }
     # nnU-Net v2's pipeline has no additive brightness
     return {name: t for name, t in transforms.items() if t[0] > 0}
 
 
 def intensity_fields(name: str, params: dict, channels: int) -> dict:
-    """batchgeneratorsv2's parameters of one intensity transform as SampleAugment fields."""
+    """batchgeneratorsv2's parameters of one intensity transform as {step name: value}."""
     def per_channel(indices, values, neutral_value):
         out = [neutral_value] * channels
         for c, v in zip(torch.as_tensor(indices).tolist(), values, strict=True):
@@ -155,11 +158,11 @@ def intensity_fields(name: str, params: dict, channels: int) -> dict:
         return tuple(out)
 
     if name == "noise":
-        return {"noise_std": float(params["sigmas"])}
+        return {"noise": float(params["sigmas"])}
     if name == "blur":
         chosen = torch.nonzero(params["apply_to_channel"]).flatten().tolist()
-        return {"blur_sigmas": per_channel(chosen, [tuple(map(float, s)) for s in params["sigmas"]],
-                                           (0.0, 0.0, 0.0))}
+        return {"blur": per_channel(chosen, [tuple(map(float, s)) for s in params["sigmas"]],
+                                    (0.0, 0.0, 0.0))}
     if name == "low_resolution":
         scales = params["scales"][:, 0].tolist() if len(params["apply_to_channel"]) else []
         return {name: per_channel(params["apply_to_channel"], scales, 1.0)}

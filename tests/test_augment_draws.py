@@ -5,7 +5,6 @@ changed (the negative controls below), so they would catch a wrong range or prob
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
 import numpy as np
@@ -24,13 +23,8 @@ from batchgeneratorsv2.transforms.utils.random import RandomTransform
 from scipy.stats import fisher_exact, ks_2samp
 
 from brats_swap.augment import get_recipe
-from brats_swap.augment.recipes import (
-    NNUNET,
-    BGContrastRange,
-    Recipe,
-    UniformRange,
-    draw_from_recipe,
-)
+from brats_swap.augment.ranges import BGContrastRange, UniformRange
+from brats_swap.augment.recipes import NNUNET, Recipe
 
 NNUNET_RECIPES = ("nnunet", "nnunet_brats2020")
 
@@ -40,7 +34,6 @@ PATCH = (8, 8, 8)
 ALPHA = 1e-3
 
 
-FIELDS = {"blur": "blur_sigmas", "noise": "noise_std"}
 NEUTRAL = {"blur": ((0.0, 0.0, 0.0),) * CHANNELS, "noise": 0.0, "additive_brightness": (0.0,) * CHANNELS}
 
 
@@ -79,14 +72,14 @@ def _spatial_stats(stats: Stats, rotation, scaling, elastic_scale, magnitude_rat
 
 
 def _intensity_stats(stats: Stats, name: str, fields: dict | None):
-    """`fields`: SampleAugment fields of the transform (neutral where not applied), None if it did not fire."""
+    """`fields`: {step name: value} of the transform (neutral where not applied), None if it did not fire."""
     if name == "noise":
         stats.rate("noise fires", fields is not None)
         if fields is not None:
-            stats.add("noise std", [fields["noise_std"]])
+            stats.add("noise std", [fields["noise"]])
         return
     neutral_value = NEUTRAL.get(name, (1.0,) * CHANNELS)[0]
-    values = fields[FIELDS.get(name, name)] if fields is not None else (neutral_value,) * CHANNELS
+    values = fields[name] if fields is not None else (neutral_value,) * CHANNELS
     chosen = [v for v in values if v != neutral_value]
     if name in ("blur", "low_resolution"):  # a per-channel probability after the transform's
         stats.rate(f"{name} on a channel", len(chosen), CHANNELS)
@@ -104,18 +97,18 @@ def _ours(r: Recipe, seed: int) -> Stats:
     stats = Stats()
     names = list(intensity_transforms(r))
     for _ in range(DRAWS):
-        p = draw_from_recipe(r, rng, PATCH, CHANNELS)
-        elastic = any(m != 0 for m in p.elastic_magnitudes)
-        _spatial_stats(stats, p.rotation, p.scaling, p.elastic_sigmas[0] / PATCH[0] if elastic else None,
-                       [m / s for m, s in zip(p.elastic_magnitudes, p.elastic_sigmas, strict=True)] if elastic else [])
-        fields = dataclasses.asdict(p)
+        p = r.draw(rng, PATCH, CHANNELS)
+        s = p.spatial
+        elastic = any(m != 0 for m in s.elastic_magnitudes)
+        _spatial_stats(stats, s.rotation, s.scaling, s.elastic_sigmas[0] / PATCH[0] if elastic else None,
+                       [m / e for m, e in zip(s.elastic_magnitudes, s.elastic_sigmas, strict=True)] if elastic else [])
+        fields = dict(p.steps)
         for name in names:
-            field = FIELDS.get(name, name)
-            fired = fields[field] != NEUTRAL.get(name, (1.0,) * CHANNELS)
+            fired = fields[name] != NEUTRAL.get(name, (1.0,) * CHANNELS)
             # blur and low resolution are counted per channel, whether the transform fired or not
             _intensity_stats(stats, name, fields if fired or name in ("blur", "low_resolution") else None)
         for axis in range(3):
-            stats.rate("mirror per axis", p.mirror[axis])
+            stats.rate("mirror per axis", p.value("mirror")[axis])
     return stats
 
 
@@ -126,7 +119,7 @@ def _reference(r: Recipe, seed: int) -> Stats:
     recorded = {}
 
     def deformation_scale(**_):
-        recorded["scale"] = sample_scalar(bg_range(r.elastic_deform_scale))
+        recorded["scale"] = sample_scalar(bg_range(r.spatial.elastic_deform_scale))
         return recorded["scale"]
 
     def magnitude(patch_size=None, dim=None, deformation_scale=None, **_):
@@ -192,30 +185,30 @@ def test_every_probability_and_distribution_matches_batchgeneratorsv2(name):
 
 
 @pytest.mark.parametrize("change, caught", [
-    ({"p_noise": 0.15}, "noise fires"),
-    ({"p_scaling": 0.3}, "rotation and scaling both fire"),
-    ({"p_rotation": 0.26}, "rotation fires"),
-    ({"rotation": UniformRange(-25 / 180 * np.pi, 25 / 180 * np.pi)}, "rotation angles"),
-    ({"scaling": UniformRange(0.7, 1.3)}, "scaling factors"),
-    ({"gamma": UniformRange(0.7, 1.5)}, "gamma values"),  # BGContrast's halves dropped
-    ({"p_low_resolution_per_channel": 0.65}, "low_resolution on a channel"),
-    ({"contrast": BGContrastRange(0.75, 1.4)}, "contrast values"),
+    ({"noise": {"p": 0.15}}, "noise fires"),
+    ({"spatial": {"p_scaling": 0.3}}, "rotation and scaling both fire"),
+    ({"spatial": {"p_rotation": 0.26}}, "rotation fires"),
+    ({"spatial": {"rotation": UniformRange(-25 / 180 * np.pi, 25 / 180 * np.pi)}}, "rotation angles"),
+    ({"spatial": {"scaling": UniformRange(0.7, 1.3)}}, "scaling factors"),
+    ({"gamma": {"gamma": UniformRange(0.7, 1.5)}}, "gamma values"),  # BGContrast's halves dropped
+    ({"low_resolution": {"p_per_channel": 0.65}}, "low_resolution on a channel"),
+    ({"contrast": {"factor": BGContrastRange(0.75, 1.4)}}, "contrast values"),
 ])
 def test_the_checks_catch_a_wrong_probability_or_range(change, caught):
-    wrong = dataclasses.replace(NNUNET, **change)
+    wrong = NNUNET.with_changes(**change)
     assert caught in _mismatches(_ours(wrong, seed=7), _reference_for("nnunet"))
 
 
 def test_the_brats2020_recipe_draws_per_axis_scaling_and_elastic_deformation():
     rng = np.random.default_rng(3)
     draws = [get_recipe("nnunet_brats2020").draw(rng, (64, 64, 64), 4) for _ in range(500)]
-    elastic = [p for p in draws if any(m != 0 for m in p.elastic_magnitudes)]
+    elastic = [p.spatial for p in draws if any(m != 0 for m in p.spatial.elastic_magnitudes)]
     assert 100 < len(elastic) < 200  # p 0.3
     for p in elastic:
         assert len(set(p.elastic_sigmas)) == 1 and 0 <= p.elastic_sigmas[0] <= 0.25 * 64
         assert all(s / 8 <= m <= s / 2 for m, s in zip(p.elastic_magnitudes, p.elastic_sigmas, strict=True))
-    scaled = [p for p in draws if any(s != 1 for s in p.scaling)]
+    scaled = [p.spatial for p in draws if any(s != 1 for s in p.spatial.scaling)]
     assert any(len(set(p.scaling)) == 3 for p in scaled) and any(len(set(p.scaling)) == 1 for p in scaled)
     assert all(0.65 <= s <= 1.6 for p in scaled for s in p.scaling)
-    blurred = [sig for p in draws for sig in p.blur_sigmas if sig != (0.0, 0.0, 0.0)]
+    blurred = [sig for p in draws for sig in p.value("blur") if sig != (0.0, 0.0, 0.0)]
     assert blurred and all(len(set(sig)) == 1 for sig in blurred)  # one sigma for all axes (v1's default)

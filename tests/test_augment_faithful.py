@@ -2,7 +2,8 @@
 given the parameters batchgeneratorsv2's `get_parameters` drew, `augment_batch` with the same parameters
 (and nothing else) gives its output followed by nnU-Net's MaskImageTransform and RemoveLabelTransform(-1, 0).
 The nnunet recipe's reference is nnunetv2 2.8.1's SpatialTransform argument for argument (space outside the
-input labelled -1). Intensity transforms within 1e-5; spatial ones within interpolation rounding, labels on
+input labelled -1); nnunet_brats2020's one built with its values, space outside labelled -1 too (nnU-Net v1's
+get_insaneDA_augmentation2). Intensity transforms within 1e-5; spatial ones within interpolation rounding, labels on
 >= 99.9% of voxels."""
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _reference(image: torch.Tensor, labels: torch.Tensor, transforms_and_params)
 
 def _ours(image, labels, params, recipe=NNUNET):
     images, out_labels = augment_batch(image[None], labels[None], [params], PATCH, LABEL_VALUES,
-                                       pad_label=recipe.pad_label)
+                                       steps=recipe.steps)
     return images[0], out_labels[0]
 
 
@@ -57,8 +58,8 @@ def _spatial_case(recipe, seed, size=40, **overrides):
     recorded = {}
 
     def scale(**_):
-        recorded["scale"] = float(np.random.uniform(recipe.elastic_deform_scale.low,
-                                                    recipe.elastic_deform_scale.high))
+        recorded["scale"] = float(np.random.uniform(recipe.spatial.elastic_deform_scale.low,
+                                                    recipe.spatial.elastic_deform_scale.high))
         return recorded["scale"]
 
     def magnitude(patch_size=None, dim=None, deformation_scale=None, **_):
@@ -75,7 +76,7 @@ def _spatial_case(recipe, seed, size=40, **overrides):
     return transform, params, recorded
 
 
-def _our_spatial(params, recorded, seed):
+def _our_spatial(params, recorded, seed, recipe=NNUNET):
     fields = {}
     if params["affine"] is not None:
         rotation, scaling = angles_and_scales(params["affine"])
@@ -83,7 +84,7 @@ def _our_spatial(params, recorded, seed):
     if params["elastic_offsets"] is not None:
         fields.update(elastic_sigmas=tuple(recorded["scale"] * s for s in PATCH),
                       elastic_magnitudes=tuple(recorded["magnitudes"]))
-    return neutral(CHANNELS, seed=seed, **fields)
+    return neutral(CHANNELS, seed=seed, recipe=recipe, **fields)
 
 
 def _assert_spatial_match(reference, ours):
@@ -117,7 +118,7 @@ def test_elastic_deformation_with_per_axis_scaling_matches(seed):
     assert params["elastic_offsets"] is not None and recorded["scale"] > 0.15
     image, labels = volume(CHANNELS, 40, seed)
     reference = _reference(image, labels, [(transform, params, None)])
-    ours = _ours(image, labels, _our_spatial(params, recorded, seed), NNUNET_BRATS2020)
+    ours = _ours(image, labels, _our_spatial(params, recorded, seed, NNUNET_BRATS2020), NNUNET_BRATS2020)
     _assert_spatial_match(reference, ours)
 
 
@@ -135,29 +136,41 @@ def test_a_whole_volume_patch_that_reaches_outside_is_padded_alike(seed):
     assert (reference["image"][:, 0, 0, 0] == 0).all() and reference["segmentation"][0, 0, 0, 0] == 0
 
 
+@pytest.mark.parametrize("name, recipe", [("nnunet", NNUNET), ("nnunet_brats2020", NNUNET_BRATS2020)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_whole_volume_space_outside_the_input_is_labelled_minus_one_and_zeroed_as_nnunet_does(seed):
-    """nnunetv2 2.8.1 with patch = input, zoom-out and rotation forced, then a contrast change: where the patch
-    reaches past the volume its SpatialTransform labels -1, and the mask step zeroes every channel there after
-    the contrast moved those zeros. The nnunet recipe (through its own door, the -1 marking included) gives
-    the same voxels; padding with label 0 (what brats-swap did before) would leave them changed."""
-    transform, params, recorded = _spatial_case(NNUNET, seed, size=PATCH[0], p_rotation=1, p_scaling=1,
-                                                scaling=(1.3, 1.4))
+def test_whole_volume_space_outside_the_input_is_labelled_minus_one_and_zeroed_as_nnunet_does(seed, name, recipe):
+    """nnunetv2 2.8.1 (nnunet) or the recipe's own SpatialTransform padding -1 as nnU-Net v1's
+    get_insaneDA_augmentation2 does (nnunet_brats2020), with patch = input, zoom-out and rotation forced, then
+    a contrast change and noise: where the patch reaches past the volume the labels are -1, and the mask step
+    zeroes every channel there after the contrast and the noise moved those zeros. The recipe (through its own
+    door, the -1 marking included) gives the same voxels; without its mask step they stay changed."""
+    transform, params, recorded = _spatial_case(recipe, seed, size=PATCH[0], p_rotation=1, p_scaling=1,
+                                                scaling=(1.3, 1.4), p_elastic_deform=0)
     image, labels = volume(CHANNELS, PATCH[0], seed)
     labels[labels == -1] = 0  # a brain filling the volume: every -1 comes from outside the input
-    contrast = intensity_transforms(NNUNET)["contrast"][1]
+    intensity = intensity_transforms(recipe)
     contrast_params = {"apply_to_channel": torch.tensor([0, 1]), "multipliers": torch.tensor([1.2, 0.8])}
-    reference = _reference(image, labels, [(transform, params, None), (contrast, contrast_params, None)])
+    # GaussianNoiseTransform's parameters for one std on every channel (synchronize_channels=True)
+    noise_params = {"apply_idx": torch.arange(CHANNELS), "num_apply": CHANNELS, "sigmas": 0.05}
+    noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
+    reference = _reference(image, labels, [(transform, params, None),
+                                           (intensity["noise"][1], noise_params, lambda: torch.manual_seed(noise_seed)),
+                                           (intensity["contrast"][1], contrast_params, None)])
     outside = transform.apply({"image": image.clone(), "segmentation": labels[None].clone()},
                               **params)["segmentation"][0] == -1
     assert outside.float().mean() > 0.1  # the zoom-out reaches well past the volume
     assert (reference["image"][:, outside] == 0).all()
-    drawn = dataclasses.replace(_our_spatial(params, recorded, seed), contrast=(1.2, 0.8))
-    ours = get_recipe("nnunet").apply(image[None], labels[None], [drawn], PATCH, LABEL_VALUES)
+    drawn = _our_spatial(params, recorded, seed, recipe).with_values(noise=0.05, contrast=(1.2, 0.8))
+    ours = get_recipe(name).apply(image[None], labels[None], [drawn], PATCH, LABEL_VALUES)
     _assert_spatial_match(reference, (ours[0][0], ours[1][0]))
     assert torch.equal(ours[0][0][:, outside], reference["image"][:, outside])
-    padded_with_background = augment_batch(image[None], labels[None], [drawn], PATCH, LABEL_VALUES, pad_label=0)[0][0]
-    assert (padded_with_background[:, outside] != 0).float().mean() > 0.5
+    without_mask = recipe.steps[:-1]
+    assert recipe.steps[-1].name == "mask_outside"
+    unmasked = neutral(CHANNELS, seed=seed, recipe=dataclasses.replace(recipe, steps=without_mask),
+                       **{f: getattr(drawn.spatial, f) for f in ("rotation", "scaling")}, noise=0.05,
+                       contrast=(1.2, 0.8))
+    moved = augment_batch(image[None], labels[None], [unmasked], PATCH, LABEL_VALUES, steps=without_mask)[0][0]
+    assert (moved[:, outside] != 0).float().mean() > 0.5
 
 
 def test_a_sample_that_draws_no_spatial_transform_is_the_same_centre_crop():
@@ -196,8 +209,8 @@ def test_each_intensity_transform_matches(recipe, name):
             continue
         noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
         reference = _reference(image, labels, [(transform, params, lambda s=noise_seed: torch.manual_seed(s))])
-        ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, **intensity_fields(name, params, CHANNELS)),
-                        recipe)
+        ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, recipe=recipe,
+                                               **intensity_fields(name, params, CHANNELS)), recipe)
         assert (ours - reference["image"]).abs().max() <= 1e-5
         assert not torch.allclose(ours, _reference(image, labels, [])["image"], atol=1e-3)
         matched += 1
@@ -225,7 +238,8 @@ def test_the_whole_pipeline_matches_when_every_transform_fires(recipe, seed):
     """Spatial, the intensity transforms in order, mirroring, mask: one SampleAugment end to end."""
     spatial_t, spatial_params, recorded = _spatial_case(recipe, seed, p_elastic_deform=0, p_rotation=1,
                                                         p_scaling=1)
-    fields = dataclasses.asdict(_our_spatial(spatial_params, recorded, seed))
+    ours = _our_spatial(spatial_params, recorded, seed, recipe)
+    fields = {}
     steps = [(spatial_t, spatial_params, None)]
     patch_image = spatial_t.apply({"image": volume(CHANNELS, 40, seed)[0].clone()}, **spatial_params)["image"]
     np.random.seed(100 + seed)
@@ -241,4 +255,4 @@ def test_the_whole_pipeline_matches_when_every_transform_fires(recipe, seed):
     fields["mirror"] = (True, False, True)
     image, labels = volume(CHANNELS, 40, seed)
     reference = _reference(image, labels, steps)
-    _assert_spatial_match(reference, _ours(image, labels, dataclasses.replace(neutral(CHANNELS), **fields), recipe))
+    _assert_spatial_match(reference, _ours(image, labels, ours.with_values(**fields), recipe))

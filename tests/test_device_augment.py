@@ -81,7 +81,7 @@ def test_the_nnunet_recipes_crop_the_enlarged_patch_back_to_the_patch(recipe):
 def test_the_nnunet_recipes_see_minus_one_outside_the_brain(monkeypatch):
     seen = {}
 
-    def record(images, labels, params, patch_size, label_values, pad_label):
+    def record(images, labels, params, patch_size, label_values, steps):
         seen["labels"], seen["images"] = labels.clone(), images.clone()
         return images, labels
 
