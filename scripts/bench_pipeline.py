@@ -163,7 +163,7 @@ def augment_over_step(size: int, draws: int) -> dict:
     params = []
     while len(params) < 2 * draws:  # the costly samples: rotation or scaling drawn (one grid_sample)
         drawn = recipe.draw(rng, (size,) * 3, 4)
-        if drawn.resamples:
+        if drawn.spatial.resamples:
             params.append(drawn)
 
     def sync() -> None:
