@@ -131,18 +131,18 @@ def intensity_transforms(recipe: Recipe) -> dict:
                                                synchronize_axes=blur.synchronize_axes,
                                                p_per_channel=blur.p_per_channel, benchmark=False)),
         "brightness": (brightness.p, MultiplicativeBrightnessTransform(
-            multiplier_range=bg_range(brightness.multiplier), synchronize_channels=False, p_per_channel=1)),
-        "contrast": (contrast.p, ContrastTransform(contrast_range=bg_range(contrast.factor), preserve_range=True,
+            multiplier_range=bg_range(brightness.range), synchronize_channels=False, p_per_channel=1)),
+        "contrast": (contrast.p, ContrastTransform(contrast_range=bg_range(contrast.range), preserve_range=True,
                                                    synchronize_channels=False, p_per_channel=1)),
         "low_resolution": (low_resolution.p, SimulateLowResolutionTransform(
-            scale=bg_range(low_resolution.scale), synchronize_channels=False, synchronize_axes=True,
+            scale=bg_range(low_resolution.range), synchronize_channels=False, synchronize_axes=True,
             ignore_axes=None, allowed_channels=None, p_per_channel=low_resolution.p_per_channel)),
-        "gamma_inverted": (gamma_inverted.p, GammaTransform(gamma=bg_range(gamma_inverted.gamma), p_invert_image=1,
+        "gamma_inverted": (gamma_inverted.p, GammaTransform(gamma=bg_range(gamma_inverted.range), p_invert_image=1,
                                                             synchronize_channels=False, p_per_channel=1,
                                                             p_retain_stats=1)),
         "additive_brightness": (additive.p, BrightnessAdditiveTransform(
             mu=0.0, sigma=additive.sigma, synchronize_channels=False, p_per_channel=1)),
-        "gamma": (gamma.p, GammaTransform(gamma=bg_range(gamma.gamma), p_invert_image=0,
+        "gamma": (gamma.p, GammaTransform(gamma=bg_range(gamma.range), p_invert_image=0,
                                           synchronize_channels=False, p_per_channel=1, p_retain_stats=1)),
     }
     # nnU-Net v2's pipeline has no additive brightness

@@ -190,9 +190,9 @@ def test_every_probability_and_distribution_matches_batchgeneratorsv2(name):
     ({"spatial": {"p_rotation": 0.26}}, "rotation fires"),
     ({"spatial": {"rotation": UniformRange(-25 / 180 * np.pi, 25 / 180 * np.pi)}}, "rotation angles"),
     ({"spatial": {"scaling": UniformRange(0.7, 1.3)}}, "scaling factors"),
-    ({"gamma": {"gamma": UniformRange(0.7, 1.5)}}, "gamma values"),  # BGContrast's halves dropped
+    ({"gamma": {"range": UniformRange(0.7, 1.5)}}, "gamma values"),  # BGContrast's halves dropped
     ({"low_resolution": {"p_per_channel": 0.65}}, "low_resolution on a channel"),
-    ({"contrast": {"factor": BGContrastRange(0.75, 1.4)}}, "contrast values"),
+    ({"contrast": {"range": BGContrastRange(0.75, 1.4)}}, "contrast values"),
 ])
 def test_the_checks_catch_a_wrong_probability_or_range(change, caught):
     wrong = NNUNET.with_changes(**change)

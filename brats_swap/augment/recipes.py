@@ -118,14 +118,14 @@ NNUNET = Recipe(
     steps=(
         Noise(p=0.1, std=UniformRange(0.0, 0.1)),  # `noise_variance=(0, 0.1)`, used as the std by the code
         Blur(p=0.2, p_per_channel=0.5, sigma=UniformRange(0.5, 1.0), synchronize_axes=False),
-        Brightness(p=0.15, multiplier=BGContrastRange(0.75, 1.25)),
-        Contrast(p=0.15, factor=BGContrastRange(0.75, 1.25)),
-        LowResolution(p=0.25, p_per_channel=0.5, scale=UniformRange(0.5, 1.0)),
-        Gamma(p=0.1, gamma=BGContrastRange(0.7, 1.5), invert=True),
+        Brightness(p=0.15, range=BGContrastRange(0.75, 1.25)),
+        Contrast(p=0.15, range=BGContrastRange(0.75, 1.25)),
+        LowResolution(p=0.25, p_per_channel=0.5, range=UniformRange(0.5, 1.0)),
+        Gamma(p=0.1, range=BGContrastRange(0.7, 1.5), invert=True),
         # nnU-Net v2's pipeline has no additive brightness: p 0, kept in the tuple because its draw takes one
         # number from the sample's generator, so every later draw is the one earlier runs made (exact resume).
         AdditiveBrightness(p=0.0, sigma=0.0),
-        Gamma(p=0.3, gamma=BGContrastRange(0.7, 1.5), invert=False),
+        Gamma(p=0.3, range=BGContrastRange(0.7, 1.5), invert=False),
         Mirror(p_per_axis=0.5),
         MaskOutside(),
     ),
@@ -157,9 +157,9 @@ NNUNET_BRATS2020 = NNUNET.with_changes(
              "elastic_deform_scale": UniformRange(0.0, 0.25)},
     noise={"p": 0.15},
     blur={"sigma": UniformRange(0.5, 1.5), "synchronize_axes": True},
-    brightness={"multiplier": UniformRange(0.7, 1.3)},
-    contrast={"factor": BGContrastRange(0.65, 1.5)},
-    gamma_inverted={"p": 0.15, "gamma": _BRATS2020_GAMMA},
+    brightness={"range": UniformRange(0.7, 1.3)},
+    contrast={"range": BGContrastRange(0.65, 1.5)},
+    gamma_inverted={"p": 0.15, "range": _BRATS2020_GAMMA},
     additive_brightness={"p": 0.3, "sigma": 0.2},
-    gamma={"gamma": _BRATS2020_GAMMA},
+    gamma={"range": _BRATS2020_GAMMA},
 )

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from brats_swap.augment.ranges import BGContrastRange, UniformRange, draw_per_channel
+
 
 class Step(Protocol):
     """One in-place transform of the augmented batch: images (B, C, *patch) float, labels (B, *patch) int64."""
@@ -75,3 +77,23 @@ def channel_view(images: torch.Tensor) -> torch.Tensor:
 def per_channel_tensor(values: Sequence[Sequence[float]], like: torch.Tensor) -> torch.Tensor:
     """Per-sample, per-channel values as a (B, C, 1, 1, 1) tensor on `like`'s device and dtype."""
     return torch.tensor(values, device=like.device, dtype=like.dtype)[..., None, None, None]
+
+
+class FactorPerChannel:
+    """The draw of a step whose value is one number per channel, 1 where not applied (brightness, contrast,
+    low resolution, gamma): it fires with `p`, then on each channel with `p_per_channel`, each chosen channel
+    drawing its number from `range`. The steps using it are frozen dataclasses with those three fields."""
+
+    p: float
+    p_per_channel: float
+    range: UniformRange | BGContrastRange
+
+    def neutral(self, channels: int) -> tuple[float, ...]:
+        return (1.0,) * channels
+
+    def draw(self, rng: np.random.Generator, channels: int) -> tuple[float, ...]:
+        return draw_per_channel(rng, self.p, self.p_per_channel, self.range, channels, 1.0)
+
+    def chosen(self, values: Sequence[Sequence[float]]) -> tuple[list[int], list]:
+        """The (sample * C + channel) indices the values apply to, and those values."""
+        return chosen_channels(values, 1.0)

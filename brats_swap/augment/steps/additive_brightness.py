@@ -13,6 +13,9 @@ from brats_swap.augment.steps import per_channel_tensor
 
 @dataclass(frozen=True)
 class AdditiveBrightness:
+    """Value: per channel, the shift added to every voxel; 0 = unchanged. When it fires, every channel
+    draws (p_per_channel 1), so there is no per-channel probability."""
+
     p: float
     sigma: float
     name: ClassVar[str] = "additive_brightness"

@@ -61,6 +61,8 @@ def blur(images: torch.Tensor, index: Sequence[int], sigmas: Sequence[Sequence[f
 
 @dataclass(frozen=True)
 class Blur:
+    """Value: per channel, the sigma (voxels) on each axis; (0, 0, 0) = not blurred."""
+
     p: float
     p_per_channel: float
     sigma: UniformRange

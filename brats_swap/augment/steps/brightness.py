@@ -6,23 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
-from brats_swap.augment.ranges import BGContrastRange, UniformRange, draw_per_channel
-from brats_swap.augment.steps import per_channel_tensor
+from brats_swap.augment.ranges import BGContrastRange, UniformRange
+from brats_swap.augment.steps import FactorPerChannel, per_channel_tensor
 
 
 @dataclass(frozen=True)
-class Brightness:
+class Brightness(FactorPerChannel):
+    """Value: per channel, the multiplier; 1 = unchanged."""
+
     p: float
-    multiplier: UniformRange | BGContrastRange
+    range: UniformRange | BGContrastRange
+    p_per_channel: float = 1.0
     name: ClassVar[str] = "brightness"
-
-    def neutral(self, channels: int) -> tuple[float, ...]:
-        return (1.0,) * channels
-
-    def draw(self, rng: np.random.Generator, channels: int) -> tuple[float, ...]:
-        return draw_per_channel(rng, self.p, 1.0, self.multiplier, channels, 1.0)
 
     def apply(self, images, labels, values, seeds) -> None:
         images.mul_(per_channel_tensor(values, images))

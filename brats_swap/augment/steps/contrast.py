@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
-from brats_swap.augment.ranges import BGContrastRange, draw_per_channel
-from brats_swap.augment.steps import channel_view, chosen_channels, column, temporaries_bytes
+from brats_swap.augment.ranges import BGContrastRange
+from brats_swap.augment.steps import FactorPerChannel, channel_view, column, temporaries_bytes
 
 
 def contrast(images: torch.Tensor, index: Sequence[int], factors: Sequence[float]) -> None:
@@ -29,19 +28,16 @@ def contrast(images: torch.Tensor, index: Sequence[int], factors: Sequence[float
 
 
 @dataclass(frozen=True)
-class Contrast:
+class Contrast(FactorPerChannel):
+    """Value: per channel, the factor around the channel's mean (its range kept); 1 = unchanged."""
+
     p: float
-    factor: BGContrastRange
+    range: BGContrastRange
+    p_per_channel: float = 1.0
     name: ClassVar[str] = "contrast"
 
-    def neutral(self, channels: int) -> tuple[float, ...]:
-        return (1.0,) * channels
-
-    def draw(self, rng: np.random.Generator, channels: int) -> tuple[float, ...]:
-        return draw_per_channel(rng, self.p, 1.0, self.factor, channels, 1.0)
-
     def apply(self, images, labels, values, seeds) -> None:
-        contrast(images, *chosen_channels(values, 1.0))
+        contrast(images, *self.chosen(values))
 
     def buffer_bytes(self, batch: int, channels: int, patch_voxels: int, element_bytes: int) -> int:
         # the gathered channels and up to four temporaries of their size

@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from brats_swap.augment.ranges import BGContrastRange, draw_per_channel
-from brats_swap.augment.steps import channel_view, chosen_channels, column, temporaries_bytes
+from brats_swap.augment.ranges import BGContrastRange
+from brats_swap.augment.steps import FactorPerChannel, channel_view, column, temporaries_bytes
 
 _EPS = 1e-7  # batchgeneratorsv2's gamma epsilon
 
@@ -40,23 +39,21 @@ def gamma(images: torch.Tensor, index: Sequence[int], gammas: Sequence[float], i
 
 
 @dataclass(frozen=True)
-class Gamma:
+class Gamma(FactorPerChannel):
+    """Value: per channel, the gamma (of the inverted image with `invert`), mean and std kept; 1 =
+    unchanged."""
+
     p: float
-    gamma: BGContrastRange
+    range: BGContrastRange
     invert: bool
+    p_per_channel: float = 1.0
 
     @property
     def name(self) -> str:
         return "gamma_inverted" if self.invert else "gamma"
 
-    def neutral(self, channels: int) -> tuple[float, ...]:
-        return (1.0,) * channels
-
-    def draw(self, rng: np.random.Generator, channels: int) -> tuple[float, ...]:
-        return draw_per_channel(rng, self.p, 1.0, self.gamma, channels, 1.0)
-
     def apply(self, images, labels, values, seeds) -> None:
-        gamma(images, *chosen_channels(values, 1.0), invert=self.invert)
+        gamma(images, *self.chosen(values), invert=self.invert)
 
     def buffer_bytes(self, batch: int, channels: int, patch_voxels: int, element_bytes: int) -> int:
         # the gathered channels and up to four temporaries of their size

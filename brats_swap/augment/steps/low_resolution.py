@@ -8,12 +8,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from brats_swap.augment.ranges import UniformRange, draw_per_channel
-from brats_swap.augment.steps import channel_view, chosen_channels, temporaries_bytes
+from brats_swap.augment.ranges import UniformRange
+from brats_swap.augment.steps import FactorPerChannel, channel_view, temporaries_bytes
 
 
 def low_resolution(images: torch.Tensor, index: Sequence[int], scales: Sequence[float]) -> None:
@@ -29,20 +28,16 @@ def low_resolution(images: torch.Tensor, index: Sequence[int], scales: Sequence[
 
 
 @dataclass(frozen=True)
-class LowResolution:
+class LowResolution(FactorPerChannel):
+    """Value: per channel, the down-scaling factor of every axis; 1 = unchanged."""
+
     p: float
     p_per_channel: float
-    scale: UniformRange
+    range: UniformRange
     name: ClassVar[str] = "low_resolution"
 
-    def neutral(self, channels: int) -> tuple[float, ...]:
-        return (1.0,) * channels
-
-    def draw(self, rng: np.random.Generator, channels: int) -> tuple[float, ...]:
-        return draw_per_channel(rng, self.p, self.p_per_channel, self.scale, channels, 1.0)
-
     def apply(self, images, labels, values, seeds) -> None:
-        low_resolution(images, *chosen_channels(values, 1.0))
+        low_resolution(images, *self.chosen(values))
 
     def buffer_bytes(self, batch: int, channels: int, patch_voxels: int, element_bytes: int) -> int:
         # one channel at a time, bounded by one image copy

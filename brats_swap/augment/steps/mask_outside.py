@@ -15,6 +15,8 @@ from brats_swap.augment.steps import temporaries_bytes
 
 @dataclass(frozen=True)
 class MaskOutside:
+    """Value: none (it draws nothing and consumes nothing of the sample's generator)."""
+
     name: ClassVar[str] = "mask_outside"
 
     def neutral(self, channels: int) -> None:

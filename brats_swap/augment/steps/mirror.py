@@ -13,6 +13,8 @@ from brats_swap.augment.steps import temporaries_bytes
 
 @dataclass(frozen=True)
 class Mirror:
+    """Value: whether each of the three spatial axes is flipped."""
+
     p_per_axis: float
     name: ClassVar[str] = "mirror"
 

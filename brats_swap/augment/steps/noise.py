@@ -29,6 +29,8 @@ def add_noise(images: torch.Tensor, stds: Sequence[float], seeds: Sequence[int])
 
 @dataclass(frozen=True)
 class Noise:
+    """Value: the sample's noise std, one for all channels; 0 = no noise."""
+
     p: float
     std: UniformRange  # nnU-Net's `noise_variance`, used as the std by batchgeneratorsv2's code
     name: ClassVar[str] = "noise"
