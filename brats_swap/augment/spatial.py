@@ -218,9 +218,8 @@ def resample(images: torch.Tensor, labels: torch.Tensor, chosen: Sequence[int], 
     equals sampling its indicator padded with ones). The highest score wins, the first label on a tie.
     `label_values` must hold every value the labels hold.
     """
-    pad_label = OUTSIDE_LABEL
     channels = images.shape[1]
-    others = [v for v in label_values if v != pad_label]
+    others = [v for v in label_values if v != OUTSIDE_LABEL]
     stacked = images.new_empty((len(chosen), channels + len(others), *images.shape[2:]))
     for i, b in enumerate(chosen):
         stacked[i, :channels] = images[b]
@@ -229,9 +228,9 @@ def resample(images: torch.Tensor, labels: torch.Tensor, chosen: Sequence[int], 
     sampled = F.grid_sample(stacked, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     del stacked
     scores = sampled[:, channels:]
-    pad_score = 1.0 - scores.sum(1, keepdim=True)
-    ordered = torch.tensor([pad_label, *others], device=labels.device, dtype=labels.dtype)
-    winner = torch.cat([pad_score, scores], 1).argmax(1)
+    outside_score = 1.0 - scores.sum(1, keepdim=True)
+    ordered = torch.tensor([OUTSIDE_LABEL, *others], device=labels.device, dtype=labels.dtype)
+    winner = torch.cat([outside_score, scores], 1).argmax(1)
     return sampled[:, :channels], ordered[winner]
 
 
