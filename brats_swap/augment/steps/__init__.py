@@ -1,10 +1,11 @@
 """The transforms of the nnU-Net recipes after the spatial transform, one module each, and what they share.
 
 A step (`Step`) is its own parameters, a frozen dataclass (the recipe's probabilities and ranges for it), with
-three methods: `draw`, the sample's value drawn on the host in the loader's worker from the sample's numpy
-Generator (picklable: plain numbers and small tuples; `neutral` is the value that changes nothing);
-`apply`, the value of every sample of the batch applied in place on the device; and `buffer_bytes`, what
-`apply` holds at its peak beyond the batch. A recipe (`brats_swap.augment.recipes.Recipe`) is an ordered
+a `name` and these methods: `draw`, the sample's value drawn on the host in the loader's worker from the
+sample's numpy Generator (picklable: plain numbers and small tuples; `neutral` is the value that changes
+nothing); `apply`, the value of every sample of the batch applied in place on the device; and `buffer_bytes`,
+what `apply` holds at its peak beyond the batch. The step and its parameters are one object, so a recipe's
+tuple of steps is also the tuple of their parameters. A recipe (`brats_swap.augment.recipes.Recipe`) is an ordered
 tuple of steps after its spatial parameters; `augment_batch` runs exactly those and the byte bound is the
 largest of exactly those, so adding a transform is one module here and one line in the recipe's tuple.
 
