@@ -35,10 +35,11 @@ def volume(channels: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch
     return image.float(), labels
 
 
-def neutral(channels: int, seed: int = 0, recipe: Recipe = NNUNET, **values) -> SampleAugment:
-    """Parameters of `recipe` that change nothing, with `values` (step names, spatial fields) replaced."""
+def neutral(channels: int, seed: int = 0, steps=NNUNET.steps, **values) -> SampleAugment:
+    """Parameters for `steps` (a recipe's) that change nothing, with `values` (step names, spatial fields)
+    replaced."""
     base = SampleAugment(seed=seed, channels=channels, spatial=NO_SPATIAL,
-                         steps=tuple((step.name, step.neutral(channels)) for step in recipe.steps))
+                         steps=tuple((step.name, step.neutral(channels)) for step in steps))
     return base.with_values(**values)
 
 

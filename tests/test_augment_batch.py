@@ -90,10 +90,9 @@ def test_a_crop_larger_than_the_input_pads_with_minus_one_which_the_mask_step_ze
     ring[2:22, 2:22, 2:22] = False
     masked = augment_batch(images, labels, [neutral(2, contrast=(1.5, 0.7))], PATCH, LABEL_VALUES, steps=STEPS)
     assert (masked[0][0][:, ring] == 0).all() and (masked[1][0][ring] == 0).all()
-    no_mask = dataclasses.replace(NNUNET, steps=STEPS[:-1])
     assert STEPS[-1].name == "mask_outside"
-    unmasked = augment_batch(images, labels, [neutral(2, recipe=no_mask, contrast=(1.5, 0.7))], PATCH,
-                             LABEL_VALUES, steps=no_mask.steps)
+    unmasked = augment_batch(images, labels, [neutral(2, steps=STEPS[:-1], contrast=(1.5, 0.7))], PATCH,
+                             LABEL_VALUES, steps=STEPS[:-1])
     assert (unmasked[1][0][ring] == -1).all() and (unmasked[0][0][:, ring] != 0).all()
     assert torch.equal(masked[0][0][:, ~ring], unmasked[0][0][:, ~ring])  # inside the input both are alike
 
@@ -137,6 +136,15 @@ def test_bad_input_is_refused_in_one_line(bad, message):
     kwargs.update(bad)
     with pytest.raises(ValueError, match=message):
         augment_batch(**kwargs)
+
+
+@pytest.mark.parametrize("steps, message", [
+    (STEPS[:-1], "must end with MaskOutside"),
+    ((*STEPS[:2], STEPS[1], *STEPS[2:]), "not unique"),
+])
+def test_a_recipe_without_the_mask_last_or_with_a_step_twice_is_refused(steps, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(NNUNET, steps=steps)
 
 
 class _PeakBytes(TorchDispatchMode):

@@ -8,8 +8,6 @@ get_insaneDA_augmentation2). Intensity transforms within 1e-5; spatial ones with
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -84,7 +82,7 @@ def _our_spatial(params, recorded, seed, recipe=NNUNET):
     if params["elastic_offsets"] is not None:
         fields.update(elastic_sigmas=tuple(recorded["scale"] * s for s in PATCH),
                       elastic_magnitudes=tuple(recorded["magnitudes"]))
-    return neutral(CHANNELS, seed=seed, recipe=recipe, **fields)
+    return neutral(CHANNELS, seed=seed, steps=recipe.steps, **fields)
 
 
 def _assert_spatial_match(reference, ours):
@@ -167,7 +165,7 @@ def test_whole_volume_space_outside_the_input_is_labelled_minus_one_and_zeroed_a
     assert torch.equal(ours[0][0][:, outside], reference["image"][:, outside])
     without_mask = recipe.steps[:-1]
     assert recipe.steps[-1].name == "mask_outside"
-    unmasked = neutral(CHANNELS, seed=seed, recipe=dataclasses.replace(recipe, steps=without_mask),
+    unmasked = neutral(CHANNELS, seed=seed, steps=without_mask,
                        **{f: getattr(drawn.spatial, f) for f in ("rotation", "scaling")}, noise=0.05,
                        contrast=(1.2, 0.8))
     moved = augment_batch(image[None], labels[None], [unmasked], PATCH, LABEL_VALUES, steps=without_mask)[0][0]
@@ -210,7 +208,7 @@ def test_each_intensity_transform_matches(recipe, name):
             continue
         noise_seed = field_seed(seed, NOISE_SEED_OFFSET)
         reference = _reference(image, labels, [(transform, params, lambda s=noise_seed: torch.manual_seed(s))])
-        ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, recipe=recipe,
+        ours, _ = _ours(image, labels, neutral(CHANNELS, seed=seed, steps=recipe.steps,
                                                **intensity_fields(name, params, CHANNELS)), recipe)
         assert (ours - reference["image"]).abs().max() <= 1e-5
         assert not torch.allclose(ours, _reference(image, labels, [])["image"], atol=1e-3)

@@ -82,6 +82,9 @@ class Recipe:
         names = [step.name for step in self.steps]
         if len(set(names)) != len(names):
             raise ValueError(f"augment recipe: step names {names} are not unique")
+        if not self.steps or not isinstance(self.steps[-1], MaskOutside):
+            raise ValueError(f"augment recipe: steps {names} must end with MaskOutside() "
+                             "(steps/mask_outside.py), or labels -1 would reach the targets")
 
     def step(self, name: str) -> Step:
         for step in self.steps:
