@@ -80,10 +80,11 @@ def seed_everything(seed: int) -> None:
 # width of 1, with 5³ a depth of 2 to 4. Part of each such gradient is read from memory the kernel never
 # wrote, so it is NaN wherever the heap held NaN (freed tensors of earlier work: a long test session), and
 # some of these shapes corrupt the heap ("double free or corruption"). Its backward-data kernel and the fp32
-# kernels are right (relative errors 6e-3 and 6e-7 against float64 over 3,456 such shapes), so under AMP on
-# a CPU every convolution's weight and bias gradients are computed from fp32 copies of its input and output
-# gradient, and its input gradient by the same bf16 kernel as before. At 48³ x 32 channels the fp32 weight
-# gradient took 1.3x the time of the bf16 kernel.
+# kernels are right (relative errors 6e-3 and 6e-7 against float64 over 3,456 such shapes; the bf16 forward,
+# depthwise and transposed kernels too), so under AMP on a CPU every convolution's weight and bias gradients
+# are computed from fp32 copies of its input and output gradient (one rule, not a list of shapes), and its
+# input gradient by the same bf16 kernel as before. At 48³ x 32 channels the fp32 weight gradient took 1.3x
+# the time of the bf16 kernel.
 _REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
 
