@@ -94,7 +94,7 @@ def test_cpu_bf16_convolution_gradients_are_the_fp32_ones_whatever_the_heap_held
 
 def _unet_gradients(heap_value: float) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(base_filters=4, depth=4))  # 16³: a 2³ bottleneck, as tests/train_helpers.SMALL
+    model = build_model(ModelConfig(base_filters=4, depth=4))  # at 16³ a 2³ bottleneck, as train_helpers.SMALL
     x = torch.randn(1, 4, 16, 16, 16)
     with torch_settings(_bf16_config(), CPU):
         with autocast_context(CPU, "bf16"):
@@ -106,7 +106,8 @@ def _unet_gradients(heap_value: float) -> dict[str, torch.Tensor]:
 
 def test_a_bf16_unet_steps_gradients_do_not_depend_on_what_the_heap_held():
     """The symptom: a tiny bf16 training step's gradients were NaN after a long session and merely wrong
-    alone, different from run to run. Now they are finite and the same, bit for bit, whatever the heap held."""
+    alone, different from run to run. Now they are finite and the same, bit for bit, whatever the heap
+    held."""
     after_nan, after_zeros = _unet_gradients(float("nan")), _unet_gradients(0.0)
     bottleneck = "encoder.level3.context.block1.conv.weight"
     assert torch.isfinite(after_nan[bottleneck]).all()

@@ -99,7 +99,8 @@ def _convolution_backward(grad_output, input, weight, bias_sizes, stride, paddin
         return _CONVOLUTION_BACKWARD(grad_output, input, weight, bias_sizes, *geometry, output_mask)
     grad_input = None
     if output_mask[0]:
-        grad_input, _, _ = _CONVOLUTION_BACKWARD(grad_output, input, weight, None, *geometry, [True, False, False])
+        input_only = [True, False, False]
+        grad_input, _, _ = _CONVOLUTION_BACKWARD(grad_output, input, weight, None, *geometry, input_only)
     _, grad_weight, grad_bias = _CONVOLUTION_BACKWARD(grad_output.float(), input.float(), weight.float(),
                                                       bias_sizes, *geometry, [False, *output_mask[1:]])
     return (grad_input, grad_weight.to(weight.dtype) if output_mask[1] else None,
