@@ -94,7 +94,7 @@ def test_cpu_bf16_convolution_gradients_are_the_fp32_ones_whatever_the_heap_held
 
 def _unet_gradients(heap_value: float) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(base_filters=4, depth=4))  # at 16³ a 2³ bottleneck, as train_helpers.SMALL
+    model = build_model(ModelConfig(base_filters=4, depth=4))  # at 16³ a 2³ bottleneck (train_helpers.SMALL)
     x = torch.randn(1, 4, 16, 16, 16)
     with torch_settings(_bf16_config(), CPU):
         with autocast_context(CPU, "bf16"):
