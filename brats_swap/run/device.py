@@ -1,5 +1,6 @@
 """Device and mixed-precision resolution (one answer for training, evaluation and the planner), and the
-process-wide torch settings a run needs: seeds, threads, determinism, peak memory.
+process-wide torch settings a run needs: seeds, threads, determinism, CPU convolution weight gradients in
+fp32 under AMP, peak memory.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from brats_swap.config import Config
 from brats_swap.errors import ConfigError
@@ -71,9 +73,60 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# On a CPU, torch runs bf16 convolutions on oneDNN, whose bf16 backward-weights kernel
+# (`jit_bf16:avx512_core_bf16`, or the same kernel emulating bf16 on other AVX-512 CPUs; oneDNN 3.12 in
+# torch 2.13) returns wrong weight gradients for small geometries, e.g. with a 3³ kernel a depth of 2 (the
+# 2³ bottleneck of a 16³ cube at model.depth 4, or of 32³ at depth 5), with stride 2 an output height or
+# width of 1, with 5³ a depth of 2 to 4. Part of each such gradient is read from memory the kernel never
+# wrote, so it is NaN wherever the heap held NaN (freed tensors of earlier work: a long test session), and
+# some of these shapes corrupt the heap ("double free or corruption"). Its backward-data kernel and the fp32
+# kernels are right (relative errors 6e-3 and 6e-7 against float64 over 3,456 such shapes; the bf16 forward,
+# depthwise and transposed kernels too), so under AMP on a CPU every convolution's weight and bias gradients
+# are computed from fp32 copies of its input and output gradient (one rule, not a list of shapes), and its
+# input gradient by the same bf16 kernel as before. At 48³ x 32 channels the fp32 weight gradient took 1.3x
+# the time of the bf16 kernel.
+_REDUCED_PRECISION = (torch.bfloat16, torch.float16)
+_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
+
+
+def _convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask):
+    """`aten.convolution_backward` with the weight and bias gradients of a reduced-precision CPU convolution
+    computed in fp32 (and returned in the weight's dtype, as the op does); anything else exactly as asked."""
+    geometry = (stride, padding, dilation, transposed, output_padding, groups)
+    if (input.device.type != "cpu" or input.dtype not in _REDUCED_PRECISION
+            or not (output_mask[1] or output_mask[2])):
+        return _CONVOLUTION_BACKWARD(grad_output, input, weight, bias_sizes, *geometry, output_mask)
+    grad_input = None
+    if output_mask[0]:
+        input_only = [True, False, False]
+        grad_input, _, _ = _CONVOLUTION_BACKWARD(grad_output, input, weight, None, *geometry, input_only)
+    _, grad_weight, grad_bias = _CONVOLUTION_BACKWARD(grad_output.float(), input.float(), weight.float(),
+                                                      bias_sizes, *geometry, [False, *output_mask[1:]])
+    return (grad_input, grad_weight.to(weight.dtype) if output_mask[1] else None,
+            grad_bias.to(weight.dtype) if output_mask[2] else None)
+
+
+class Fp32ConvolutionWeightGradients(TorchDispatchMode):
+    """While active (in this thread, where a CPU backward runs), reduced-precision CPU convolutions take their
+    weight and bias gradients from fp32 (see `_convolution_backward`); every other op runs as it is."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _CONVOLUTION_BACKWARD:
+            return _convolution_backward(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def computes_in_reduced_precision_on_cpu(amp: str, device: torch.device) -> bool:
+    """Training with `train.amp` on `device` runs CPU convolutions in bf16 (or fp16), so it needs
+    `Fp32ConvolutionWeightGradients`."""
+    return device.type == "cpu" and amp_dtype(amp_on_device(amp, device)[0]) in _REDUCED_PRECISION
+
+
 @contextlib.contextmanager
 def torch_settings(config: Config, device: torch.device) -> Iterator[None]:
-    """Threads and determinism for the duration of training, restored afterwards (tests share a process)."""
+    """Threads, determinism and (AMP on a CPU) fp32 convolution weight gradients for the duration of training,
+    restored afterwards (tests share a process)."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     benchmark = torch.backends.cudnn.benchmark
@@ -86,8 +139,11 @@ def torch_settings(config: Config, device: torch.device) -> Iterator[None]:
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
+    reduced = computes_in_reduced_precision_on_cpu(config.train.amp, device)
+    weight_gradients = Fp32ConvolutionWeightGradients() if reduced else contextlib.nullcontext()
     try:
-        yield
+        with weight_gradients:
+            yield
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
