@@ -1,5 +1,6 @@
 """`brats-swap cv submit` on a real SLURM (marked `slurm`; `.ci/run` starts one with
-scripts/local_slurm.sh, elsewhere this test is skipped): a 2-fold cv on 16³ phantoms as an array job, one
+scripts/local_slurm.sh, elsewhere this test is skipped): a 2-fold cv on 16³ phantoms, in a run folder whose
+path holds a space, quotes, `#` and `%`, as an array job, one
 task preempted mid-epoch with SIGUSR1 as SLURM's `--signal` would, requeued once, resumed inside the epoch and
 bitwise equal at the end to the fold trained straight through in one process; the summary job's
 cv_summary.json and postprocessing.json; `cv status`. Nothing is left running.
@@ -69,7 +70,8 @@ def test_cv_submitted_to_slurm_survives_a_preemption_bitwise(data, tmp_path):
     config = tiny_config(*data, *RECIPE)
     config_file = tmp_path / "tiny.yaml"
     config_file.write_text(config_to_yaml(config))
-    run = tmp_path / "run"
+    # A run folder sbatch must be given quoted, with a `%` SLURM must not expand (see the tests below).
+    run = tmp_path / 'cv "run" 100% #1'
     command = [sys.executable, "-m", "brats_swap", "cv"]
     submitted = subprocess.run([*command, "--submit", "slurm", "--config", str(config_file), "--run", str(run),
                                 "--time", "00:20:00", "--cpus-per-fold", "1", "--grace", "60"],
