@@ -3,9 +3,9 @@ a `python -m brats_swap train-challenge` subprocess on a tiny GoAT phantom sends
 moment (tests/signal_hook.py). During training it stops at the end of the running step with the checkpoint
 written and exits 130 with one line; the model already in the output folder is untouched and no temporary file
 is left; the same command then resumes inside the epoch and ends with the uninterrupted run's weights
-(`torch.equal`). Before training (the data being prepared) it stops at the end of that phase, also exit 130,
-and the same command then trains; while the new model.zip is being written it lets the write finish (temp
-file + rename) and exits 0."""
+(`torch.equal`). A SIGTERM before training (the data being prepared) stops at the end of that phase, a Ctrl-C
+there at once, both exit 130, and the same command then trains (and removes a killed export's temporary file);
+a SIGTERM while the new model.zip is written lets the write finish (temp file + rename) and exits 0."""
 
 from __future__ import annotations
 
@@ -109,20 +109,30 @@ def test_a_stop_during_training_saves_the_step_exits_130_keeps_the_model_and_the
     assert temp_files(output) == []
 
 
-def test_sigterm_while_the_data_is_prepared_stops_before_training_with_130_and_the_rerun_trains(
-        card, data, bundle, uninterrupted, tmp_path):
+@pytest.mark.parametrize(("signum", "said"), [
+    (signal.SIGTERM, "SIGTERM before training started (the data is prepared, the plan recorded); run the same "
+                     "command again to continue"),
+    (signal.SIGINT, "interrupted"),  # Ctrl-C outside training: at once (every write there is atomic)
+], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_the_data_is_prepared_ends_before_training_with_130_and_the_rerun_trains(
+        card, data, bundle, uninterrupted, tmp_path, signum, said):
     output = tmp_path / "out"
-    stopped = train_challenge(bundle, data, output, "SIGTERM:call:brats_swap.train.data.prepare_run_data")
+    stopped = train_challenge(bundle, data, output, f"{signum.name}:call:brats_swap.train.data.prepare_run_data")
     assert stopped.returncode == EXIT_INTERRUPTED, stopped.stdout + stopped.stderr
     errors = error_lines(stopped)
-    assert len(errors) == 1 and "SIGTERM" in errors[0] and "run the same command again" in errors[0], \
-        stopped.stderr
+    assert len(errors) == 1 and errors[0].endswith(said), stopped.stderr
     assert not (output / "run" / "fold_0").exists()  # stopped before training
     assert not (output / BUNDLE_FILE).exists() and temp_files(output) == []
 
+    # What a SIGKILL during an earlier export would have left (atomic_path's name, a writer that is gone).
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    stale = output / f".{BUNDLE_FILE}.{int(gone.stdout)}.x1y2z3{TEMP_SUFFIX}"
+    stale.write_bytes(b"half a zip")
     resumed = train_challenge(bundle, data, output)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert same_weights(open_bundle(output / BUNDLE_FILE).state_dict(0), uninterrupted)
+    assert temp_files(output) == []
 
 
 def test_sigterm_while_model_zip_is_written_lets_the_write_finish_and_exits_0(card, data, bundle, uninterrupted,
