@@ -380,9 +380,8 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
     if signals.reason is not None:  # the end of the phase before training: the plan and the data are kept
         raise TrainingInterrupted(f"{output}: {signals.reason} before training started (the data is prepared, "
                                   "the plan recorded); run the same command again to continue")
-    # A signal that reaches `signals` in the moment before run_sequential installs its handlers (or after it
-    # returned) is answered as one during the export below: the folds are trained by then.
-    signals.then = f"every fold is trained; finishing {BUNDLE_FILE} first, then done"
+    # run_sequential's handlers take the signals once it holds the run's lock (at once: nothing else runs in
+    # the output folder); one in the moment before is noted by `signals` only, and the folds train on.
     try:
         outcome = run_sequential(config, run.root, selection, console=console)
     except TrainingInterrupted:  # Ctrl-C in a step: the loop saved it; its hint (`train --resume`) is not ours
@@ -391,6 +390,7 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
                                   "continue") from None
     if not outcome.complete:
         raise TrainingInterrupted(f"{output}: {outcome.describe()}; run the same command again to continue")
+    signals.then = f"every fold is trained; finishing {BUNDLE_FILE} first, then done"
     fold_curves(run, plan.folds)
     if not run.postprocessing.is_file() and bundle.postprocessing() is not None:
         from brats_swap.ship.bundle import POSTPROCESSING
