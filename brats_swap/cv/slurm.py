@@ -154,7 +154,8 @@ def output_pattern(folder: Path, what: str) -> str:
     remove_path_slashes before), so such a folder cannot be named there: DataError, one line."""
     text = _line(folder, what)
     if "\\" in text:
-        raise DataError(f"cv submit slurm: {what} {text!r} holds a backslash, which a SLURM --output path cannot "
+        # Shown as it is (one line: `_line` checked it), not repr()'d: that would double the backslash.
+        raise DataError(f"cv submit slurm: {what} {text} holds a backslash, which a SLURM --output path cannot "
                         "hold (it turns off the %a/%j log names); use a folder without one")
     return text.replace("%", "%%")
 
