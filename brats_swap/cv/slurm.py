@@ -130,10 +130,12 @@ def _line(value: object, what: str) -> str:
     return script_text(value, what, "cv submit slurm")
 
 
-# sbatch splits an `#SBATCH` line into arguments itself (SchedMD/slurm src/sbatch/opt.c, get_argument; the same
-# from 2009 to 25.x): an argument ends at unquoted whitespace; '...' or "..." group characters, whitespace and
-# '#' included; a backslash makes the next character literal, inside quotes too; an unquoted '#' starts a
-# comment; nothing continues a line. A value with none of these characters is read as written.
+# sbatch splits an `#SBATCH` line into arguments itself (SchedMD/slurm src/sbatch/opt.c, get_argument, so since
+# 2009): an argument ends at unquoted whitespace; '...' or "..." group characters, whitespace and '#' included;
+# a backslash makes the next character literal, inside quotes too; an unquoted '#' starts a comment; nothing
+# continues a line. (24.05 also reads a backslash-space outside quotes as a space; older releases end the
+# argument there, so the quoting below never relies on it.) A value with none of these characters is read as
+# written.
 _SBATCH_LITERAL = re.compile(r"[^\s\"'\\#]+")
 
 
