@@ -21,13 +21,19 @@ memory for each rank's process, its loader workers, the batches they hold ahead 
 
 Folds of one run may train on different nodes at once: each holds its own fold lock (cv/lock.py), so the
 run folder must be on a file system shared by the nodes, with working `flock`.
+
+Paths in `#SBATCH` lines (`sbatch_word`, `output_pattern`): sbatch reads those lines itself, not the shell, so
+a run folder or working folder with a space, quote or `#` is written in sbatch's own quoting and a `%` of the
+run folder as `%%`; what sbatch cannot carry (a newline or control character; a backslash in `--output`) is
+refused in one line before anything is written or submitted. The scripts' shell lines quote with
+`brats_swap.names.shell_word`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import shlex
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +44,7 @@ from brats_swap.atomic import atomic_write_text
 from brats_swap.config import Config
 from brats_swap.cv.fold_progress import read_fold_state
 from brats_swap.errors import ConfigError, DataError
-from brats_swap.names import checked_name, script_text
+from brats_swap.names import checked_name, script_text, shell_word
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import read_splits
 from brats_swap.train.planning import GIB, arena_bound_bytes, host_memory
@@ -99,7 +105,7 @@ def unfinished_folds(config: Config, run: RunFolder) -> list[int]:
 
 def brats_swap_command() -> str:
     """This installation's brats-swap, so that the jobs run what was tested here (a venv need not be active)."""
-    return f"{shlex.quote(sys.executable)} -m brats_swap"
+    return f"{shell_word(sys.executable, 'the Python interpreter', 'cv submit slurm')} -m brats_swap"
 
 
 def fold_resources(config: Config, gpus: int) -> tuple[int, str, str]:
@@ -124,6 +130,38 @@ def _line(value: object, what: str) -> str:
     return script_text(value, what, "cv submit slurm")
 
 
+# sbatch splits an `#SBATCH` line into arguments itself (SchedMD/slurm src/sbatch/opt.c, get_argument, so since
+# 2009): an argument ends at unquoted whitespace; '...' or "..." group characters, whitespace and '#' included;
+# a backslash makes the next character literal, inside quotes too; an unquoted '#' starts a comment; nothing
+# continues a line. (24.05 also reads a backslash-space outside quotes as a space; older releases end the
+# argument there, so the quoting below never relies on it.) A value with none of these characters is read as
+# written.
+_SBATCH_LITERAL = re.compile(r"[^\s\"'\\#]+")
+
+
+def sbatch_word(value: object, what: str) -> str:
+    """`value` as one argument of an `#SBATCH` line that sbatch reads back unchanged: as written when it needs
+    no quoting (so ordinary scripts look as they always did), else in double quotes with `"` and `\\`
+    backslashed. A newline or control character cannot be carried (one line, `_line`)."""
+    text = _line(value, what)
+    if _SBATCH_LITERAL.fullmatch(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def output_pattern(folder: Path, what: str) -> str:
+    """`folder` as the start of an `--output` filename pattern that SLURM expands back to `folder`: `%` is
+    written `%%`. A backslash anywhere in the pattern turns every `%` replacement off and is itself dropped
+    (SchedMD/slurm src/common/print_fields.c expand_stdio_fields from 25.11, src/slurmd/common/fname.c
+    remove_path_slashes before), so such a folder cannot be named there: DataError, one line."""
+    text = _line(folder, what)
+    if "\\" in text:
+        # Shown as it is (one line: `_line` checked it), not repr()'d: that would double the backslash.
+        raise DataError(f"cv submit slurm: {what} {text} holds a backslash, which a SLURM --output path cannot "
+                        "hold (it turns off the %a/%j log names); use a folder without one")
+    return text.replace("%", "%%")
+
+
 def _directives(config: Config, options: SlurmOptions) -> list[str]:
     gpus = options.gpus(config)
     cpus, mem = options.cpus_per_fold, options.mem
@@ -142,36 +180,59 @@ def _directives(config: Config, options: SlurmOptions) -> list[str]:
     return lines
 
 
-def _script_values(config: Config, run: RunFolder) -> tuple[str, str, str]:
-    """(run folder, config name, working folder) as the scripts' `#SBATCH` lines take them: checked for one
-    line each (a `#SBATCH` line cannot be quoted; a newline in a value would start a command)."""
-    root = _line(run.root.resolve(), "the run folder")
-    name = checked_name(config.name, "config name", "cv submit slurm")
-    return root, name, _line(Path.cwd().resolve(), "the working folder")
+@dataclass(frozen=True)
+class _ScriptValues:
+    """The run folder, config name and working folder as the scripts hold them: `root` (the folder, for
+    comments and shell words), `output` (the start of an `--output` pattern, unquoted), `name`, `chdir` (an
+    `#SBATCH` word). Each checked for one line (a newline in a value would start a command)."""
+
+    root: str
+    output: str
+    name: str
+    chdir: str
+
+    def output_directive(self, rest: str) -> str:
+        """`--output=<run folder>/<rest>` as one sbatch argument; `rest` is a pattern of ours (`%a`, `%j`)."""
+        return f"--output={sbatch_word(self.output + '/' + rest, 'the run folder')}"
+
+
+def _script_values(config: Config, run: RunFolder) -> _ScriptValues:
+    root = run.root.resolve()
+    return _ScriptValues(root=_line(root, "the run folder"), output=output_pattern(root, "the run folder"),
+                         name=checked_name(config.name, "config name", "cv submit slurm"),
+                         chdir=sbatch_word(Path.cwd().resolve(), "the working folder"))
+
+
+def check_paths(run_dir: RunFolder | Path) -> None:
+    """Refuse (DataError, one line) a run folder or working folder that the scripts' `#SBATCH` lines cannot
+    carry, before anything is written: for a caller that writes into the run folder before `submit_cv`."""
+    root = RunFolder.of(run_dir).root.resolve()
+    output_pattern(root, "the run folder")
+    sbatch_word(Path.cwd().resolve(), "the working folder")
 
 
 def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOptions) -> str:
     """The array job's script (see the module docstring)."""
     if options.grace <= 0:
         raise ConfigError(f"--grace {options.grace}: must be a positive number of seconds")
-    root, name, cwd = _script_values(config, run)
+    values = _script_values(config, run)
     gpus = options.gpus(config)
     nproc = f" --nproc {gpus}" if gpus > 1 else ""  # the fold under torchrun, one rank per GPU
     return "\n".join([
         "#!/bin/bash",
-        f"# brats-swap cross-validation of {root}: one array task per fold.",
+        f"# brats-swap cross-validation of {values.root}: one array task per fold.",
         "# Written by `brats-swap cv submit slurm`; edit freely, resubmit it with `sbatch <this file>`.",
-        f"#SBATCH --job-name=cv-{name}",
+        f"#SBATCH --job-name=cv-{values.name}",
         f"#SBATCH --array={','.join(str(k) for k in folds)}",
-        f"#SBATCH --output={root}/fold_%a/slurm-%A_%a.log",
+        f"#SBATCH {values.output_directive('fold_%a/slurm-%A_%a.log')}",
         "#SBATCH --open-mode=append",
         f"#SBATCH --signal=B:USR1@{options.grace}",
         "#SBATCH --requeue",
-        f"#SBATCH --chdir={cwd}",
+        f"#SBATCH --chdir={values.chdir}",
         *_directives(config, options),
         "",
         f"BRATS_SWAP=({brats_swap_command()})",
-        f"RUN={shlex.quote(str(root))}",
+        f"RUN={shell_word(values.root, 'the run folder', 'cv submit slurm')}",
         'fold="$SLURM_ARRAY_TASK_ID"',
         'echo "$(date -u +%FT%TZ) job $SLURM_JOB_ID (array $SLURM_ARRAY_JOB_ID, fold $fold) on $(hostname),'
         ' restart ${SLURM_RESTART_COUNT:-0}"',
@@ -198,16 +259,16 @@ def cv_script(config: Config, run: RunFolder, folds: list[int], options: SlurmOp
 
 def summary_script(config: Config, run: RunFolder, array_job: str, options: SlurmOptions) -> str:
     """The summary job's script: after every array task has ended, however it ended."""
-    root, name, cwd = _script_values(config, run)
+    values = _script_values(config, run)
     lines = [
         "#!/bin/bash",
-        f"# brats-swap cross-validation of {root}: the summary, after the folds' array job.",
+        f"# brats-swap cross-validation of {values.root}: the summary, after the folds' array job.",
         "# Written by `brats-swap cv submit slurm`; edit freely.",
-        f"#SBATCH --job-name=cv-{name}-summary",
+        f"#SBATCH --job-name=cv-{values.name}-summary",
         f"#SBATCH --dependency=afterany:{_line(array_job, 'the array job id')}",
-        f"#SBATCH --output={root}/{SLURM_FOLDER}/summary-%j.log",
+        f"#SBATCH {values.output_directive(f'{SLURM_FOLDER}/summary-%j.log')}",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --chdir={cwd}",
+        f"#SBATCH --chdir={values.chdir}",
         "# No GPU: the summary reads the folds' files.",
         f"#SBATCH --time={_line(options.summary_time or SUMMARY_TIME, '--summary-time')}",
     ]
@@ -218,7 +279,7 @@ def summary_script(config: Config, run: RunFolder, array_job: str, options: Slur
     lines += [
         "",
         f"BRATS_SWAP=({brats_swap_command()})",
-        f"RUN={shlex.quote(str(root))}",
+        f"RUN={shell_word(values.root, 'the run folder', 'cv submit slurm')}",
         '"${BRATS_SWAP[@]}" cv summary --config "$RUN/config.yaml" --run "$RUN"',
         "",
     ]
@@ -238,8 +299,9 @@ def submit_cv(config: Config, run_dir: RunFolder | Path, options: SlurmOptions, 
               ) -> SlurmSubmission:
     """Write `RUN/slurm/cv.sbatch` and `summary.sbatch` and submit them (not with `dry_run`).
 
-    The run's `config.yaml` must exist (the caller records it first: the jobs read it). Raises DataError
-    when there is nothing to train, or (one line) when `sbatch` is missing or refuses a script.
+    The run's `config.yaml` must exist (the caller records it first, after `check_paths`: the jobs read it).
+    Raises DataError (one line) when there is nothing to train, when a path cannot go into a script (before
+    anything is written), or when `sbatch` is missing or refuses a script.
     """
     run = RunFolder.of(run_dir)
     folds = unfinished_folds(config, run)
@@ -252,13 +314,16 @@ def submit_cv(config: Config, run_dir: RunFolder | Path, options: SlurmOptions, 
     if not dry_run and shutil.which("sbatch") is None:
         raise DataError("sbatch: not found on the PATH; run this on a SLURM login node (or use --dry-run to "
                         "write the scripts only)")
+    # Both scripts first: a value they cannot carry is refused here, before a folder or a script is written.
+    cv_text = cv_script(config, run, folds, options)
+    placeholder_summary = summary_script(config, run, ARRAY_PLACEHOLDER, options)
     folder.mkdir(parents=True, exist_ok=True)
     for k in folds:
         run.fold(k).root.mkdir(parents=True, exist_ok=True)  # SLURM opens the task's log there before it starts
-    atomic_write_text(submission.cv_script, cv_script(config, run, folds, options))
+    atomic_write_text(submission.cv_script, cv_text)
     os.chmod(submission.cv_script, 0o755)
     if dry_run:
-        atomic_write_text(submission.summary_script, summary_script(config, run, ARRAY_PLACEHOLDER, options))
+        atomic_write_text(submission.summary_script, placeholder_summary)
         return submission
     submission.array_job = _sbatch(submission.cv_script)
     atomic_write_text(submission.summary_script, summary_script(config, run, submission.array_job, options))
@@ -266,5 +331,5 @@ def submit_cv(config: Config, run_dir: RunFolder | Path, options: SlurmOptions, 
     return submission
 
 
-__all__ = ["SlurmOptions", "SlurmSubmission", "cv_script", "fold_resources", "submit_cv", "summary_script",
-           "unfinished_folds"]
+__all__ = ["SlurmOptions", "SlurmSubmission", "check_paths", "cv_script", "fold_resources", "output_pattern",
+           "sbatch_word", "submit_cv", "summary_script", "unfinished_folds"]

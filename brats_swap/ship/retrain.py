@@ -17,7 +17,13 @@ evaluation, the cv-tuned postprocessing) -> export the new bundle (`ship.bundle.
   recorded. Nothing is cut mid-way.
 - The run folder is `<output>/run` and its cache `<output>/cache`: a restart of the same command reads the
   recorded plan back (the card is not measured again, so the config is the same) and resumes each fold
-  exactly as `train --resume` does. SIGTERM stops at the next step with the checkpoint written.
+  exactly as `train --resume` does.
+- Stops (`_SignalsOutsideTraining`; exit 130 = `TrainingInterrupted`, the same command continues): SIGTERM or
+  SIGUSR1 (the organisers' runner, a scheduler) or Ctrl-C while a fold trains stops at the end of the running
+  step with the checkpoint written (the training loop's own handling); SIGTERM or SIGUSR1 before training (the
+  card measured, the data prepared) stops once that phase is done; once every fold is trained, model.zip is
+  finished first (a temporary file renamed onto it: the model already in the output stays whole until then)
+  and the call ends as done (exit 0). Ctrl-C outside training stops at once (exit 130); every write is atomic.
 - The plan is `<output>/run/training_plan.json` and goes into the bundle (`configs/training_plan.json`), with
   every fold's train.log and the run's figures.
 """
@@ -35,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from brats_swap.atomic import atomic_write_json
+from brats_swap import stop_signals
+from brats_swap.atomic import atomic_write_bytes, atomic_write_json, remove_stale_temp_files
 from brats_swap.config import Config, config_from_saved, config_to_dict
 from brats_swap.errors import ConfigError, DataError, TrainingInterrupted
 from brats_swap.memory.arena import available_host_bytes
@@ -44,6 +51,7 @@ from brats_swap.run.figures import pyplot, savefig_deterministic
 from brats_swap.run.fold_selection import ALL_CASES
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
 from brats_swap.ship.bundle import Bundle, export_bundle
+from brats_swap.stop_reasons import StopReason
 
 DEVICE_MEMORY_VARIABLE = "BRATS_SWAP_DEVICE_MEMORY"
 PLAN_FORMAT_VERSION = 1
@@ -310,20 +318,45 @@ def _fold_counts(config: Config, run: RunFolder, folds: list[int]) -> tuple[int,
     return len(train), len(val)
 
 
+class _SignalsOutsideTraining:
+    """SIGTERM and SIGUSR1 while no fold trains: noted (one line on stderr, saying what happens next), and acted on
+    by `retrain` where its phase ends. While `run_sequential` runs, its own handlers (and the training loop's,
+    at a step) take them instead; those of this object come back after it."""
+
+    def __init__(self) -> None:
+        self.reason: StopReason | None = None
+        self.then = "stopping before training, once the data is prepared; the same command continues"
+
+    def __call__(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        if self.reason is None:
+            self.reason = StopReason.from_signal(signum)
+            stop_signals.say(f"{self.reason}: {self.then}")
+
+
 def retrain(bundle: Bundle, data: Path, output: Path, *, time_budget_s: float | None = None, device: str = "auto",
             say: Callable[[str], None] = print, console=None) -> RetrainReport:
     """Train `bundle`'s recipe from scratch on `data` into `output` and export `output/model.zip` (module
-    docstring); a second call with the same arguments continues where the first stopped."""
+    docstring); a second call with the same arguments continues where the first stopped.
+
+    TrainingInterrupted (exit 130) when a signal stopped it first (module docstring, "Stops")."""
+    signals = _SignalsOutsideTraining()
+    with stop_signals.handled(stop_signals.SCHEDULER_SIGNALS, signals):
+        return _retrain(bundle, Path(data), Path(output), signals, time_budget_s=time_budget_s, device=device,
+                        say=say, console=console)
+
+
+def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideTraining, *,
+             time_budget_s: float | None, device: str, say: Callable[[str], None], console) -> RetrainReport:
     from brats_swap.cv.lock import shared_files
     from brats_swap.cv.runner import run_sequential
     from brats_swap.train.data import prepare_run_data
 
-    data, output = Path(data), Path(output)
     if not data.is_dir():
         raise DataError(f"{data}: training data folder not found")
     output.mkdir(parents=True, exist_ok=True)
     if not os.access(output, os.W_OK | os.X_OK):
         raise DataError(f"{output}: output folder is not writable by uid {os.getuid()}")
+    remove_stale_temp_files(output)  # a model.zip whose writer was killed (SIGKILL) before its rename
     run = RunFolder(output / RUN_FOLDER)
     run.root.mkdir(exist_ok=True)
     recipe = recipe_config(bundle, data, output)
@@ -344,14 +377,25 @@ def retrain(bundle: Bundle, data: Path, output: Path, *, time_budget_s: float | 
         say(line)
     config = planned_config(recipe, plan)
     selection = ALL_CASES if plan.folds == [ALL_CASES_FOLD] else ",".join(map(str, plan.folds))
-    outcome = run_sequential(config, run.root, selection, console=console)
+    if signals.reason is not None:  # the end of the phase before training: the plan and the data are kept
+        raise TrainingInterrupted(f"{output}: {signals.reason} before training started (the data is prepared, "
+                                  "the plan recorded); run the same command again to continue")
+    # run_sequential's handlers take the signals once it holds the run's lock (at once: nothing else runs in
+    # the output folder); one in the moment before is noted by `signals` only, and the folds train on.
+    try:
+        outcome = run_sequential(config, run.root, selection, console=console)
+    except TrainingInterrupted:  # Ctrl-C in a step: the loop saved it; its hint (`train --resume`) is not ours
+        raise TrainingInterrupted(f"{output}: Ctrl-C during training, the state saved at the end of the step "
+                                  f"(see {RUN_FOLDER}/fold_*/train.log); run the same command again to "
+                                  "continue") from None
     if not outcome.complete:
         raise TrainingInterrupted(f"{output}: {outcome.describe()}; run the same command again to continue")
+    signals.then = f"every fold is trained; finishing {BUNDLE_FILE} first, then done"
     fold_curves(run, plan.folds)
     if not run.postprocessing.is_file() and bundle.postprocessing() is not None:
         from brats_swap.ship.bundle import POSTPROCESSING
 
-        run.postprocessing.write_bytes(bundle.members[POSTPROCESSING])
+        atomic_write_bytes(run.postprocessing, bundle.members[POSTPROCESSING])  # a rerun trusts a file there
         say(f"{run.postprocessing}: the bundle's postprocessing rule (not tuned again: "
             f"{'no fold validates' if plan.folds == [ALL_CASES_FOLD] else 'not every fold was trained'})")
     checkpoint = "latest" if plan.folds == [ALL_CASES_FOLD] else bundle.checkpoint

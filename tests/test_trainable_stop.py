@@ -1,0 +1,145 @@
+"""`train-challenge` stopped by the organisers' runner or a scheduler (SIGTERM) or by Ctrl-C (SIGINT), for real:
+a `python -m brats_swap train-challenge` subprocess on a tiny GoAT phantom sends itself the signal at a chosen
+moment (tests/signal_hook.py). During training it stops at the end of the running step with the checkpoint
+written and exits 130 with one line; the model already in the output folder is untouched and no temporary file
+is left; the same command then resumes inside the epoch and ends with the uninterrupted run's weights
+(`torch.equal`). A SIGTERM before training (the data being prepared) stops at the end of that phase, a Ctrl-C
+there at once, both exit 130, and the same command then trains (and removes a killed export's temporary file);
+a SIGTERM while the new model.zip is written lets the write finish (temp file + rename) and exits 0."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from trainable_helpers import goat_training_data, recipe_bundle
+
+from brats_swap.atomic import TEMP_SUFFIX
+from brats_swap.errors import EXIT_INTERRUPTED
+from brats_swap.ship.bundle import open_bundle
+from brats_swap.ship.retrain import BUNDLE_FILE, DEVICE_MEMORY_VARIABLE, retrain
+
+HOOK = Path(__file__).with_name("signal_hook.py")
+EPOCHS = 2  # of 2 steps (trainable_helpers.RECIPE): step 3 is the first step of epoch 2
+TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def card():
+    # One simulated card for every run here (a CPU's free memory varies, and with it the plan).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DEVICE_MEMORY_VARIABLE, "8")
+        yield
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("goat-stop") / "data"
+    goat_training_data(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    return recipe_bundle(tmp_path_factory.mktemp("goat-stop-recipe"), "goat-stop", [0], epochs=EPOCHS)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(card, data, bundle, tmp_path_factory) -> dict:
+    """The weights of the recipe retrained straight through, in this process."""
+    report = retrain(open_bundle(bundle), data, tmp_path_factory.mktemp("whole") / "out", device="cpu",
+                     say=lambda line: None)
+    return open_bundle(report.bundle).state_dict(0)
+
+
+def train_challenge(bundle: Path, data: Path, output: Path, signal_at: str | None = None
+                    ) -> subprocess.CompletedProcess:
+    """`brats-swap train-challenge` in a subprocess; with `signal_at`, through the hook (BRATS_SIGNAL_AT)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = [sys.executable, "-m", "brats_swap"]
+    if signal_at is not None:
+        env["BRATS_SIGNAL_AT"] = signal_at
+        start = [sys.executable, str(HOOK)]
+    return subprocess.run([*start, "train-challenge", "--model", str(bundle), "--data", str(data), "--output",
+                           str(output), "--device", "cpu"], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+def error_lines(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
+
+
+def temp_files(output: Path) -> list[Path]:
+    return [p for p in output.rglob("*") if p.name.endswith(TEMP_SUFFIX)]
+
+
+def same_weights(ours: dict, theirs: dict) -> bool:
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_during_training_saves_the_step_exits_130_keeps_the_model_and_the_rerun_ends_bitwise(
+        card, data, bundle, uninterrupted, tmp_path, signum):
+    output = tmp_path / "out"
+    output.mkdir()
+    earlier = output / BUNDLE_FILE  # a model already in the output folder (an earlier submission's)
+    shutil.copyfile(bundle, earlier)
+    before = earlier.read_bytes()
+    stopped = train_challenge(bundle, data, output, f"{signum.name}:step:3")
+    assert stopped.returncode == EXIT_INTERRUPTED, stopped.stdout + stopped.stderr
+    assert f"{signum.name}: finishing this step and saving checkpoint_latest.pt" in stopped.stderr
+    errors = error_lines(stopped)
+    assert len(errors) == 1 and "run the same command again to continue" in errors[0], stopped.stderr
+    assert "--resume" not in errors[0]  # not an option of train-challenge
+    log = (output / "run" / "fold_0" / "train.log").read_text()
+    assert f"{signum.name} at epoch 2 step 1; state saved" in log  # the step that got the signal, finished
+    assert earlier.read_bytes() == before and temp_files(output) == []
+
+    resumed = train_challenge(bundle, data, output)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "continuing with the recorded plan" in resumed.stdout
+    assert "resume fold 0 at epoch 2 step 1" in (output / "run" / "fold_0" / "train.log").read_text()
+    assert same_weights(open_bundle(earlier).state_dict(0), uninterrupted)
+    assert temp_files(output) == []
+
+
+@pytest.mark.parametrize(("signum", "said"), [
+    (signal.SIGTERM, "SIGTERM before training started (the data is prepared, the plan recorded); run the same "
+                     "command again to continue"),
+    (signal.SIGINT, "interrupted"),  # Ctrl-C outside training: at once (every write there is atomic)
+], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_the_data_is_prepared_ends_before_training_with_130_and_the_rerun_trains(
+        card, data, bundle, uninterrupted, tmp_path, signum, said):
+    output = tmp_path / "out"
+    stopped = train_challenge(bundle, data, output, f"{signum.name}:call:brats_swap.train.data.prepare_run_data")
+    assert stopped.returncode == EXIT_INTERRUPTED, stopped.stdout + stopped.stderr
+    errors = error_lines(stopped)
+    assert len(errors) == 1 and errors[0].endswith(said), stopped.stderr
+    assert not (output / "run" / "fold_0").exists()  # stopped before training
+    assert not (output / BUNDLE_FILE).exists() and temp_files(output) == []
+
+    # What a SIGKILL during an earlier export would have left (atomic_path's name, a writer that is gone).
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    stale = output / f".{BUNDLE_FILE}.{int(gone.stdout)}.x1y2z3{TEMP_SUFFIX}"
+    stale.write_bytes(b"half a zip")
+    resumed = train_challenge(bundle, data, output)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert same_weights(open_bundle(output / BUNDLE_FILE).state_dict(0), uninterrupted)
+    assert temp_files(output) == []
+
+
+def test_sigterm_while_model_zip_is_written_lets_the_write_finish_and_exits_0(card, data, bundle, uninterrupted,
+                                                                             tmp_path):
+    output = tmp_path / "out"
+    done = train_challenge(bundle, data, output, f"SIGTERM:replace:{BUNDLE_FILE}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SIGTERM" in done.stderr + done.stdout
+    assert same_weights(open_bundle(output / BUNDLE_FILE).state_dict(0), uninterrupted)
+    assert temp_files(output) == []
