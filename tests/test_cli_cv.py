@@ -89,6 +89,17 @@ def test_submit_and_its_old_spelling_write_the_same_scripts_in_the_new_words(fak
     assert other.exit_code == 2 and "the only scheduler is 'slurm'" in other.output
 
 
+def test_submit_refuses_a_run_folder_sbatch_cannot_carry_before_writing_its_config(tmp_path, monkeypatch):
+    """A backslash cannot be written in a SLURM --output path: refused in one line (exit 1) before the run
+    folder or its config.yaml exist."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    bad = tmp_path / "bad\\run"
+    result = _invoke("submit", "slurm", "--run", str(bad), "--set", f"data.cache={tmp_path / 'cache'}", "--dry-run")
+    assert result.exit_code == 1, result.output
+    assert "backslash" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not bad.exists()
+
+
 def test_usage_errors_of_the_subcommands_are_one_line(run):
     both = _invoke("run", "--run", str(run), "--nproc", "2", "--parallel-folds", "2")
     assert both.exit_code == 2 and both.output.strip().splitlines() == [

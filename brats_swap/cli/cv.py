@@ -342,12 +342,13 @@ def _submit(scheduler: str, config, set_, run, options, dry_run: bool) -> None:
     """`cv submit slurm`: record the run's config (the jobs read it), write the scripts, submit them."""
     from brats_swap.atomic import atomic_write_text
     from brats_swap.config import config_to_yaml
-    from brats_swap.cv.slurm import ARRAY_PLACEHOLDER, submit_cv
+    from brats_swap.cv.slurm import ARRAY_PLACEHOLDER, check_paths, submit_cv
 
     config, run_dir = _run_and_config(config, set_, run)
     if scheduler != "slurm":
         raise ConfigError(f"cv submit {scheduler!r}: the only scheduler is 'slurm'")
     run = RunFolder(run_dir)
+    check_paths(run)  # a folder the #SBATCH lines cannot carry is refused before anything is written
     if not run.config.is_file():
         run.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run.config, config_to_yaml(config))
