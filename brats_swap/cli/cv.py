@@ -15,7 +15,7 @@ Exit codes: 0 = the run is consistent (complete, or stopped by --max-hours at an
 SIGTERM/SIGUSR1 at a step, and continued by the next invocation); 75 = another process holds the fold (or the
 whole run folder), nothing changed;
 1 / 2 = bad data / bad config or options that cannot go together, e.g. --status with --submit (one line on
-stderr).
+stderr); 130 = Ctrl-C, the state saved at the end of the step (the same command continues).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from brats_swap.cli.common import (
     handle_errors,
     resolve_config,
 )
-from brats_swap.errors import ConfigError
+from brats_swap.errors import ConfigError, TrainingInterrupted
 from brats_swap.run.console import line_console, warn
 from brats_swap.run.fold_selection import compare_fold_selection, parse_fold_selection
 from brats_swap.run.folder import RunFolder
@@ -283,8 +283,11 @@ def _train(config, set_, run, folds, max_hours, parallel_folds: int, nproc: int 
 
         prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
         raise typer.Exit(launch_torchrun(nproc, argv))
-    outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
-                     parallel_folds=parallel_folds, console=line_console)
+    try:
+        outcome = run_cv(resolved, run_dir, folds=parse_fold_selection(folds), max_hours=max_hours,
+                         parallel_folds=parallel_folds, console=line_console)
+    except TrainingInterrupted as exc:  # Ctrl-C in a step, the state saved at its end
+        raise TrainingInterrupted(f"{exc}; run the same command again to continue") from None
     _report(outcome, run_dir)
 
 

@@ -80,7 +80,10 @@ def train(
     with _fold_lock_of_this_rank(run_dir, fold_k):  # a second train/cv of this fold exits 75 at once
         if _first_process():  # under torchrun the other ranks wait for rank 0 in the process group's set-up
             prepare_run_data(resolved.data)
-        result = train_fold(resolved, run_dir, fold_k, resume=resume)
+        try:
+            result = train_fold(resolved, run_dir, fold_k, resume=resume)
+        except TrainingInterrupted as exc:  # Ctrl-C in a step, the state saved at its end
+            raise TrainingInterrupted(f"{exc}; continue with --resume") from None
     if is_main_process():  # under torchrun every rank runs this command; one summary is enough
         console.print(summary_panel(result, resolved))
     if result.stop_reason is not None:  # a scheduler's SIGTERM/SIGUSR1: a planned stop, state saved (exit 0)

@@ -384,7 +384,7 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
     # the output folder); one in the moment before is noted by `signals` only, and the folds train on.
     try:
         outcome = run_sequential(config, run.root, selection, console=console)
-    except TrainingInterrupted:  # Ctrl-C in a step: the loop saved it; its hint (`train --resume`) is not ours
+    except TrainingInterrupted:  # Ctrl-C in a step: the loop saved it; say where and how to continue
         raise TrainingInterrupted(f"{output}: Ctrl-C during training, the state saved at the end of the step "
                                   f"(see {RUN_FOLDER}/fold_*/train.log); run the same command again to "
                                   "continue") from None

@@ -680,8 +680,9 @@ class FoldRecipe:
         self.stop_reason = self.signals.requested or "a signal on another rank"
         self.log.line(f"{self.stop_reason} {where}; state saved")
         if agreed == StopSignals.INTERRUPT:
+            # No "how to continue" here: it depends on the command (`train --resume`, `cv run` again).
             raise TrainingInterrupted(f"{self.folder.root}: {self.stop_reason} {where}; state saved to "
-                                      f"{self.folder.latest.name}, continue with --resume")
+                                      f"{self.folder.latest.name}")
         raise _StopAtStep
 
     def save_latest(self) -> None:

@@ -199,6 +199,26 @@ def test_ctrl_c_mid_epoch_saves_exits_130_and_resumes_exactly(prepared_cache, tr
     assert _losses(run) == pytest.approx(_losses(trained_run), rel=1e-5)
 
 
+def test_ctrl_c_under_cv_run_says_to_rerun_the_same_command(prepared_cache, phantom_root, tmp_path, monkeypatch):
+    import os
+
+    from failure_helpers import loss_with_fault
+
+    from brats_swap.train import loop
+
+    def ctrl_c(loss, probs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return loss
+
+    monkeypatch.setattr(loop, "weighted_dice_loss", loss_with_fault(ctrl_c, at_step=1))
+    run = tmp_path / "run"
+    args = ["cv", "run", "--run", run, *set_args(prepared_cache, "train.max_epochs=1", f"data.root={phantom_root}")]
+    result = invoke(*args)
+    error_line(result, 130, "SIGINT at epoch 1 step 1", "run the same command again")
+    assert "--resume" not in result.output  # that is train's spelling; cv resumes by itself
+    assert (run / "fold_0" / LATEST).exists()
+
+
 def test_a_second_train_on_a_locked_run_exits_75(prepared_cache, tmp_path):
     from brats_swap.cv.lock import run_lock
 
