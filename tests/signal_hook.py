@@ -1,13 +1,16 @@
 """`python signal_hook.py ARGS` = `python -m brats_swap ARGS`, sending itself a real signal at a chosen moment.
 
-BRATS_SIGNAL_AT="SIGNAL:WHERE", SIGNAL one of SIGTERM, SIGINT, SIGUSR1, and WHERE one of:
+BRATS_SIGNAL_AT="SIGNAL:WHERE", SIGNAL a signal's name (SIGTERM, SIGINT, SIGUSR1, SIGKILL...), and WHERE one of:
 - `step:N`: during the N-th training step (counted over the process), in its loss: the step then runs to its end;
 - `call:MODULE.FUNCTION`: as the first call of that module-level function starts (the module's attribute is
   replaced before brats_swap runs, so every `from MODULE import FUNCTION` made afterwards gets the hook);
-- `replace:NAME`: just before the first `os.replace` onto a file called NAME: an atomic write's temporary file
-  is complete and not yet renamed.
+- `replace:NAME[:N[:before|after]]`: just before (or just after) the N-th (default first) `os.replace` onto a
+  file called NAME. Every atomic write and the checkpoint rotation end in one, so this reaches the worst
+  moments: a temporary file complete and not yet renamed, or checkpoint_latest.pt already rotated to
+  checkpoint_prev.pt and the new one not yet in place.
 The signal goes through the kernel (os.kill of this process), so whatever handler is installed then decides,
-as with a signal from outside, but at a moment a test can name (tests/test_trainable_stop.py).
+as with a signal from outside, but at a moment a test can name (tests/test_trainable_stop.py; SIGKILL at a
+replace: tests/test_failures/failure_helpers.py `run_cli_subprocess`).
 """
 
 from __future__ import annotations
@@ -59,12 +62,22 @@ elif where == "call":
 
     setattr(module, function_name, function_with_signal)
 elif where == "replace":
-    real_replace = os.replace
+    name, occurrence, when = (what.split(":") + ["1", "before"])[:3]
+    if when not in ("before", "after"):
+        raise SystemExit(f"BRATS_SIGNAL_AT: {when!r} is neither before nor after")
+    real_replace, replaces = os.replace, []
 
     def replace_with_signal(src, dst, *args, **kwargs):
-        if os.path.basename(os.fspath(dst)) == what:
+        ours = os.path.basename(os.fspath(dst)) == name
+        if ours:
+            replaces.append(1)
+        at_it = ours and len(replaces) == int(occurrence)
+        if at_it and when == "before":
             send()
-        return real_replace(src, dst, *args, **kwargs)
+        result = real_replace(src, dst, *args, **kwargs)
+        if at_it and when == "after":
+            send()
+        return result
 
     os.replace = replace_with_signal
 else:

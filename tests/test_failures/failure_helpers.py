@@ -209,7 +209,7 @@ DAMAGES = {
 # --------------------------------------------------------------------------------------------------
 # Training runs: in-process, or in a subprocess that can be killed.
 
-KILL_HOOK = Path(__file__).with_name("kill_hook.py")
+SIGNAL_HOOK = Path(__file__).parents[1] / "signal_hook.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -226,11 +226,11 @@ def set_args(cache: Path, *extra: str) -> list[str]:
 
 def run_cli_subprocess(args: list, *, kill_at: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m brats_swap ARGS` in a fresh process; with `kill_at` ("file:occurrence:before|after") the
-    process SIGKILLs itself at that os.replace (see kill_hook.py)."""
+    process SIGKILLs itself at that os.replace (tests/signal_hook.py's `replace` moment)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     if kill_at is not None:
-        env["BRATS_KILL_AT"] = kill_at
-        command = [sys.executable, str(KILL_HOOK), *map(str, args)]
+        env["BRATS_SIGNAL_AT"] = f"SIGKILL:replace:{kill_at}"
+        command = [sys.executable, str(SIGNAL_HOOK), *map(str, args)]
     else:
         command = [sys.executable, "-m", "brats_swap", *map(str, args)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
