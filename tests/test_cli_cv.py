@@ -100,6 +100,18 @@ def test_submit_refuses_a_run_folder_sbatch_cannot_carry_before_writing_its_conf
     assert not bad.exists()
 
 
+def test_submit_dry_run_prints_the_sbatch_command_quoted_for_a_shell(tmp_path, monkeypatch):
+    import shlex
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    run = tmp_path / "my run's folder"
+    result = _invoke("submit", "slurm", "--run", str(run), "--set", f"data.cache={tmp_path / 'cache'}", "--dry-run")
+    assert result.exit_code == 0, result.output
+    hint = next(line for line in result.output.splitlines() if line.startswith("--dry-run:"))
+    command = hint.split("to submit: ", 1)[1].split(", then", 1)[0]
+    assert shlex.split(command) == ["sbatch", str(run / "slurm" / "cv.sbatch")]
+
+
 def test_usage_errors_of_the_subcommands_are_one_line(run):
     both = _invoke("run", "--run", str(run), "--nproc", "2", "--parallel-folds", "2")
     assert both.exit_code == 2 and both.output.strip().splitlines() == [

@@ -20,6 +20,7 @@ stderr); 130 = Ctrl-C, the state saved at the end of the step (the same command 
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -359,13 +360,15 @@ def _submit(scheduler: str, config, set_, run, options, dry_run: bool) -> None:
     if dry_run:
         for script in (submission.cv_script, submission.summary_script):
             _say(f"# {script}\n{script.read_text(encoding='utf-8')}")
-        _say(f"--dry-run: nothing submitted; to submit: sbatch {submission.cv_script}, then put its job id in place of "
-             f"{ARRAY_PLACEHOLDER} in {submission.summary_script} and sbatch that")
+        # Commands to paste into a shell: their paths quoted (a run folder may hold a space or a quote).
+        _say(f"--dry-run: nothing submitted; to submit: sbatch {shlex.quote(str(submission.cv_script))}, then put "
+             f"its job id in place of {ARRAY_PLACEHOLDER} in {shlex.quote(str(submission.summary_script))} and "
+             "sbatch that")
         return
     _say(f"submitted folds {', '.join(map(str, submission.folds))} as array job {submission.array_job} "
          f"({submission.cv_script}) and the summary as job {submission.summary_job} ({submission.summary_script})")
     _say(f"follow them with: squeue -j {submission.array_job},{submission.summary_job}   or   "
-         f"brats-swap cv status --run {run_dir}")
+         f"brats-swap cv status --run {shlex.quote(str(run_dir))}")
 
 
 @handle_errors
