@@ -110,6 +110,18 @@ def default_run_dir(config: Config, run: Path | None) -> Path:
     return run if run is not None else RunFolder.default_for(config.name).root
 
 
+def run_and_config(config: Path | None, overrides: list[str] | None, run: Path | None,
+                   say: Callable[[str], None]) -> tuple[Config, Path]:
+    """The config and run folder of a command that writes into a run (`train`, `cv`, `evaluate --run`): `--run`
+    or runs/<config name>. An existing run's config.yaml is the base without `--config`, and what the call
+    changes is recorded there (and said) or refused: one rule, brats_swap/cv/run_config.py."""
+    from brats_swap.cv.run_config import run_config
+
+    if run is None:
+        run = default_run_dir(resolve_config(config, overrides), None)
+    return run_config(run, config, overrides, say=say, load=resolve_config), run
+
+
 def fail(message: str, exit_code: int) -> typer.Exit:
     # The message is plain text: escape it, or rich would swallow e.g. "[low, high]" as a markup tag.
     err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True)
