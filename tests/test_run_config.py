@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from cv_helpers import install_fake_training
+from cv_helpers import fake_train_command, install_fake_training
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -81,25 +81,6 @@ def test_submit_dry_run_writes_plain_scripts_and_without_sbatch_is_one_line(fake
         assert line in script, line
     assert "#SBATCH --dependency=afterany:ARRAY_JOB_ID" in (run / "slurm" / "summary.sbatch").read_text()
     assert "nothing submitted" in result.output and fake.calls == []
-
-
-def fake_train_command(monkeypatch) -> list:
-    """`brats-swap train`'s preparation and training replaced: the configs it would train, in order."""
-    from types import SimpleNamespace
-
-    from brats_swap.train import data as train_data
-    from brats_swap.train import loop, summary
-
-    trained: list = []
-
-    def train_fold(config, run_dir, fold, resume=False):
-        trained.append((config, fold, resume))
-        return SimpleNamespace(stop_reason=None, interrupted=False)
-
-    monkeypatch.setattr(train_data, "prepare_run_data", lambda data_cfg, **_: None)
-    monkeypatch.setattr(loop, "train_fold", train_fold)
-    monkeypatch.setattr(summary, "summary_panel", lambda result, config: "")
-    return trained
 
 
 def test_train_on_an_existing_run_records_a_set_or_refuses_it_with_or_without_resume(monkeypatch, tmp_path):
