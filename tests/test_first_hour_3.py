@@ -44,3 +44,21 @@ def test_stopping_says_timeout_exits_124_and_how_to_keep_the_exit_code():
                           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(30)"]
     assert subprocess.run(["timeout", "1", *exits_0_on_sigterm]).returncode == 124
     assert subprocess.run(["timeout", "--preserve-status", "1", *exits_0_on_sigterm]).returncode == 0
+
+
+def test_the_summary_peak_is_the_largest_epoch_line_peak(tmp_path_factory, tmp_path, monkeypatch):
+    """issue 44.7: `peak 2.45 GiB` on the epoch line and `peak memory 7.24 GiB` in the summary of the same
+    one-epoch run: the summary measured again after the checkpoints were written. A peak that grows at every
+    reading shows which readings are taken."""
+    from itertools import count
+
+    from train_helpers import SMALL, small_dataset, tiny_config
+
+    from brats_swap.train import loop
+    from brats_swap.train.loop import train_fold
+
+    readings = count(1)
+    monkeypatch.setattr(loop, "peak_memory_bytes", lambda device: next(readings) * 2**20)
+    result = train_fold(tiny_config(*small_dataset(tmp_path_factory), *SMALL), tmp_path / "run", 0, progress=False)
+    assert result.epochs_completed == 1
+    assert result.peak_memory_bytes == max(record["peak_memory_gib"] for record in result.history) * 2**30

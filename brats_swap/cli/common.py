@@ -23,6 +23,7 @@ from brats_swap.errors import (
     EXIT_INTERRUPTED,
     EXIT_OUT_OF_MEMORY,
     BratsSwapError,
+    PlannedStop,
     user_message,
 )
 from brats_swap.run.console import console as stderr_console
@@ -135,6 +136,9 @@ def handle_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except PlannedStop as exc:  # documented and asked for: said as what it is, with its exit code
+            err_console.print(f"[bold yellow]stopped:[/] {escape(_one_line(user_message(exc)))}", markup=True)
+            raise typer.Exit(exc.exit_code) from None
         except BratsSwapError as exc:
             if DEBUG["enabled"]:
                 traceback.print_exc(file=sys.stderr)

@@ -18,9 +18,9 @@ evaluation, the cv-tuned postprocessing) -> export the new bundle (`ship.bundle.
 - The run folder is `<output>/run` and its cache `<output>/cache`: a restart of the same command reads the
   recorded plan back (the card is not measured again, so the config is the same) and resumes each fold
   exactly as `train --resume` does.
-- Stops (`_SignalsOutsideTraining`; exit 130 = `TrainingInterrupted`, the same command continues): SIGTERM or
-  SIGUSR1 (the organisers' runner, a scheduler) or Ctrl-C while a fold trains stops at the end of the running
-  step with the checkpoint written (the training loop's own handling); SIGTERM or SIGUSR1 before training (the
+- Stops (`_SignalsOutsideTraining`; exit 130, the same command continues; SIGTERM's and SIGUSR1's line is
+  `stopped: ...` (`PlannedStop`), Ctrl-C's `error: ...`): SIGTERM or SIGUSR1 (the organisers' runner, a
+  scheduler) or Ctrl-C while a fold trains stops at the end of the running step with the checkpoint written (the training loop's own handling); SIGTERM or SIGUSR1 before training (the
   card measured, the data prepared) stops once that phase is done; once every fold is trained, model.zip is
   finished first (a temporary file renamed onto it: the model already in the output stays whole until then)
   and the call ends as done (exit 0). Ctrl-C outside training stops at once (exit 130); every write is atomic.
@@ -44,7 +44,7 @@ import torch
 from brats_swap import stop_signals
 from brats_swap.atomic import atomic_write_bytes, atomic_write_json, remove_stale_temp_files
 from brats_swap.config import Config, config_from_saved, config_to_dict
-from brats_swap.errors import ConfigError, DataError, TrainingInterrupted
+from brats_swap.errors import ConfigError, DataError, PlannedStop, TrainingInterrupted
 from brats_swap.memory.arena import available_host_bytes
 from brats_swap.memory.planner import GIB
 from brats_swap.run.figures import pyplot, savefig_deterministic
@@ -378,7 +378,7 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
     config = planned_config(recipe, plan)
     selection = ALL_CASES if plan.folds == [ALL_CASES_FOLD] else ",".join(map(str, plan.folds))
     if signals.reason is not None:  # the end of the phase before training: the plan and the data are kept
-        raise TrainingInterrupted(f"{output}: {signals.reason} before training started (the data is prepared, "
+        raise PlannedStop(f"{output}: {signals.reason} before training started (the data is prepared, "
                                   "the plan recorded); run the same command again to continue")
     # run_sequential's handlers take the signals once it holds the run's lock (at once: nothing else runs in
     # the output folder); one in the moment before is noted by `signals` only, and the folds train on.
@@ -389,7 +389,7 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
                                   f"(see {RUN_FOLDER}/fold_*/train.log); run the same command again to "
                                   "continue") from None
     if not outcome.complete:
-        raise TrainingInterrupted(f"{output}: {outcome.describe()}; run the same command again to continue")
+        raise PlannedStop(f"{output}: {outcome.describe()}; run the same command again to continue")
     signals.then = f"every fold is trained; finishing {BUNDLE_FILE} first, then done"
     fold_curves(run, plan.folds)
     if not run.postprocessing.is_file() and bundle.postprocessing() is not None:

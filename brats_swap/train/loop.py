@@ -622,8 +622,7 @@ class FoldRecipe:
         """Close the epoch: bookkeeping, logs, checkpoints; a Ctrl-C/SIGTERM during it stops training here."""
         loop, train_cfg = self.loop, self.config.train
         epoch_seconds = loop.epoch_elapsed + record.get("val_seconds", 0.0)
-        peak = int(all_reduce_max(peak_memory_bytes(self.device), self.ctx))  # the largest rank's
-        loop.peak_memory_bytes = max(loop.peak_memory_bytes, peak)
+        peak = self._take_peak()
         record.update(epoch_s=epoch_seconds, peak_memory_gib=peak / 2**30)
         loop.history.append(record)
         loop.epoch += 1
@@ -645,10 +644,9 @@ class FoldRecipe:
             self._leave_on_signal(self.signals.agreed(self.ctx), f"after epoch {loop.epoch}")
 
     def finish(self) -> TrainResult:
-        """The fold's result, with this call's timings and whether a stop request ended it."""
-        # Also the steps of an epoch a stop cut short (`end_epoch` records the peak of whole epochs only).
-        peak = int(all_reduce_max(peak_memory_bytes(self.device), self.ctx))
-        self.loop.peak_memory_bytes = max(self.loop.peak_memory_bytes, peak)
+        """The fold's result, with this call's timings and whether a stop request ended it. Its peak is the
+        largest the epoch lines said, or the steps of an epoch a stop cut short (`_stop_within_epoch`): not
+        measured here, where a CPU's resident set also holds the checkpoints just written."""
         return self.loop.to_result(self.folder.fold, self.folder.root, interrupted=self.interrupted,
                                    stop_reason=self.stop_reason, train_seconds=self.train_seconds,
                                    epoch_seconds=self.epoch_seconds, device=str(self.device))
@@ -669,8 +667,16 @@ class FoldRecipe:
             return  # the epoch is complete: `end_epoch` saves and stops
         agreed = self.signals.agreed(self.ctx)  # every rank stops at the same step
         if agreed != StopSignals.NONE:
+            self._take_peak()  # the steps of this epoch, which no epoch line reports
             self.save_latest()  # resume continues with the next step of this epoch
             self._leave_on_signal(agreed, f"at epoch {self.loop.epoch + 1} step {self.loop.step_in_epoch}")
+
+    def _take_peak(self) -> int:
+        """The peak of the steps so far (the largest rank's), also kept as the fold's; taken where steps end, at
+        an epoch's end or a stop inside one, so the epoch lines and the summary report the same number."""
+        peak = int(all_reduce_max(peak_memory_bytes(self.device), self.ctx))
+        self.loop.peak_memory_bytes = max(self.loop.peak_memory_bytes, peak)
+        return peak
 
     def _leave_on_signal(self, agreed: int, where: str) -> None:
         """Leave training when some rank got a signal (the state is saved): Ctrl-C raises, SIGTERM/SIGUSR1
