@@ -35,9 +35,14 @@ class ProgressLines:
     """
 
     def __init__(self, description: str, total: int, *, console: Console | None, every_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] | None = None,
+                 scope: str = "", rest: tuple[str, int, float] | None = None) -> None:
+        """`scope` names what "left" counts ("this epoch"); `rest` = (name, steps, seconds) of the work after
+        this bar's (the run's later epochs: their steps, at this bar's pace, plus their other known seconds),
+        said as a second estimate ("about 0:40:00 in the run")."""
         self.description, self.total, self.console, self.every_s, self._clock = (
             description, total, console, every_s, clock)
+        self.scope, self.rest = scope, rest
         self.log = log  # also written here (train.log: `tail -f` shows the epoch moving); None: console only
         self._started = clock()
         self._last_line: float | None = None
@@ -53,9 +58,14 @@ class ProgressLines:
         self._last_line = now
         elapsed = now - self._started
         done_here = completed - self._first_done
-        remaining = elapsed / done_here * (self.total - completed)
+        per_step = elapsed / done_here
+        remaining = per_step * (self.total - completed)
         line = (f"{self.description} step {completed}/{self.total}, {_clock_time(elapsed)} elapsed, "
-                f"about {_clock_time(remaining)} left" + (f"  {info}" if info else ""))
+                f"about {_clock_time(remaining)} left" + (f" in {self.scope}" if self.scope else ""))
+        if self.rest is not None:
+            name, steps, seconds = self.rest
+            line += f", about {_clock_time(remaining + per_step * steps + seconds)} in {name}"
+        line += f"  {info}" if info else ""
         if self.console is not None:
             self.console.print(line)  # the consoles of run/console.py print plain, unwrapped lines
         if self.log is not None:

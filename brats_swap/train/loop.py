@@ -525,7 +525,7 @@ class FoldRecipe:
         # The minute lines go to train.log always (a cluster's `tail -f`), to stderr when no bar is drawn there.
         lines = ProgressLines(f"epoch {loop.epoch + 1}/{train_cfg.max_epochs}", self.data.steps_per_epoch,
                               console=console if self.show_progress and not console.is_terminal else None,
-                              log=self.log.line)
+                              log=self.log.line, scope="this epoch", rest=self._rest_of_the_run())
         with progress:
             task = progress.add_task("train", total=self.data.steps_per_epoch, completed=loop.step_in_epoch, info="")
             last_step_end = time.perf_counter()
@@ -594,6 +594,14 @@ class FoldRecipe:
             raise out_of_memory_error(self.device, self.config, where, self.memory_cfg,
                                       out_channels=self.out_channels) from None
         return loss_value
+
+    def _rest_of_the_run(self) -> tuple[str, int, float]:
+        """What the progress lines add for the run's time left: the later epochs' steps, and this epoch's and
+        the later ones' validations at the mean time of those so far (none timed yet: not counted)."""
+        epoch, last = self.loop.epoch + 1, self.config.train.max_epochs
+        timed = [record["val_seconds"] for record in self.loop.history if "val_seconds" in record]
+        validations = sum(1 for e in range(epoch, last + 1) if e % self.config.train.val_every == 0 or e == last)
+        return "the run", (last - epoch) * self.data.steps_per_epoch, validations * float(np.mean(timed or [0.0]))
 
     def _validation_due(self) -> bool:
         epoch = self.loop.epoch + 1
