@@ -62,3 +62,20 @@ def test_the_summary_peak_is_the_largest_epoch_line_peak(tmp_path_factory, tmp_p
     result = train_fold(tiny_config(*small_dataset(tmp_path_factory), *SMALL), tmp_path / "run", 0, progress=False)
     assert result.epochs_completed == 1
     assert result.peak_memory_bytes == max(record["peak_memory_gib"] for record in result.history) * 2**30
+
+
+def test_a_resume_says_where_it_resumes_on_screen(tmp_path_factory, tmp_path, capsys):
+    """issue 44.7: `train --resume` printed nothing about where it continued."""
+    import dataclasses
+
+    from train_helpers import SMALL, small_dataset, tiny_config
+
+    from brats_swap.train.loop import train_fold
+
+    config = tiny_config(*small_dataset(tmp_path_factory), *SMALL)
+    train_fold(config, tmp_path / "run", 0, progress=True)
+    assert "resuming" not in capsys.readouterr().err
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, max_epochs=2))
+    train_fold(longer, tmp_path / "run", 0, resume=True, progress=True)
+    assert f"{tmp_path / 'run' / 'fold_0'}: resuming fold 0 at epoch 2 step 0 of 2 epoch(s)" in \
+        one_line(capsys.readouterr().err)

@@ -425,6 +425,9 @@ class FoldRecipe:
                             purge_step=self.loop.epoch + 1 if state is not None else None,
                             train_loss=self.config.train.loss)
         self.log.line(self._start_line(resumed=state is not None))
+        if state is not None and self.show_progress:  # on screen too (train.log has the start line)
+            console.print(f"{self.folder.root}: resuming fold {self.folder.fold} at epoch {self.loop.epoch + 1} "
+                          f"step {self.loop.step_in_epoch} of {self.config.train.max_epochs} epoch(s)")
 
     def _prepare_run_folder(self) -> tuple[list[str], list[str]]:
         """Rank 0 writes config.yaml (once), env.json and the fold folder; the splits; the data's edition."""
