@@ -33,6 +33,7 @@ from brats_swap.cli.common import (
     FoldsOption,
     RunOption,
     SetOption,
+    console,
     handle_errors,
     resolve_config,
     run_and_config,
@@ -314,8 +315,10 @@ def _report(outcome, run_dir) -> None:
     """What the call did, and its exit code (module docstring)."""
     if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
         return
+    from brats_swap.cv.summary import print_cv_table
+
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
-    if outcome.complete:
+    if print_cv_table(run_dir, console) or outcome.complete:  # the numbers, then where they are
         _say(f"summary: {RunFolder(run_dir).cv_summary_md}")
     raise typer.Exit(outcome.exit_code)
 
