@@ -79,3 +79,26 @@ def test_a_resume_says_where_it_resumes_on_screen(tmp_path_factory, tmp_path, ca
     train_fold(longer, tmp_path / "run", 0, resume=True, progress=True)
     assert f"{tmp_path / 'run' / 'fold_0'}: resuming fold 0 at epoch 2 step 0 of 2 epoch(s)" in \
         one_line(capsys.readouterr().err)
+
+
+def test_official_tables_leave_hd95_out_when_evaluate_hd95_is_false():
+    """issue 44.7: with evaluate.hd95=false the official HD95 columns still showed `inf` (a lesion without a
+    matched pair); now they are not computed, and the table leaves them out."""
+    import numpy as np
+
+    from brats_swap.evaluate.official import official_table_rows, summarize_official
+    from brats_swap.evaluate.scoring import _Scores
+
+    reference = np.zeros((24, 24, 24), np.uint8)
+    reference[2:8, 2:8, 2:8] = 2
+    missed = np.zeros_like(reference)
+    missed[14:20, 14:20, 14:20] = 2  # a lesion far from the reference's: no matched pair, lesion HD95 inf
+    tables = {}
+    for hd95 in (True, False):
+        scores = _Scores(hd95=hd95)
+        scores.add("case", missed, reference, "2021")
+        header, body = official_table_rows(summarize_official(scores.official_rows), scores.groups)
+        tables[hd95] = (header, [cell for row in body for cell in row])
+        assert ("HD95" in header and "Lesion HD95" in header) == hd95
+        assert ("inf" in tables[hd95][1]) == hd95
+        assert "Lesion Dice" in header and "F1" in header
