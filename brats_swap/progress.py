@@ -76,3 +76,17 @@ def _clock_time(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def duration_text(seconds: float) -> str:
+    """A duration for people: "45 s", "4 min", "2 h 05 min", "72 h", "5 d 3 h" (not "0.0666667 h")."""
+    if round(seconds) < 90:
+        return f"{round(seconds)} s"
+    minutes = round(seconds / 60)
+    if minutes < 90:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 100:
+        return f"{hours} h" + (f" {minutes:02d} min" if minutes else "")
+    days, hours = divmod(round(seconds / 3600), 24)
+    return f"{days} d" + (f" {hours} h" if hours else "")
