@@ -464,6 +464,11 @@ def check_plan_with_first_epoch(plan: TrainingPlan, recipe: Config, run: RunFold
         raise PlannedStop(f"{run.root.parent}: {result.stop_reason} during the first epoch (the state saved); run "
                           "the same command again to continue")
     first = result.history[0]
+    if len(result.history) > 1:  # trained past its first epoch before (a plan recorded without this check)
+        kept = dataclasses.replace(plan, measured_step_s=float(first["step_s"]))
+        atomic_write_json(run.training_plan, kept.as_dict())
+        say(f"{folder.root}: past its first epoch already; the recorded plan is kept")
+        return kept
     train_cases, val_cases = _fold_counts(recipe, run, plan.folds)
     epoch_s = _epoch_seconds(planned_config(recipe, plan).train, train_cases, val_cases, first["step_s"],
                              first.get("val_seconds"))
