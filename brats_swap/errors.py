@@ -61,6 +61,12 @@ class TrainingInterrupted(BratsSwapError):
     exit_code = EXIT_INTERRUPTED
 
 
+class PlannedStop(TrainingInterrupted):
+    """A stop someone planned (SIGTERM/SIGUSR1) where the command still ends unfinished with exit 130, because
+    its caller must tell "stopped, run me again" from "done" (`train-challenge`: the organisers' runner). The
+    state is saved as for Ctrl-C; the CLI prints the line as `stopped: ...`, not as an error."""
+
+
 class NumericalError(BratsSwapError):
     """A NaN/Inf loss stopped training; the last good checkpoint is kept (exit 1)."""
 

@@ -35,9 +35,14 @@ class ProgressLines:
     """
 
     def __init__(self, description: str, total: int, *, console: Console | None, every_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] | None = None,
+                 scope: str = "", rest: tuple[str, int, float] | None = None) -> None:
+        """`scope` names what "left" counts ("this epoch"); `rest` = (name, steps, seconds) of the work after
+        this bar's (the run's later epochs: their steps, at this bar's pace, plus their other known seconds),
+        said as a second estimate ("about 0:40:00 in the run")."""
         self.description, self.total, self.console, self.every_s, self._clock = (
             description, total, console, every_s, clock)
+        self.scope, self.rest = scope, rest
         self.log = log  # also written here (train.log: `tail -f` shows the epoch moving); None: console only
         self._started = clock()
         self._last_line: float | None = None
@@ -53,9 +58,14 @@ class ProgressLines:
         self._last_line = now
         elapsed = now - self._started
         done_here = completed - self._first_done
-        remaining = elapsed / done_here * (self.total - completed)
+        per_step = elapsed / done_here
+        remaining = per_step * (self.total - completed)
         line = (f"{self.description} step {completed}/{self.total}, {_clock_time(elapsed)} elapsed, "
-                f"about {_clock_time(remaining)} left" + (f"  {info}" if info else ""))
+                f"about {_clock_time(remaining)} left" + (f" in {self.scope}" if self.scope else ""))
+        if self.rest is not None:
+            name, steps, seconds = self.rest
+            line += f", about {_clock_time(remaining + per_step * steps + seconds)} in {name}"
+        line += f"  {info}" if info else ""
         if self.console is not None:
             self.console.print(line)  # the consoles of run/console.py print plain, unwrapped lines
         if self.log is not None:
@@ -66,3 +76,17 @@ def _clock_time(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def duration_text(seconds: float) -> str:
+    """A duration for people: "45 s", "4 min", "2 h 05 min", "72 h", "5 d 3 h" (not "0.0666667 h")."""
+    if round(seconds) < 90:
+        return f"{round(seconds)} s"
+    minutes = round(seconds / 60)
+    if minutes < 90:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 100:
+        return f"{hours} h" + (f" {minutes:02d} min" if minutes else "")
+    days, hours = divmod(round(seconds / 3600), 24)
+    return f"{days} d" + (f" {hours} h" if hours else "")

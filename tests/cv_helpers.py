@@ -127,3 +127,24 @@ def install_fake_training(monkeypatch, tmp_path: Path) -> FakeTraining:
         cache=Path(data_cfg.cache), up_to_date=list(CASE_IDS)))
     (tmp_path / "cache").mkdir()
     return training
+
+
+def fake_train_command(monkeypatch, prepare: bool = False) -> list:
+    """`brats-swap train`'s training (and, unless `prepare`, its data preparation) replaced: the configs it
+    would train, in order."""
+    from types import SimpleNamespace
+
+    from brats_swap.train import data as train_data
+    from brats_swap.train import loop, summary
+
+    trained: list = []
+
+    def train_fold(config, run_dir, fold, resume=False):
+        trained.append((config, fold, resume))
+        return SimpleNamespace(stop_reason=None, interrupted=False)
+
+    if not prepare:
+        monkeypatch.setattr(train_data, "prepare_run_data", lambda data_cfg, **_: None)
+    monkeypatch.setattr(loop, "train_fold", train_fold)
+    monkeypatch.setattr(summary, "summary_panel", lambda result, config: "")
+    return trained

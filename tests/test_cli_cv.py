@@ -50,6 +50,19 @@ def test_the_subcommands_run_summarise_and_report_status_without_a_notice(fake, 
     assert json.loads((run / "cv_summary.json").read_text())["complete"] is False
 
 
+def test_cv_run_and_summary_end_with_the_metrics_table_then_its_path(fake, run):
+    """issue 44.7: they ended with a path and no numbers; now the table of cv_summary.md, as evaluate does."""
+    for args in (["run", "--run", str(run)], ["summary", "--run", str(run)]):
+        result = _invoke(*args)
+        assert result.exit_code == 0, result.output
+        said = " ".join(result.stdout.split())
+        summary = json.loads((run / "cv_summary.json").read_text())
+        wt = summary["table"]["dice"]["WT"]
+        assert "fake: validation metrics" in said and "mean ± std over 2 folds" in said
+        assert f"{wt['mean']:.3f} ± {wt['std']:.3f}" in said
+        assert said.index("validation metrics") < said.index(f"summary: {run / 'cv_summary.md'}")
+
+
 @pytest.mark.parametrize(("old", "new"), [
     (["--status"], "`brats-swap cv status`"),
     (["--summary"], "`brats-swap cv summary`"),

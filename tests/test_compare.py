@@ -63,6 +63,15 @@ def test_compare_trains_both_arms_on_the_same_folds_and_writes_the_comparison(fa
     assert result["figures"] == [BOXPLOT, CURVES] and OVERLAYS not in markdown
 
 
+def test_a_selection_of_folds_is_counted_as_one_not_as_the_run(fake, config, tmp_path):
+    """issue 44.7: `compare --folds 0,` on a run of 3 folds said "all 1 fold(s) done"."""
+    outcome = compare.run_compare(config, tmp_path / "cmp", folds=[0])
+    said = outcome.describe()
+    assert outcome.complete and "all 1 selected fold(s) (0; the run has 3) done" in said
+    assert "all 1 fold(s) done" not in said
+    assert "all 3 fold(s) done" in compare.run_compare(config, tmp_path / "cmp", folds="all").describe()
+
+
 def test_compare_resumes_where_the_window_closed(fake, config, tmp_path):
     run_dir = tmp_path / "cmp"
     now = [0.0]

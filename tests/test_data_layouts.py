@@ -184,6 +184,27 @@ def test_cropped_tumour_voxels_are_reported(originals, tmp_path):
     assert "removes tumour voxels" in " ".join(relaxed.output.split())
 
 
+def test_train_says_the_preparation_warnings_data_prepare_says(originals, tmp_path, monkeypatch):
+    """issue 44.2: the preparation inside `train` printed none of `data prepare`'s per-case warnings."""
+    from cv_helpers import fake_train_command
+
+    from brats_swap.train import data as train_data
+
+    trained = fake_train_command(monkeypatch, prepare=True)
+    args = ["train", "--run", str(tmp_path / "run"), "--set", f"data.root={originals / 'brats21'}",
+            "--set", f"data.cache={tmp_path / 'cache'}", "--set", "data.cube=[16,16,16]", "--set",
+            "data.fit=pad_crop", "--set", "train.patch=[16,16,16]", "--set", "data.prepare_workers=1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert said.count("(pad_crop) removes tumour voxels") >= 1 and len(trained) == 1
+    cropped = prepare_dataset(originals / "brats21", tmp_path / "cache", trained[0][0].data, progress=False).cropped
+    assert said.count("(pad_crop) removes tumour voxels") == len(cropped)  # one line per case that loses some
+    monkeypatch.setattr(train_data, "PREPARATION_WARNINGS_SHOWN", 0)  # more than shown: a count, not a flood
+    again = " ".join(CliRunner().invoke(app, args).output.split())
+    assert "removes tumour voxels" not in again and f"{len(cropped)} more warning(s) like these" in again
+
+
 def test_a_hand_renamed_folder_warns_that_accepted_cases_may_be_mislabelled(originals, tmp_path):
     """nnU-Net's files renamed to BraTS names by hand: the cases holding label 3 are refused by the 2021
     table, and the one without it is accepted; `data check` says that one may be mislabelled."""

@@ -57,7 +57,8 @@ def test_without_a_terminal_an_epoch_prints_progress_lines_before_it_ends(data, 
     train_fold(tiny_config(*data, *SMALL, "train.steps_per_epoch=3"), tmp_path / "run", 0, progress=True)
     out = capsys.readouterr().err.splitlines()  # the console of long work is stderr
     first = next(i for i, line in enumerate(out) if line.startswith("epoch 1/1 step 1/3"))
-    assert "elapsed" in out[first] and "s/step" in out[first]
+    assert "elapsed" in out[first] and "s/step" in out[first] and "left in this epoch" in out[first]
+    assert "in the run" in out[first]
     assert any(line.startswith("epoch 1/1 ") and "train_loss" in line for line in out[first + 1:])
 
 
@@ -70,6 +71,14 @@ def test_progress_lines_come_after_the_first_step_and_then_every_interval():
         lines.update(step, "loss 0.5")
     printed = sink.file.getvalue().splitlines()
     assert printed[0] == "epoch 2/5 step 1/100, 0:00:07 elapsed, about 0:11:33 left  loss 0.5"
+    # issue 44.7: the loop names what "left" counts, and adds the run's (its later steps and validations)
+    now[0] = 0.0
+    run_lines = ProgressLines("epoch 2/5", 100, console=sink, clock=lambda: now[0], scope="this epoch",
+                              rest=("the run", 300, 60.0))
+    now[0] = 7.0
+    run_lines.update(1, "loss 0.5")
+    assert sink.file.getvalue().splitlines()[-1] == ("epoch 2/5 step 1/100, 0:00:07 elapsed, about 0:11:33 left in "
+                                                      "this epoch, about 0:47:33 in the run  loss 0.5")
     assert [int(line.split()[3].split("/")[0]) for line in printed] == list(range(1, 100, 9))
 
 

@@ -241,6 +241,21 @@ def test_predict_says_what_postprocessing_removed_per_case(cv_run, tmp_path, cap
     assert f"{case.case_id}: postprocessing {removed}" in said
 
 
+def test_a_plan_of_no_rule_is_said_once_not_per_case(cv_run, tmp_path, capsys):
+    """issue 44.7: "no postprocessing" and then "postprocessing changed nothing" for every case."""
+    from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, relabel_labels, save_plan
+
+    _, run, root = cv_run
+    run = copy_run(run, tmp_path / "run")
+    identity = PostprocessingPlan.identity({"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}, relabel_labels("2021"))
+    assert not identity.active and identity.describe() == "no postprocessing"
+    save_plan(identity, run / "postprocessing.json")
+    case = discover_cases(root)[0]
+    predicting.predict(run, case.seg.parent, tmp_path / "out", 0, progress=True)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "postprocessing: no postprocessing" in said and f"{case.case_id}: postprocessing" not in said
+
+
 def test_evaluate_run_scores_the_good_cases_and_exits_1_naming_a_bad_one(cv_run, tmp_path):
     _, run, root = cv_run
     run = copy_run(run, tmp_path / "run")  # evaluation rewrites the fold's predictions and reports

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from cv_helpers import install_fake_training
+from cv_helpers import fake_train_command, install_fake_training
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -81,3 +81,40 @@ def test_submit_dry_run_writes_plain_scripts_and_without_sbatch_is_one_line(fake
         assert line in script, line
     assert "#SBATCH --dependency=afterany:ARRAY_JOB_ID" in (run / "slurm" / "summary.sbatch").read_text()
     assert "nothing submitted" in result.output and fake.calls == []
+
+
+def test_train_on_an_existing_run_records_a_set_or_refuses_it_with_or_without_resume(monkeypatch, tmp_path):
+    """issue 44.1: `train --config C --run R --fold 1 --set train.lr=...` on a run whose config.yaml says
+    otherwise trained a second recipe silently; now it is the rule of cv --run (recorded or refused)."""
+    trained = fake_train_command(monkeypatch)
+    run = recorded_run(tmp_path, "train.lr=0.01")
+    config_file = tmp_path / "recipe.yaml"
+    config_file.write_text((run / "config.yaml").read_text())
+    (run / "fold_0").mkdir()
+    (run / "fold_0" / "checkpoint_latest.pt").write_bytes(b"")  # fold 0 trained
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", "--config", str(config_file), "--run", str(run), "--fold", "1",
+                                 "--set", "train.lr=0.001"])
+    assert result.exit_code == 0, result.output
+    assert "recorded train.lr 0.01 -> 0.001" in " ".join(result.output.split())
+    assert recorded(run)["train"]["lr"] == 0.001 and trained[-1][0].train.lr == 0.001 and trained[-1][1] == 1
+    for args in (["--fold", "1"], ["--fold", "0", "--resume"]):
+        refused = runner.invoke(app, ["train", "--run", str(run), *args, "--set", "model.base_filters=8"])
+        assert refused.exit_code == 2 and "model.base_filters differs" in refused.output, refused.output
+    assert recorded(run)["model"]["base_filters"] != 8 and len(trained) == 1
+    # Without --run: the default folder runs/<name> is the same run, and the same rule holds.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    run.rename(tmp_path / "runs" / "fake")
+    refused = runner.invoke(app, ["train", "--config", str(config_file), "--set", "seed=3"])
+    assert refused.exit_code == 2 and "seed differs" in refused.output, refused.output
+
+
+def test_evaluate_run_records_a_set_in_the_run_config(monkeypatch, tmp_path):
+    run = recorded_run(tmp_path)
+    from brats_swap.evaluate import predicting
+
+    monkeypatch.setattr(predicting, "select_folds", lambda *a: [])
+    result = CliRunner().invoke(app, ["evaluate", "--run", str(run), "--set", "evaluate.hd95=false"])
+    assert "recorded evaluate.hd95 True -> False" in " ".join(result.output.split()), result.output
+    assert recorded(run)["evaluate"]["hd95"] is False

@@ -75,6 +75,14 @@ def error_lines(done: subprocess.CompletedProcess) -> list[str]:
     return [line for line in done.stderr.splitlines() if line.startswith("error:")]
 
 
+def stop_lines(done: subprocess.CompletedProcess, signum: signal.Signals) -> list[str]:
+    """The last line of a stop: `error:` for Ctrl-C, `stopped:` for a planned SIGTERM (issue 44.4), never both."""
+    planned = [line for line in done.stderr.splitlines() if line.startswith("stopped:")]
+    errors = error_lines(done)
+    assert not (planned and errors), done.stderr
+    return planned if signum == signal.SIGTERM else errors
+
+
 def temp_files(output: Path) -> list[Path]:
     return [p for p in output.rglob("*") if p.name.endswith(TEMP_SUFFIX)]
 
@@ -94,7 +102,7 @@ def test_a_stop_during_training_saves_the_step_exits_130_keeps_the_model_and_the
     stopped = train_challenge(bundle, data, output, f"{signum.name}:step:3")
     assert stopped.returncode == EXIT_INTERRUPTED, stopped.stdout + stopped.stderr
     assert f"{signum.name}: finishing this step and saving checkpoint_latest.pt" in stopped.stderr
-    errors = error_lines(stopped)
+    errors = stop_lines(stopped, signum)
     assert len(errors) == 1 and "run the same command again to continue" in errors[0], stopped.stderr
     assert "--resume" not in errors[0]  # not an option of train-challenge
     log = (output / "run" / "fold_0" / "train.log").read_text()
@@ -119,7 +127,7 @@ def test_a_stop_while_the_data_is_prepared_ends_before_training_with_130_and_the
     output = tmp_path / "out"
     stopped = train_challenge(bundle, data, output, f"{signum.name}:call:brats_swap.train.data.prepare_run_data")
     assert stopped.returncode == EXIT_INTERRUPTED, stopped.stdout + stopped.stderr
-    errors = error_lines(stopped)
+    errors = stop_lines(stopped, signum)
     assert len(errors) == 1 and errors[0].endswith(said), stopped.stderr
     assert not (output / "run" / "fold_0").exists()  # stopped before training
     assert not (output / BUNDLE_FILE).exists() and temp_files(output) == []

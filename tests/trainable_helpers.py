@@ -26,15 +26,17 @@ RECIPE = ["data.challenge=goat", "data.cube=[16,16,16]", "model.base_filters=2",
           "evaluate.threshold=0.45"]
 
 
-def recipe_bundle(base: Path, name: str, folds: list[int], epochs: int = 2) -> Path:
-    """A bundle of an untrained tiny GoAT recipe with `folds` (its weights are not what retraining uses)."""
-    config = load_config(None, [f"name={name}", f"train.max_epochs={epochs}", *RECIPE])
+def recipe_bundle(base: Path, name: str, folds: list[int], epochs: int = 2, table: str = "goat") -> Path:
+    """A bundle of an untrained tiny GoAT recipe with `folds` (its weights are not what retraining uses);
+    `table` another label table it was "trained" on (e.g. "2021")."""
+    config = load_config(None, [f"name={name}", f"train.max_epochs={epochs}", *RECIPE,
+                                *([] if table == "goat" else ["data.challenge=auto"])])
     run = RunFolder(base / name)
     run.root.mkdir(parents=True)
     run.config.write_text(config_to_yaml(config), encoding="utf-8")
     for k in folds:
-        model = build_model(config.model, out_channels=run_output_count("goat", config.model))
-        save_checkpoint({"model": model.state_dict(), "config": config_to_dict(config), "edition": "goat",
+        model = build_model(config.model, out_channels=run_output_count(table, config.model))
+        save_checkpoint({"model": model.state_dict(), "config": config_to_dict(config), "edition": table,
                          "epoch": 1, "optimizer": {"state": {}, "param_groups": []}}, run.fold(k).latest)
     selection = ALL_CASES if folds == [ALL_CASES_FOLD] else ",".join(map(str, folds))
     return export_bundle(run.root, base / f"{name}.zip", selection, checkpoint="latest").path

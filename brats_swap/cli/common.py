@@ -23,6 +23,7 @@ from brats_swap.errors import (
     EXIT_INTERRUPTED,
     EXIT_OUT_OF_MEMORY,
     BratsSwapError,
+    PlannedStop,
     user_message,
 )
 from brats_swap.run.console import console as stderr_console
@@ -110,6 +111,18 @@ def default_run_dir(config: Config, run: Path | None) -> Path:
     return run if run is not None else RunFolder.default_for(config.name).root
 
 
+def run_and_config(config: Path | None, overrides: list[str] | None, run: Path | None,
+                   say: Callable[[str], None]) -> tuple[Config, Path]:
+    """The config and run folder of a command that writes into a run (`train`, `cv`, `evaluate --run`): `--run`
+    or runs/<config name>. An existing run's config.yaml is the base without `--config`, and what the call
+    changes is recorded there (and said) or refused: one rule, brats_swap/cv/run_config.py."""
+    from brats_swap.cv.run_config import run_config
+
+    if run is None:
+        run = default_run_dir(resolve_config(config, overrides), None)
+    return run_config(run, config, overrides, say=say, load=resolve_config), run
+
+
 def fail(message: str, exit_code: int) -> typer.Exit:
     # The message is plain text: escape it, or rich would swallow e.g. "[low, high]" as a markup tag.
     err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True)
@@ -123,6 +136,9 @@ def handle_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except PlannedStop as exc:  # documented and asked for: said as what it is, with its exit code
+            err_console.print(f"[bold yellow]stopped:[/] {escape(_one_line(user_message(exc)))}", markup=True)
+            raise typer.Exit(exc.exit_code) from None
         except BratsSwapError as exc:
             if DEBUG["enabled"]:
                 traceback.print_exc(file=sys.stderr)

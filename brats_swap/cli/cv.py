@@ -33,9 +33,10 @@ from brats_swap.cli.common import (
     FoldsOption,
     RunOption,
     SetOption,
-    default_run_dir,
+    console,
     handle_errors,
     resolve_config,
+    run_and_config,
 )
 from brats_swap.errors import ConfigError, TrainingInterrupted
 from brats_swap.run.console import line_console, warn
@@ -277,7 +278,7 @@ def _with_run_subcommand(argv: list[str]) -> list[str]:
 def _train(config, set_, run, folds, max_hours, parallel_folds: int, nproc: int | None, argv: list[str]) -> None:
     from brats_swap.cv import run_cv
 
-    resolved, run_dir = _run_and_config(config, set_, run)
+    resolved, run_dir = run_and_config(config, set_, run, _say)
     if nproc is not None:
         from brats_swap.distributed import launch_torchrun
         from brats_swap.train.data import prepare_run_data
@@ -295,7 +296,7 @@ def _train(config, set_, run, folds, max_hours, parallel_folds: int, nproc: int 
 def _summarise(config, set_, run) -> None:
     from brats_swap.cv.runner import summarise_run
 
-    resolved, run_dir = _run_and_config(config, set_, run)
+    resolved, run_dir = run_and_config(config, set_, run, _say)
     _report(summarise_run(resolved, run_dir, console=line_console), run_dir)
 
 
@@ -314,23 +315,16 @@ def _report(outcome, run_dir) -> None:
     """What the call did, and its exit code (module docstring)."""
     if outcome is None:  # torchrun ranks > 0 followed rank 0's folds; rank 0 reports
         return
+    from brats_swap.cv.summary import print_cv_table
+
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
-    if outcome.complete:
+    if print_cv_table(run_dir, console) or outcome.complete:  # the numbers, then where they are
         _say(f"summary: {RunFolder(run_dir).cv_summary_md}")
     raise typer.Exit(outcome.exit_code)
 
 
 def _say(text: str) -> None:
     line_console.print(text)
-
-
-def _run_and_config(config, set_, run):
-    """The run folder and its config: `--run R` without `--config` uses R/config.yaml (cv/run_config.py)."""
-    from brats_swap.cv.run_config import run_config
-
-    if run is None:
-        run = default_run_dir(resolve_config(config, set_), None)
-    return run_config(run, config, set_, say=_say), run
 
 
 def _print_status(run, spelled: str) -> None:
@@ -348,7 +342,7 @@ def _submit(scheduler: str, config, set_, run, options, dry_run: bool) -> None:
     from brats_swap.config import config_to_yaml
     from brats_swap.cv.slurm import ARRAY_PLACEHOLDER, check_paths, submit_cv
 
-    config, run_dir = _run_and_config(config, set_, run)
+    config, run_dir = run_and_config(config, set_, run, _say)
     if scheduler != "slurm":
         raise ConfigError(f"cv submit {scheduler!r}: the only scheduler is 'slurm'")
     run = RunFolder(run_dir)

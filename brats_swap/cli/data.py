@@ -92,7 +92,7 @@ def prepare(
 ) -> None:
     """Crop, normalize and fit every case to data.cube into an on-disk cache (incremental, atomic)."""
     from brats_swap.data.cache import prepare_dataset
-    from brats_swap.data.check import convention_doubts
+    from brats_swap.data.check import preparation_warnings
 
     cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
@@ -100,7 +100,7 @@ def prepare(
     report = prepare_dataset(folder, cache, cfg.data, workers=workers, strict=strict)
     for case_id, problem in report.failed.items():
         console.print(f"[yellow]skipped {case_id}:[/] {problem}")
-    for line in [*report.cropped.values(), *convention_doubts(report.failed, report.editions)]:
+    for line in preparation_warnings(report):
         console.print(f"[yellow]warning:[/] {line}")
     console.print(f"{cache}: {len(report.prepared)} prepared, {len(report.up_to_date)} up to date, "
                   f"{len(report.failed)} skipped in {report.seconds:.1f} s "

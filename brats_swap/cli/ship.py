@@ -139,7 +139,8 @@ def train_challenge(
     output: Annotated[Path, typer.Option("--output", help="Run folder, cache and the new bundle model.zip.")]
     = Path("/output"),
     time_budget: Annotated[str | None, typer.Option("--time-budget", help="The whole training's time, e.g. 72h: "
-                                                    "the schedule is shortened up front (epochs, then folds).",
+                                                    "the schedule is shortened up front (epochs, then folds) and made again "
+                                                    "from the measured first epoch.",
                                                     show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")] = "auto",
 ) -> None:

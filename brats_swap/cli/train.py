@@ -19,10 +19,9 @@ from brats_swap.cli.common import (
     RunOption,
     SetOption,
     console,
-    default_run_dir,
     flag,
     handle_errors,
-    resolve_config,
+    run_and_config,
 )
 from brats_swap.errors import ConfigError, TrainingInterrupted
 from brats_swap.run.console import line_console, warn
@@ -48,8 +47,9 @@ def train(
     """Train one fold (default fold 0 of cv.folds: the paper's 80/20 split) into the run folder.
 
     Cases of data.root that data.cache lacks (or holds stale) are prepared first, so this works straight
-    from a download. With --resume and no --config, the run's own config.yaml is used; a --set is recorded
-    there, or refused when it would change what was trained (model, data, folds).
+    from a download. In an existing run folder without --config, the run's own config.yaml is used; a --set or
+    a --config that differs from it is recorded there, or refused when it would change what was trained
+    (model, data, folds, seed).
 
     Example: brats-swap train --config configs/quickstart.yaml --set train.max_epochs=5
     """
@@ -60,12 +60,8 @@ def train(
     if run is not None and resume and not run.is_dir():
         raise ConfigError(f"--run {run}: no run folder {run}; --resume continues an existing run (check the path, "
                           "or leave --resume out to start a new one)")
-    if run is not None and resume:  # the run's config.yaml, a --set recorded there (brats_swap/cv/run_config.py)
-        from brats_swap.cv.run_config import run_config
-
-        resolved = run_config(run, config, set_, say=line_console.print)
-    else:
-        resolved = resolve_config(config, set_)
+    # An existing run's config.yaml: a new fold, --resume or not, trains its recipe; a --set is recorded or refused.
+    resolved, run_dir = run_and_config(config, set_, run, line_console.print)
     if nproc is not None:
         import sys
 
@@ -76,7 +72,6 @@ def train(
     from brats_swap.train.loop import train_fold
     from brats_swap.train.summary import summary_panel
 
-    run_dir = default_run_dir(resolved, run)
     with _fold_lock_of_this_rank(run_dir, fold_k):  # a second train/cv of this fold exits 75 at once
         if _first_process():  # under torchrun the other ranks wait for rank 0 in the process group's set-up
             prepare_run_data(resolved.data)
@@ -202,14 +197,13 @@ def _evaluate_predictions(predictions: Path, data: Path, out_dir: Path, edition:
 
 def _evaluate_run(run_folder: RunFolder, data: Path | None, folds: str, checkpoint: str, tta: bool,
                   set_: list[str] | None, failures) -> None:
-    from brats_swap.config import load_config
     from brats_swap.evaluate.metrics import print_summary
     from brats_swap.evaluate.predicting import select_folds
     from brats_swap.evaluate.scoring import evaluate_fold
 
     if not run_folder.config.is_file():
         raise ConfigError(f"{run_folder.config}: not found; is {run_folder.root} a brats-swap run folder?")
-    resolved = load_config(run_folder.config, set_ or [])
+    resolved, _ = run_and_config(None, set_, run_folder.root, _say)  # a --set recorded (it writes the reports)
     from brats_swap.splits import fold_cases, read_splits
 
     chosen = select_folds(run_folder, folds, checkpoint)

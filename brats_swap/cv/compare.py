@@ -49,6 +49,7 @@ class CompareOutcome:
     run_dir: Path
     folds: list[int]
     arms: dict[str, CVOutcome] = field(default_factory=dict)
+    run_folds: int = 0  # the run's folds (splits.json); `folds` may be a selection
     stop_reason: StopReason | None = None
     seconds: float = 0.0
     comparison: dict = field(default_factory=dict)
@@ -102,7 +103,7 @@ def run_compare(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS,
     outcome = CompareOutcome(run_dir=run.root, folds=[])
     with cv_invocation(run, config, max_hours, outcome, lambda: "compare " + outcome.describe(), clock=clock) as stop:
         prepare_run_data(config.data, progress=console is not None)  # once, for both arms (they share the cache)
-        outcome.folds = _compared_folds(config, run, folds)
+        outcome.folds, outcome.run_folds = _compared_folds(config, run, folds)
         arms = {arm: run.arm(arm) for arm in COMPARE_ARMS}
         with run_lock(arms["full"]), run_lock(arms["patch"]):
             for arm in COMPARE_ARMS:
@@ -113,16 +114,17 @@ def run_compare(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOLDS,
     return outcome
 
 
-def _compared_folds(config: Config, run: RunFolder, folds: FoldSelection) -> list[int]:
-    """The selected folds of the run's splits.json (made here once)."""
-    return resolve_folds(folds, len(load_run_splits(config, run)["folds"]), option="--folds")
+def _compared_folds(config: Config, run: RunFolder, folds: FoldSelection) -> tuple[list[int], int]:
+    """The selected folds of the run's splits.json (made here once), and how many it has."""
+    n_folds = len(load_run_splits(config, run)["folds"])
+    return resolve_folds(folds, n_folds, option="--folds"), n_folds
 
 
 def _advance_arms(configs: dict[str, Config], arms: dict[str, RunFolder], outcome: CompareOutcome,
                   stop: StopControl, console) -> None:
     """Advance both arms fold by fold, alternating; each arm's cv.log gets a line for this call."""
     for arm in COMPARE_ARMS:
-        outcome.arms[arm] = CVOutcome(run_dir=arms[arm].root, folds=list(outcome.folds))
+        outcome.arms[arm] = CVOutcome(run_dir=arms[arm].root, folds=list(outcome.folds), run_folds=outcome.run_folds)
     with contextlib.ExitStack() as arm_logs:
         for arm in COMPARE_ARMS:
             arm_outcome = outcome.arms[arm]

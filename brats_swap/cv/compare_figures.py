@@ -23,6 +23,7 @@ ARM_COLOURS = {"full": "tab:blue", "patch": "tab:orange"}
 REGION_COLOURS = {"WT": (0.1, 0.8, 0.1, 0.45), "TC": (0.9, 0.1, 0.1, 0.55), "ET": (1.0, 0.9, 0.0, 0.65),
                   "RC": (0.2, 0.4, 1.0, 0.55), "CC": (0.0, 0.9, 0.9, 0.6), "GTV": (0.9, 0.1, 0.1, 0.55)}
 OTHER_REGION_COLOUR = (0.8, 0.3, 0.9, 0.55)  # a region chosen with model.regions (NETC, SNFH, ED, ...)
+LEGEND_BAND = 0.1  # share of a one-row figure's height kept below the axes for its legend
 
 
 def paired_boxplot(comparison: dict, path: Path) -> None:
@@ -45,10 +46,12 @@ def paired_boxplot(comparison: dict, path: Path) -> None:
     axis.set_ylim(-0.02, 1.02)
     axis.set_ylabel("Dice (per case)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=ARM_COLOURS[a], alpha=0.35) for a in COMPARE_ARMS]
-    axis.legend(handles, [ARM_TITLES[a] for a in COMPARE_ARMS], loc="lower left")
+    # Below the axes, not inside: any corner of the plot can hold boxes (Dice near 0 or near 1).
+    figure.legend(handles, [ARM_TITLES[a] for a in COMPARE_ARMS], loc="lower center", ncol=len(COMPARE_ARMS),
+                  frameon=False)
     axis.set_title(f"Whole volume vs patches, {comparison['paired_cases']} validation cases")
     axis.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, LEGEND_BAND, 1, 1))
     savefig_deterministic(figure, path)
     plt.close(figure)
 
@@ -125,7 +128,10 @@ def overlay_figure(config: Config, run_dir: RunFolder | Path, comparison: dict, 
             axis.set_title(f"{case['case']}\n{title}" if col == 0 else title, fontsize=8)
             axis.axis("off")
     figure.suptitle("Largest whole-volume vs patch differences (axial slice with most tumour)", fontsize=10)
-    figure.tight_layout()
+    key = [plt.Rectangle((0, 0), 1, 1, color=REGION_COLOURS.get(r, OTHER_REGION_COLOUR)) for r in regions]
+    figure.legend(key, regions, loc="lower center", ncol=len(regions), frameon=False, fontsize=8,
+                  title="colour key (nested regions painted over)", title_fontsize=8)
+    figure.tight_layout(rect=(0, LEGEND_BAND / len(panels), 1, 1))
     savefig_deterministic(figure, path)
     plt.close(figure)
     return True

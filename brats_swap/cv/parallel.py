@@ -88,7 +88,7 @@ def run_parallel_folds(config: Config, run_dir: Path, folds: str | int | list[in
                        clock=time.monotonic) as stop:
         # The cases prepared here, before any worker reads the cache; splits.json made under the lock.
         runner = prepared_runner(config, run_dir, stop, console=console)
-        outcome.folds = resolve_folds(folds, runner.n_folds)
+        outcome.folds, outcome.run_folds = resolve_folds(folds, runner.n_folds), runner.n_folds
         with fold_locks(run_dir, outcome.folds):  # held by this process for its workers
             pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
             if pending:

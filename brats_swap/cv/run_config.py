@@ -1,7 +1,7 @@
 """A run folder remembers how it was made: `RUN/config.yaml` is the run's config.
 
-`run_config` is what `cv --run R`, `train --run R --resume` and the SLURM job scripts resolve their config
-with. Without `--config`, an existing `R/config.yaml` is the base (plus any `--set`). Whatever the call
+`run_config` is what every command that writes into an existing run folder resolves its config with: `cv`,
+`train` (a new fold or `--resume`), `evaluate --run` and the SLURM job scripts (the CLI's `run_and_config`). Without `--config`, an existing `R/config.yaml` is the base (plus any `--set`). Whatever the call
 gives that differs from the recorded config is checked against what the run has already trained:
 
 - keys that change what was trained (the model, the data, the folds, the seed) are refused with a one-line
@@ -44,14 +44,17 @@ def _value(config_dict: dict[str, Any], key: str) -> Any:
 
 
 def run_config(run_dir: RunFolder | Path, config_path: Path | None, overrides: list[str] | None,
-               say: Callable[[str], None] | None = None) -> Config:
+               say: Callable[[str], None] | None = None,
+               load: Callable[[Path | None, list[str]], Config] = load_config) -> Config:
     """The config of a call on `run_dir` (see the module docstring); records a harmless change, refuses the
-    others with ConfigError naming the keys. Without a recorded config, `config_path` + `overrides` as given."""
+    others with ConfigError naming the keys. Without a recorded config, `config_path` + `overrides` as given.
+    `load` resolves the call's config (the CLI's also fills `data.modalities` from the data's challenge, as the
+    first call that wrote the recorded one did)."""
     run = RunFolder.of(run_dir)
     if not run.config.is_file():
-        return load_config(config_path, overrides or [])
+        return load(config_path, overrides or [])
     recorded = load_config(run.config, [])
-    config = load_config(config_path if config_path is not None else run.config, overrides or [])
+    config = load(config_path if config_path is not None else run.config, overrides or [])
     changed = diff_configs(recorded, config)
     if not changed:
         return config

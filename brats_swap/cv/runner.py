@@ -61,6 +61,7 @@ class CVOutcome:
     seconds: float = 0.0
     summary: dict = field(default_factory=dict)
     exit_code: int = 0  # see the module docstring: a planned stop is success
+    run_folds: int = 0  # the run's folds (splits.json), when known: `folds` may be a selection of them
 
     @property
     def complete(self) -> bool:
@@ -72,6 +73,12 @@ class CVOutcome:
 
     def describe_or_not_started(self) -> str:
         return self.describe() if self.folds else "did not start"
+
+    def _counted(self) -> str:
+        """"2 fold(s)", or for a selection of the run's folds "1 selected fold(s) (0; the run has 2)"."""
+        if not self.run_folds or len(self.folds) == self.run_folds:
+            return f"{len(self.folds)} fold(s)"
+        return f"{len(self.folds)} selected fold(s) ({', '.join(map(str, self.folds))}; the run has {self.run_folds})"
 
     def describe(self) -> str:
         """One line for cv.log and the terminal."""
@@ -88,13 +95,13 @@ class CVOutcome:
                 parts.append(f"fold {k}: " + ", ".join(did))
         action = "; ".join(parts) if parts else "nothing to train or evaluate, summary refreshed"
         if self.complete:
-            state = f"all {len(self.folds)} fold(s) done"
+            state = f"all {self._counted()} done"
         elif self.stop_reason is None:  # `cv summary`: nothing was asked to train
-            state = f"{len(self.done)}/{len(self.folds)} fold(s) done"
+            state = f"{len(self.done)}/{self._counted()} done"
         else:
             why = self.stop_reason.prose
-            state = (f"{len(self.done)}/{len(self.folds)} fold(s) done; stopped ({why}) with the checkpoint "
-                     "written, the next invocation continues")
+            state = (f"{len(self.done)}/{self._counted()} done; stopped ({why}) with the checkpoint written, the next "
+                     "invocation continues")
         return f"{action}; {state}"
 
 
@@ -177,7 +184,7 @@ def summarise_run(config: Config, run_dir: Path, *, console=None) -> CVOutcome:
     with cv_invocation(run_dir, config, None, outcome, outcome.describe_or_not_started) as stop:
         with shared_files(run_dir):
             runner = FoldRunner(config, run_dir, stop, console=console)
-        outcome.folds = list(range(runner.n_folds))
+        outcome.folds, outcome.run_folds = list(range(runner.n_folds)), runner.n_folds
         runner.finish(outcome)
     return outcome
 
@@ -196,7 +203,7 @@ def run_sequential(config: Config, run_dir: Path, folds: FoldSelection = ALL_FOL
     outcome = CVOutcome(run_dir=Path(run_dir), folds=[])
     with cv_invocation(run_dir, config, max_hours, outcome, outcome.describe_or_not_started, clock=clock) as stop:
         runner = prepared_runner(config, run_dir, stop, console=console, train=train)
-        outcome.folds = resolve_folds(folds, runner.n_folds)
+        outcome.folds, outcome.run_folds = resolve_folds(folds, runner.n_folds), runner.n_folds
         with fold_locks(run_dir, outcome.folds):  # another process on one of them: exit 75, nothing touched
             for k in outcome.folds:
                 if not runner.advance(k, outcome):

@@ -10,6 +10,7 @@ paper's Fig. 5 draws.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 from pathlib import Path
@@ -124,15 +125,39 @@ def format_mean_std(cell: dict | None, digits: int = 3) -> str:
     return text + (f" ± {cell['std']:.{digits}f}" if cell.get("std") is not None else "")
 
 
-def markdown_metric_table(table: dict, digits: int = 3) -> str:
+def metric_table_rows(table: dict, digits: int = 3) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of `aggregate`'s table: one row per metric, one column per region (mean ± std)."""
     regions = list(dict.fromkeys(region for by_region in table.values() for region in by_region))
-    lines = ["| metric | " + " | ".join(regions) + " |", "|---|" + "---|" * len(regions)]
-    for metric in METRICS:
-        if metric not in table:
-            continue
-        cells = [format_mean_std(table[metric].get(region), 2 if metric == "hd95" else digits) for region in regions]
-        lines.append(f"| {METRIC_TITLES[metric]} | " + " | ".join(cells) + " |")
+    rows = [[METRIC_TITLES[metric], *[format_mean_std(table[metric].get(region), 2 if metric == "hd95" else digits)
+                                      for region in regions]]
+            for metric in METRICS if metric in table]
+    return ["metric", *regions], rows
+
+
+def markdown_metric_table(table: dict, digits: int = 3) -> str:
+    header, rows = metric_table_rows(table, digits)
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines)
+
+
+def print_cv_table(run_dir: RunFolder | Path, console) -> bool:
+    """The validation table of the run's cv_summary.json on `console`, as cv_summary.md has it (mean ± std over
+    the folds done); False when there is none yet."""
+    from brats_swap.evaluate.tables import print_results_table
+
+    run = RunFolder.of(run_dir)
+    try:
+        summary = json.loads(run.cv_summary_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not summary.get("table"):
+        return False
+    done = len(summary["folds_done"])
+    header, rows = metric_table_rows(summary["table"])
+    print_results_table(console, header, rows, title=f"{summary['name']}: validation metrics",
+                        caption=f"mean ± std over {done} fold{'s' if done != 1 else ''} ({STD_NOTE})")
+    return True
 
 
 def fold_record(state: FoldState, rows: list[dict] | None, split_sizes: tuple[int, int]) -> dict:

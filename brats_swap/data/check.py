@@ -87,6 +87,13 @@ def summary_line(results: list[CaseCheck]) -> str:
     return line + (f", {cropped} lose tumour voxels to the cube" if cropped else "")
 
 
+def preparation_warnings(report) -> list[str]:
+    """The warnings of a preparation (a `cache.PrepareReport`) besides its skipped cases: tumour voxels lost to
+    the cube, label tables that cases contradict. `data prepare` prints them, and so does the preparation that
+    `train`, `cv` and `compare` run first."""
+    return [*report.cropped.values(), *convention_doubts(report.failed, report.editions)]
+
+
 def convention_doubts(problems: dict[str, str | None], editions: dict[str, str]) -> list[str]:
     """Warnings for label tables that some cases contradict: when cases read with one table are refused for
     labels outside it, the folder's labels may follow another convention, and the cases of that table that

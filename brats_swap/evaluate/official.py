@@ -211,7 +211,8 @@ def evaluate_groups(pred_label: np.ndarray, true_label: np.ndarray, groups: Grou
 
 
 def case_official_metrics(pred_label: np.ndarray, true_label: np.ndarray, groups: Groups,
-                          spacing: Sequence[float] = (1.0, 1.0, 1.0), what: str = "case") -> dict[str, float | int]:
+                          spacing: Sequence[float] = (1.0, 1.0, 1.0), what: str = "case",
+                          hd95: bool = True) -> dict[str, float | int]:
     """The official columns of one case (`official_columns(groups)` order) from two label maps.
 
     `pred_label`, `true_label`: the challenge's label values on the same grid (numpy, same shape).
@@ -219,9 +220,11 @@ def case_official_metrics(pred_label: np.ndarray, true_label: np.ndarray, groups
     {"ET": (3,), "NETC": (1,), "SNFH": (2,), "RC": (4,), "TC": (1, 3), "WT": (1, 2, 3)}.
     TP/FP/FN are ints; the other values are floats: NaN where undefined (no lesion on either side;
     precision without predicted lesions, recall without reference lesions), inf for the lesion-wise HD95
-    of a group with lesions but no matched pair.
+    of a group with lesions but no matched pair. `hd95=False` (`evaluate.hd95: false`, HD95 is the slow
+    metric): the HD95 columns are NaN, not computed, and the tables leave them out.
     """
-    results = evaluate_groups(pred_label, true_label, groups, spacing, what=what)
+    metrics = ("DSC", "NSD", "HD95") if hd95 else ("DSC", "NSD")
+    results = evaluate_groups(pred_label, true_label, groups, spacing, metrics=metrics, what=what)
     row: dict[str, float | int] = {}
     for name in groups:
         row.update(_row_from_result(name, results[name]))
@@ -267,11 +270,13 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
 
 def official_table_rows(summary: Mapping[str, Mapping[str, float]], groups: Groups) -> tuple[list[str], list[list[str]]]:
     """Header and one row per group: the means of the ranking metrics and the total TP / FP / FN."""
-    header = ["Group"] + [title for title, _, _ in TABLE_COLUMNS] + ["TP", "FP", "FN"]
+    columns = [column for column in TABLE_COLUMNS if "hd95" not in column[1] or any(
+        summary.get(f"{column[1]}_{name.lower()}", {}).get("n") for name in groups)]  # HD95 not computed: left out
+    header = ["Group"] + [title for title, _, _ in columns] + ["TP", "FP", "FN"]
     body = []
     for name in groups:
         cells = [name]
-        for _, stem, digits in TABLE_COLUMNS:
+        for _, stem, digits in columns:
             stats = summary.get(f"{stem}_{name.lower()}")
             cells.append(format_official(stats["mean"], digits) if stats and stats["n"] else "—")
         for stem in COUNT_METRICS:

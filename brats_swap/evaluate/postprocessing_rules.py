@@ -149,10 +149,16 @@ class PostprocessingPlan:
                    min_component_voxels={name: 0 for name in groups}, enhancing_label=enhancing,
                    necrosis_label=necrosis)
 
+    @property
+    def active(self) -> bool:
+        """Whether any rule is on (a tuning that kept none leaves every label map as it is: `apply` is the
+        identity then, and there is nothing to say per case)."""
+        return self.small_enhancing_voxels > 0 or any(size > 0 for size in self.min_component_voxels.values())
+
     def describe(self) -> str:
         """One line for people: the active rules, or "no postprocessing"."""
         parts = [f"{name} components < {size} voxels removed"
-                 for name, size in self.min_component_voxels.items() if size > 0]
+                 for name, size in self.min_component_voxels.items() if size > 0]  # empty: not `active`
         if self.small_enhancing_voxels > 0:
             parts.append(f"enhancing label {self.enhancing_label} -> {self.necrosis_label} when below "
                          f"{self.small_enhancing_voxels} voxels")

@@ -239,7 +239,7 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
     cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
     probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
     label = case_labels(probs, loaded.edition, first, case.case_id)
-    if plan is not None:
+    if plan is not None and plan.active:  # a plan of no rule: "no postprocessing" is said once, not per case
         processed = apply_postprocessing(plan, label)
         if say is not None:
             say(f"{case.case_id}: postprocessing {describe_label_changes(label, processed)}")

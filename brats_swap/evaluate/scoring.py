@@ -65,7 +65,7 @@ class _Scores:
         self.rows.append({"case": case_id, **case_metrics(prediction, truth, edition, spacing=spacing,
                                                           hd95=self.hd95, regions=self.regions)})
         self.official_rows.append({"case": case_id, **case_official_metrics(prediction, truth, groups, spacing,
-                                                                             what=f"case {case_id}")})
+                                                                             what=f"case {case_id}", hd95=self.hd95)})
         self.groups = merge_groups(self.groups, groups)
 
     def write(self, out_dir: Path, title: str, notes: Sequence[str] = ()) -> dict:

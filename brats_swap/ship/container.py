@@ -121,6 +121,12 @@ def resolve_task(bundle: Bundle, task: str | None) -> tuple[str, str | None]:
     chosen = task or bundle.challenge
     if chosen not in MODERN_CHALLENGES:
         raise ConfigError(f"--task {chosen!r}: expected a 2023+ task ({', '.join(MODERN_CHALLENGES)})")
+    if bundle.challenge not in MODERN_CHALLENGES:  # a 2017-2021 table served as the task asked for
+        labels = get_challenge(chosen).labels
+        how = ("label 4 written as 3" if labels == get_challenge(LEGACY_TASK).labels else
+               f"{', '.join(f'{v} {n}' for v, n in labels.items())}: check that these are the bundle's regions")
+        return chosen, (f"--task {chosen}: the bundle was trained on the {bundle.challenge} table; its labels are "
+                        f"written in the {chosen} table ({how})")
     return chosen, None
 
 
@@ -158,8 +164,8 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
         raise ConfigError(f"{out_dir}: not empty; give a new folder for the image's build files")
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copytree(source, out_dir / "src" / "brats_swap", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(project / name, out_dir / "src" / name)
+    for copied in ("pyproject.toml", "README.md"):  # not `name`: that is the bundle's, in the files below
+        shutil.copy2(project / copied, out_dir / "src" / copied)
     shutil.copy2(bundle.path, out_dir / "model.zip")
     requirements = [line for line in pinned_requirements() if line.split("==")[0] not in NO_DEPS]
     atomic_write_text(out_dir / "requirements.txt", "\n".join(requirements) + "\n")
@@ -174,7 +180,16 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     entry = brainlesion_entry(task, image)
     atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
     atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir, trainable))
+    if trainable and bundle.challenge not in MODERN_CHALLENGES:
+        task_note = "\n".join(filter(None, [task_note, _legacy_trainable_note(bundle)]))  # a line each
     return ContainerFolder(out_dir, task, image, entry, task_note)
+
+
+def _legacy_trainable_note(bundle: Bundle) -> str:
+    """The line for a trainable image of a bundle trained on a 2017-2021 table (e.g. for GoAT)."""
+    return (f"--trainable: the bundle was trained on the {bundle.challenge} table; the image's `train` retrains its "
+            "recipe on the table of the cases in /data (GoAT's: 1 NETC, 2 SNFH, 3 ET), and the retrained model.zip "
+            "is served in that table")
 
 
 def _dockerfile(bundle: Bundle, name: str, task: str, no_deps: list[str]) -> str:
@@ -311,4 +326,12 @@ def _retrain_section(image_word: str) -> str:
 plans the memory policy within the bundle's recipe, shortens the schedule up front to the time budget (and
 says so), trains, and writes `trained/model.zip` with its training log and the plan it chose. Run the same
 command again after a stop: it resumes where it stopped.
+
+Serve the retrained model with the same image, its `model.zip` mounted over the one inside:
+
+    docker run --rm --network none --gpus all --user "$(id -u):$(id -g)" --read-only --tmpfs /tmp \\
+        --shm-size 4g -v "$PWD/trained/model.zip:{IMAGE_BUNDLE}:ro" -v "$PWD/in:/input:ro" \\
+        -v "$PWD/out:/output:rw" {image_word}
+
+(or without a container: `brats-swap serve-challenge --model trained/model.zip --input in --output out`).
 """

@@ -14,13 +14,15 @@ evaluation, the cv-tuned postprocessing) -> export the new bundle (`ship.bundle.
   card's memory; without CUDA, training runs on the CPU within the host's available memory, slowly.
 - `--time-budget 72h`: the schedule is shortened up front from the planner's predicted step time: fewer
   epochs (down to half the recipe's), then fewer folds, then fewer epochs again; each change is printed and
-  recorded. Nothing is cut mid-way.
+  recorded. After the first epoch of the first fold it is made again from the measured steps
+  (`check_plan_with_first_epoch`); a change of epochs starts that fold again. Nothing is cut mid-way.
 - The run folder is `<output>/run` and its cache `<output>/cache`: a restart of the same command reads the
   recorded plan back (the card is not measured again, so the config is the same) and resumes each fold
   exactly as `train --resume` does.
-- Stops (`_SignalsOutsideTraining`; exit 130 = `TrainingInterrupted`, the same command continues): SIGTERM or
-  SIGUSR1 (the organisers' runner, a scheduler) or Ctrl-C while a fold trains stops at the end of the running
-  step with the checkpoint written (the training loop's own handling); SIGTERM or SIGUSR1 before training (the
+- Stops (`_SignalsOutsideTraining`; exit 130, the same command continues; SIGTERM's and SIGUSR1's line is
+  `stopped: ...` (`PlannedStop`), Ctrl-C's `error: ...`): SIGTERM or SIGUSR1 (the organisers' runner, a
+  scheduler) or Ctrl-C while a fold trains stops at the end of the running step with the checkpoint written
+  (the training loop's own handling); SIGTERM or SIGUSR1 before training (the
   card measured, the data prepared) stops once that phase is done; once every fold is trained, model.zip is
   finished first (a temporary file renamed onto it: the model already in the output stays whole until then)
   and the call ends as done (exit 0). Ctrl-C outside training stops at once (exit 130); every write is atomic.
@@ -42,11 +44,17 @@ from pathlib import Path
 import torch
 
 from brats_swap import stop_signals
-from brats_swap.atomic import atomic_write_bytes, atomic_write_json, remove_stale_temp_files
-from brats_swap.config import Config, config_from_saved, config_to_dict
-from brats_swap.errors import ConfigError, DataError, TrainingInterrupted
+from brats_swap.atomic import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    remove_stale_temp_files,
+)
+from brats_swap.config import Config, TrainConfig, config_from_saved, config_to_dict, config_to_yaml
+from brats_swap.errors import ConfigError, DataError, PlannedStop, TrainingInterrupted
 from brats_swap.memory.arena import available_host_bytes
 from brats_swap.memory.planner import GIB
+from brats_swap.progress import duration_text
 from brats_swap.run.figures import pyplot, savefig_deterministic
 from brats_swap.run.fold_selection import ALL_CASES
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
@@ -154,6 +162,7 @@ class TrainingPlan:
     time_budget_hours: float | None
     changes: list[str] = field(default_factory=list)  # each departure from the recipe, said in one line
     format_version: int = PLAN_FORMAT_VERSION
+    measured_step_s: float | None = None  # the first epoch's mean step time, once the plan was checked with it
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,9 +171,12 @@ class TrainingPlan:
     def from_dict(cls, record: dict, where: Path) -> TrainingPlan:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(record, dict) or record.get("format_version") != PLAN_FORMAT_VERSION or \
-                not names - {"changes", "format_version"} <= set(record):
+                not names - {"changes", "format_version", "measured_step_s"} <= set(record):
             raise DataError(f"{where}: not a training plan of this brats-swap; remove it to plan again")
         return cls(**{k: v for k, v in record.items() if k in names})
+
+    def _measured(self) -> str:
+        return "" if self.measured_step_s is None else f"; measured {self.measured_step_s:.3f} s/step"
 
     def fold_text(self) -> str:
         return "the all-cases model" if self.folds == [ALL_CASES_FOLD] else \
@@ -172,15 +184,14 @@ class TrainingPlan:
 
     def screen(self) -> list[str]:
         """The plan on one screen: the lines printed at the start."""
-        budget = f"{self.time_budget_hours:g} h" if self.time_budget_hours is not None else "none"
+        budget = duration_text(self.time_budget_hours * 3600) if self.time_budget_hours is not None else "none"
         lines = [
-            f"card: {self.card['name']} ({self.card['kind']}), {self.card['memory_bytes'] / GIB:.1f} GiB "
-            f"({self.card['source']})",
+            Card(**self.card).line(),
             f"training: {self.mode} {'x'.join(map(str, self.sample))}, batch {self.batch}, "
             f"memory.mode {self.memory['mode']} (predicted peak {self.peak_gib:.2f} GiB, "
-            f"{self.step_s:.3f} s/step)",
-            f"schedule: {self.fold_text()}, {self.epochs} epoch(s) each; projected {self.projected_hours:.1f} h, "
-            f"time budget {budget}",
+            f"{self.step_s:.3f} s/step{self._measured()})",
+            f"schedule: {self.fold_text()}, {self.epochs} epoch(s) each; projected "
+            f"{duration_text(self.projected_hours * 3600)}, time budget {budget}",
             f"recipe: {self.recipe['mode']}, batch {self.recipe['batch']}, {self.recipe['epochs']} epoch(s), "
             f"{len(self.recipe['folds'])} fold(s)",
         ]
@@ -222,6 +233,50 @@ def _layouts(config: Config):
             batch //= 2
 
 
+def _epoch_seconds(train: TrainConfig, train_cases: int, val_cases: int, step_s: float,
+                   val_s: float | None = None) -> float:
+    """One epoch's time at `step_s` per step: its steps, and its share of a validation every `val_every` epochs
+    (`val_s` measured, else a forward pass per case, about a third of a training step)."""
+    steps = train.steps_per_epoch or math.ceil(train_cases / train.batch_size)
+    if val_s is None:
+        val_s = val_cases * step_s / (3 * train.batch_size)
+    return steps * step_s + val_s / max(train.val_every, 1)
+
+
+def shorten_schedule(epochs: int, folds: list[int], epoch_s: float, time_budget_s: float | None
+                     ) -> tuple[int, list[int], list[str]]:
+    """(epochs, folds, what changed) that fit `time_budget_s` at `epoch_s` per epoch (module docstring: epochs
+    down to half, then folds, then epochs again)."""
+    changes: list[str] = []
+    kept = list(folds)
+
+    def projected(n_epochs: int, n_folds: int) -> float:
+        return n_epochs * n_folds * epoch_s
+
+    if time_budget_s is None:
+        return epochs, kept, changes
+    usable = time_budget_s * (1 - BUDGET_RESERVE)
+    if projected(epochs, len(kept)) > usable:
+        floor = max(1, math.ceil(epochs * EPOCHS_KEPT_BEFORE_FOLDS))
+        fitting = max(floor, int(usable // (len(kept) * epoch_s)))
+        if fitting < epochs:
+            changes.append(f"epochs {epochs} -> {fitting}: {len(kept)} fold(s) of {epochs} epochs project to "
+                           f"{duration_text(projected(epochs, len(kept)))}, over the time budget")
+            epochs = fitting
+        if projected(epochs, len(kept)) > usable and len(kept) > 1:
+            n_folds = max(1, int(usable // (epochs * epoch_s)))
+            changes.append(f"folds {len(kept)} -> {n_folds} ({', '.join(map(str, kept[:n_folds]))}): "
+                           f"{epochs} epochs of {len(kept)} folds still project past the time budget")
+            kept = kept[:n_folds]
+        if projected(epochs, len(kept)) > usable:
+            fitting = max(1, int(usable // (len(kept) * epoch_s)))
+            if fitting < epochs:
+                changes.append(f"epochs {epochs} -> {fitting}: one fold of {epochs} epochs projects past "
+                               "the time budget")
+                epochs = fitting
+    return epochs, kept, changes
+
+
 def plan_training(config: Config, card: Card, folds: list[int], train_cases: int, val_cases: int,
                   time_budget_s: float | None = None) -> TrainingPlan:
     """The plan for `config` (the bundle's recipe) on `card` within `time_budget_s` (module docstring).
@@ -247,41 +302,16 @@ def plan_training(config: Config, card: Card, folds: list[int], train_cases: int
                        f"volume does not fit {card.memory_gib:.1f} GiB with any memory policy")
     step_s = float(report.chosen.step_s)
     batch = chosen.train.batch_size
-    steps = chosen.train.steps_per_epoch or math.ceil(train_cases / batch)
-    # Validation: a forward pass per case (about a third of a training step), every `val_every` epochs.
-    epoch_s = steps * step_s + val_cases * step_s / (3 * batch) / max(chosen.train.val_every, 1)
-    epochs, kept = chosen.train.max_epochs, list(folds)
-
-    def projected(n_epochs: int, n_folds: int) -> float:
-        return n_epochs * n_folds * epoch_s
-
-    if time_budget_s is not None:
-        usable = time_budget_s * (1 - BUDGET_RESERVE)
-        if projected(epochs, len(kept)) > usable:
-            floor = max(1, math.ceil(epochs * EPOCHS_KEPT_BEFORE_FOLDS))
-            fitting = max(floor, int(usable // (len(kept) * epoch_s)))
-            if fitting < epochs:
-                changes.append(f"epochs {epochs} -> {fitting}: {len(kept)} fold(s) of {epochs} epochs project to "
-                               f"{projected(epochs, len(kept)) / 3600:.1f} h, over the time budget")
-                epochs = fitting
-            if projected(epochs, len(kept)) > usable and len(kept) > 1:
-                n_folds = max(1, int(usable // (epochs * epoch_s)))
-                changes.append(f"folds {len(kept)} -> {n_folds} ({', '.join(map(str, kept[:n_folds]))}): "
-                               f"{epochs} epochs of {len(kept)} folds still project past the time budget")
-                kept = kept[:n_folds]
-            if projected(epochs, len(kept)) > usable:
-                fitting = max(1, int(usable // (len(kept) * epoch_s)))
-                if fitting < epochs:
-                    changes.append(f"epochs {epochs} -> {fitting}: one fold of {epochs} epochs projects past "
-                                   "the time budget")
-                    epochs = fitting
+    epoch_s = _epoch_seconds(chosen.train, train_cases, val_cases, step_s)
+    epochs, kept, shortened = shorten_schedule(chosen.train.max_epochs, list(folds), epoch_s, time_budget_s)
+    changes += shortened
     return TrainingPlan(
         card=dataclasses.asdict(card), mode=chosen.train.mode, batch=batch, sample=_sample(chosen),
         memory=dataclasses.asdict(report.chosen.policy), peak_gib=report.chosen.peak_bytes / GIB, step_s=step_s,
         folds=kept, epochs=epochs,
         recipe={"mode": config.train.mode, "batch": config.train.batch_size, "folds": list(folds),
                 "epochs": config.train.max_epochs},
-        projected_hours=projected(epochs, len(kept)) / 3600,
+        projected_hours=epochs * len(kept) * epoch_s / 3600,
         time_budget_hours=time_budget_s / 3600 if time_budget_s is not None else None, changes=changes)
 
 
@@ -366,8 +396,7 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
         plan = TrainingPlan.from_dict(_read_json(run.training_plan), run.training_plan)
         say(f"{run.training_plan}: continuing with the recorded plan (the card is not measured again)")
     else:
-        card = measure_card(device)
-        say(card.line())
+        card = measure_card(device)  # its line is the plan's first (`TrainingPlan.screen`)
         with shared_files(run.root):
             prepare_run_data(recipe.data, progress=console is not None)
         train_cases, val_cases = _fold_counts(recipe, run, folds)
@@ -375,21 +404,24 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
         atomic_write_json(run.training_plan, plan.as_dict())
     for line in plan.screen():
         say(line)
-    config = planned_config(recipe, plan)
-    selection = ALL_CASES if plan.folds == [ALL_CASES_FOLD] else ",".join(map(str, plan.folds))
     if signals.reason is not None:  # the end of the phase before training: the plan and the data are kept
-        raise TrainingInterrupted(f"{output}: {signals.reason} before training started (the data is prepared, "
-                                  "the plan recorded); run the same command again to continue")
+        raise PlannedStop(f"{output}: {signals.reason} before training started (the data is prepared, the plan "
+                          "recorded); run the same command again to continue")
     # run_sequential's handlers take the signals once it holds the run's lock (at once: nothing else runs in
     # the output folder); one in the moment before is noted by `signals` only, and the folds train on.
     try:
-        outcome = run_sequential(config, run.root, selection, console=console)
+        if plan.time_budget_hours is not None and plan.measured_step_s is None:
+            plan = check_plan_with_first_epoch(plan, recipe, run, say, console)
+        selection = ALL_CASES if plan.folds == [ALL_CASES_FOLD] else ",".join(map(str, plan.folds))
+        outcome = run_sequential(planned_config(recipe, plan), run.root, selection, console=console)
+    except PlannedStop:
+        raise
     except TrainingInterrupted:  # Ctrl-C in a step: the loop saved it; say where and how to continue
         raise TrainingInterrupted(f"{output}: Ctrl-C during training, the state saved at the end of the step "
                                   f"(see {RUN_FOLDER}/fold_*/train.log); run the same command again to "
                                   "continue") from None
     if not outcome.complete:
-        raise TrainingInterrupted(f"{output}: {outcome.describe()}; run the same command again to continue")
+        raise PlannedStop(f"{output}: {outcome.describe()}; run the same command again to continue")
     signals.then = f"every fold is trained; finishing {BUNDLE_FILE} first, then done"
     fold_curves(run, plan.folds)
     if not run.postprocessing.is_file() and bundle.postprocessing() is not None:
@@ -402,6 +434,66 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
     exported = export_bundle(run, output / BUNDLE_FILE, selection, checkpoint)
     say(f"wrote {exported.path}: {plan.fold_text()} ({checkpoint} checkpoint), the plan, logs and figures")
     return RetrainReport(plan, run.root, exported.path, resumed)
+
+
+def check_plan_with_first_epoch(plan: TrainingPlan, recipe: Config, run: RunFolder, say: Callable[[str], None],
+                                console=None) -> TrainingPlan:
+    """The time budget's schedule made again from the first epoch of the first fold, measured: the planner's
+    step time can be far off (a CPU, another card), and nothing else would notice before the budget is gone.
+
+    The epoch trains as part of the fold (a stop during it is a stop of the fold, continued by the next call).
+    When the measured schedule keeps the plan's epochs, the fold goes on; when it changes them, the fold
+    starts again from scratch with the new number (the learning-rate schedule follows it), so the weights are
+    those of a run planned that way from the start. The new plan is recorded and said."""
+    from brats_swap.cv.lock import fold_work
+    from brats_swap.train.loop import train_fold
+
+    fold = plan.folds[0]
+    folder = run.fold(fold)
+    resumed = folder.latest.is_file()
+    polls = []
+
+    def after_the_first_epoch() -> bool:  # polled at each epoch's start; a resumed call is past the first
+        polls.append(None)
+        return resumed or len(polls) > 1
+
+    with fold_work(run.root, [fold]):
+        result = train_fold(planned_config(recipe, plan), run.root, fold, resume=resumed,
+                            stop_requested=after_the_first_epoch, progress=console is not None)
+    if result.stop_reason is not None:
+        raise PlannedStop(f"{run.root.parent}: {result.stop_reason} during the first epoch (the state saved); run "
+                          "the same command again to continue")
+    first = result.history[0]
+    if len(result.history) > 1:  # trained past its first epoch before (a plan recorded without this check)
+        kept = dataclasses.replace(plan, measured_step_s=float(first["step_s"]))
+        atomic_write_json(run.training_plan, kept.as_dict())
+        say(f"{folder.root}: past its first epoch already; the recorded plan is kept")
+        return kept
+    train_cases, val_cases = _fold_counts(recipe, run, plan.folds)
+    epoch_s = _epoch_seconds(planned_config(recipe, plan).train, train_cases, val_cases, first["step_s"],
+                             first.get("val_seconds"))
+    epochs, folds, shortened = shorten_schedule(plan.recipe["epochs"], list(plan.recipe["folds"]), epoch_s,
+                                                plan.time_budget_hours * 3600)
+    checked = (f"checked after the first epoch: {first['step_s']:.3f} s/step measured (the planner predicted "
+               f"{plan.step_s:.3f}), one epoch about {duration_text(epoch_s)}")
+    if epochs == plan.epochs and folds == plan.folds:
+        say(f"{checked}; the plan holds")
+    else:
+        say(f"{checked}; re-planned: {epochs} epoch(s) of {len(folds)} fold(s) instead of {plan.epochs} of "
+            f"{len(plan.folds)}" + ("; the fold starts again with that schedule" if epochs != plan.epochs else ""))
+    replanned = dataclasses.replace(
+        plan, epochs=epochs, folds=folds, measured_step_s=float(first["step_s"]),
+        projected_hours=epochs * len(folds) * epoch_s / 3600,
+        changes=[c for c in plan.changes if not c.startswith(("epochs ", "folds "))] + [checked] + shortened)
+    if epochs != plan.epochs:  # first the fold goes (a restart in between measures again), then the plan is kept
+        import shutil
+
+        shutil.rmtree(folder.root)  # our own run folder's fold, trained one epoch of the old schedule
+        atomic_write_text(run.config, config_to_yaml(planned_config(recipe, replanned)))
+    atomic_write_json(run.training_plan, replanned.as_dict())
+    for line in replanned.screen()[1:]:
+        say(line)
+    return replanned
 
 
 def _read_json(path: Path) -> dict:

@@ -30,6 +30,7 @@ from brats_swap import stop_signals
 from brats_swap.augment import get_recipe
 from brats_swap.config import Config, DataConfig
 from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
+from brats_swap.data.check import preparation_warnings
 from brats_swap.data.discovery import resolve_convention
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
@@ -99,6 +100,9 @@ def enlarged_window(start: Sequence[int], patch: Sequence[int], read: Sequence[i
     return tuple(slices), tuple(w for pair in reversed(widths) for w in pair)
 
 
+PREPARATION_WARNINGS_SHOWN = 5  # per-case warnings a run's preparation prints before it counts the rest
+
+
 def prepare_run_data(data_cfg: DataConfig, *, progress: bool = True) -> PrepareReport:
     """Bring `data.cache` up to date with `data.root` before a run reads it (`prepare_missing`: new or changed
     cases only, with a progress bar). `brats-swap train`, `cv` and `compare` call it first, once, on the main
@@ -106,6 +110,12 @@ def prepare_run_data(data_cfg: DataConfig, *, progress: bool = True) -> PrepareR
     report = prepare_missing(data_cfg, progress=progress)
     for case_id, problem in report.failed.items():
         warn(f"{data_cfg.cache}: skipped case {case_id} ({problem})")
+    said = preparation_warnings(report)  # the warnings `data prepare` prints, said here too (a few, then a count)
+    for line in said[:PREPARATION_WARNINGS_SHOWN]:
+        warn(line)
+    if len(said) > PREPARATION_WARNINGS_SHOWN:
+        warn(f"{data_cfg.cache}: {len(said) - PREPARATION_WARNINGS_SHOWN} more warning(s) like these; "
+             "`brats-swap data prepare` with the same config lists every one")
     if report.prepared:
         console.print(f"{data_cfg.cache}: prepared {len(report.prepared)} case(s) from {data_cfg.root}, "
                       f"{len(report.up_to_date)} already up to date")

@@ -425,6 +425,9 @@ class FoldRecipe:
                             purge_step=self.loop.epoch + 1 if state is not None else None,
                             train_loss=self.config.train.loss)
         self.log.line(self._start_line(resumed=state is not None))
+        if state is not None and self.show_progress:  # on screen too (train.log has the start line)
+            console.print(f"{self.folder.root}: resuming fold {self.folder.fold} at epoch {self.loop.epoch + 1} "
+                          f"step {self.loop.step_in_epoch} of {self.config.train.max_epochs} epoch(s)")
 
     def _prepare_run_folder(self) -> tuple[list[str], list[str]]:
         """Rank 0 writes config.yaml (once), env.json and the fold folder; the splits; the data's edition."""
@@ -525,7 +528,7 @@ class FoldRecipe:
         # The minute lines go to train.log always (a cluster's `tail -f`), to stderr when no bar is drawn there.
         lines = ProgressLines(f"epoch {loop.epoch + 1}/{train_cfg.max_epochs}", self.data.steps_per_epoch,
                               console=console if self.show_progress and not console.is_terminal else None,
-                              log=self.log.line)
+                              log=self.log.line, scope="this epoch", rest=self._rest_of_the_run())
         with progress:
             task = progress.add_task("train", total=self.data.steps_per_epoch, completed=loop.step_in_epoch, info="")
             last_step_end = time.perf_counter()
@@ -595,6 +598,14 @@ class FoldRecipe:
                                       out_channels=self.out_channels) from None
         return loss_value
 
+    def _rest_of_the_run(self) -> tuple[str, int, float]:
+        """What the progress lines add for the run's time left: the later epochs' steps, and this epoch's and
+        the later ones' validations at the mean time of those so far (none timed yet: not counted)."""
+        epoch, last = self.loop.epoch + 1, self.config.train.max_epochs
+        timed = [record["val_seconds"] for record in self.loop.history if "val_seconds" in record]
+        validations = sum(1 for e in range(epoch, last + 1) if e % self.config.train.val_every == 0 or e == last)
+        return "the run", (last - epoch) * self.data.steps_per_epoch, validations * float(np.mean(timed or [0.0]))
+
     def _validation_due(self) -> bool:
         epoch = self.loop.epoch + 1
         return epoch % self.config.train.val_every == 0 or epoch >= self.config.train.max_epochs
@@ -622,8 +633,7 @@ class FoldRecipe:
         """Close the epoch: bookkeeping, logs, checkpoints; a Ctrl-C/SIGTERM during it stops training here."""
         loop, train_cfg = self.loop, self.config.train
         epoch_seconds = loop.epoch_elapsed + record.get("val_seconds", 0.0)
-        peak = int(all_reduce_max(peak_memory_bytes(self.device), self.ctx))  # the largest rank's
-        loop.peak_memory_bytes = max(loop.peak_memory_bytes, peak)
+        peak = self._take_peak()
         record.update(epoch_s=epoch_seconds, peak_memory_gib=peak / 2**30)
         loop.history.append(record)
         loop.epoch += 1
@@ -645,10 +655,9 @@ class FoldRecipe:
             self._leave_on_signal(self.signals.agreed(self.ctx), f"after epoch {loop.epoch}")
 
     def finish(self) -> TrainResult:
-        """The fold's result, with this call's timings and whether a stop request ended it."""
-        # Also the steps of an epoch a stop cut short (`end_epoch` records the peak of whole epochs only).
-        peak = int(all_reduce_max(peak_memory_bytes(self.device), self.ctx))
-        self.loop.peak_memory_bytes = max(self.loop.peak_memory_bytes, peak)
+        """The fold's result, with this call's timings and whether a stop request ended it. Its peak is the
+        largest the epoch lines said, or the steps of an epoch a stop cut short (`_stop_within_epoch`): not
+        measured here, where a CPU's resident set also holds the checkpoints just written."""
         return self.loop.to_result(self.folder.fold, self.folder.root, interrupted=self.interrupted,
                                    stop_reason=self.stop_reason, train_seconds=self.train_seconds,
                                    epoch_seconds=self.epoch_seconds, device=str(self.device))
@@ -669,8 +678,16 @@ class FoldRecipe:
             return  # the epoch is complete: `end_epoch` saves and stops
         agreed = self.signals.agreed(self.ctx)  # every rank stops at the same step
         if agreed != StopSignals.NONE:
+            self._take_peak()  # the steps of this epoch, which no epoch line reports
             self.save_latest()  # resume continues with the next step of this epoch
             self._leave_on_signal(agreed, f"at epoch {self.loop.epoch + 1} step {self.loop.step_in_epoch}")
+
+    def _take_peak(self) -> int:
+        """The peak of the steps so far (the largest rank's), also kept as the fold's; taken where steps end, at
+        an epoch's end or a stop inside one, so the epoch lines and the summary report the same number."""
+        peak = int(all_reduce_max(peak_memory_bytes(self.device), self.ctx))
+        self.loop.peak_memory_bytes = max(self.loop.peak_memory_bytes, peak)
+        return peak
 
     def _leave_on_signal(self, agreed: int, where: str) -> None:
         """Leave training when some rank got a signal (the state is saved): Ctrl-C raises, SIGTERM/SIGUSR1
