@@ -253,7 +253,8 @@ def _digits(value: int) -> str:
 
 
 def _check_integer_limits(config: Config) -> None:
-    """Each key of INTEGER_LIMITS at most its limit (each item of a list key)."""
+    """Each key of INTEGER_LIMITS at most its limit (each item of a list key); the seed 0 or more."""
+    _require(config.seed >= 0, "seed", f"must be 0 or more, got {config.seed}")
     for key, limit in INTEGER_LIMITS.items():
         value: Any = config
         for part in key.split("."):
@@ -310,7 +311,6 @@ def validate_config(config: Config) -> None:
     require = _require
     data, train, model = config.data, config.train, config.model
     _check_integer_limits(config)
-    require(config.seed >= 0, "seed", f"must be 0 or more, got {config.seed}")
     require(len(data.cube) == 3 and all(s > 0 for s in data.cube), "data.cube", f"expected 3 positive sizes, got {data.cube}")
     check_network_keys(model, require)
     # A patch-trained network sees the cube through a sliding window of patches: only isensee2017 (whose
