@@ -97,3 +97,10 @@ def user_message(exc: BaseException) -> str:
     last = [line for line in text.splitlines() if line.strip()][-1]
     prefix = f"{type(exc).__module__}.{type(exc).__qualname__}: "
     return last[len(prefix):] if last.startswith(prefix) else last
+
+
+def unexpected_problem(exc: BaseException) -> str:
+    """One line for an exception that is not the project's own, raised while one case was read or segmented
+    (a RecursionError from a file nested too deeply, a MemoryError): its type and first 200 characters. The
+    case is skipped with it and the others go on (`data check`, `data prepare`, `predict`, `serve-challenge`)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200] or 'no message'}"

@@ -12,7 +12,7 @@ from brats_swap.data.challenges import CANONICAL_MODALITIES, get_challenge
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.nifti import is_foreign_labels, load_case
 from brats_swap.data.preprocess import cropped_label_voxels, describe_cropped
-from brats_swap.errors import DataError
+from brats_swap.errors import DataError, unexpected_problem
 
 UNLABELLED_NOTE = "no segmentation: for prediction only"
 
@@ -56,6 +56,8 @@ def check_dataset(root: str | os.PathLike, edition: str = "auto",
                 loaded = load_case(case, tuple(modalities))
             except DataError as exc:
                 result.problem = str(exc)
+            except Exception as exc:  # noqa: BLE001 - one case's files never stop the check of the others
+                result.problem = f"case {case.case_id}: {unexpected_problem(exc)}"
             else:
                 result.shape = loaded.shape
                 result.spacing = loaded.spacing

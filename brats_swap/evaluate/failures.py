@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from brats_swap.errors import BratsSwapError, DataError
+from brats_swap.errors import BratsSwapError, DataError, unexpected_problem
 from brats_swap.names import printable, shown
 
 
@@ -50,7 +50,7 @@ class CaseFailures:
         except BratsSwapError:  # not the case's fault (a config value, a full disk): every case would fail
             raise
         except Exception as exc:  # noqa: BLE001 - whatever one case's files make happen, the others go on
-            self.add(case_id, f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+            self.add(case_id, unexpected_problem(exc))
 
     def describe(self) -> str:
         return "; ".join(self.reasons.values())
