@@ -23,10 +23,9 @@ import pytest
 import torch
 import yaml
 from data_helpers import write_case
-from layout_helpers import write_json
 from ship_helpers import task_run
 from typer.testing import CliRunner
-from untrusted_helpers import GIB, memory_limit, members_of, rewrite_bundle
+from untrusted_helpers import GIB, members_of, memory_limit, rewrite_bundle
 
 from brats_swap.cli.main import app
 from brats_swap.config import Config, DataConfig, load_config
@@ -327,7 +326,7 @@ def _config_show(path: Path, *overrides: str):
 
 @pytest.mark.parametrize(("content", "words"), [
     (b"train: " + b"[" * 100_000, ("nested more than 64 levels deep",)),
-    ("train:\n  lr: 0.1\n  max_epochs: 3\n  lr: 0.2\n".encode(), ("not valid YAML at line 4, column 3",
+    (b"train:\n  lr: 0.1\n  max_epochs: 3\n  lr: 0.2\n", ("not valid YAML at line 4, column 3",
                                                                    "key 'lr' given twice in one mapping")),
     ("name: caf\xe9\n".encode("latin-1"), ("not UTF-8 text (byte 0xe9 at offset 9)",)),
     (b"train:\n  batch_size: 1000000000000000000000000000000\n", ("train.batch_size: a 31-digit integer is beyond",)),

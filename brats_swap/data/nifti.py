@@ -56,10 +56,10 @@ AFFINE_TOLERANCE = 1e-3
 # A BraTS volume is ~9 M voxels (35 MB as float32); a header declaring more than this is damaged.
 MAX_VOLUME_BYTES = 4 * 2**30
 # What reading one file may cost in memory, all copies counted (`decoded_bytes`): 2 GiB holds a 0.5 mm 7 T
-# volume (400x400x300 float32, ~1.2 GiB priced) with room; a 512^3 uint8 header (1 GiB priced as 2.3) is refused.
+# volume (400x400x300 float32, ~1.2 GiB priced) with room; a 512^3 uint8 header (2.25 GiB priced) is refused.
 MAX_DECODED_BYTES = 2 * 2**30
 # Per voxel, besides twice the stored bytes (the inflated payload and nibabel's copy): the float32 array and
-# the float64 intermediate nibabel makes while scaling (measured: at most 2 x itemsize + 12 B for any dtype).
+# the float64 intermediate nibabel makes while scaling (measured: at most 2 x itemsize + 15 B, uint8 scaled).
 _DECODING_BYTES_PER_VOXEL = 16
 # Deflate's worst case is stored blocks (5 bytes per 65535); gzip headers, trailers and zero padding add a few
 # bytes. A .nii.gz larger than this share of what its header declares (plus the trailing allowance) is not a
