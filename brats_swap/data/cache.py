@@ -45,7 +45,7 @@ from brats_swap.atomic import atomic_save_npy, atomic_write_json, remove_stale_t
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
-from brats_swap.errors import DataError, unexpected_problem
+from brats_swap.errors import DataError, case_problem
 from brats_swap.names import name_problem, path_inside
 from brats_swap.progress import progress_bar
 
@@ -207,10 +207,11 @@ def prepare_one(case: Case, cache_dir: str, settings: dict, sources: dict) -> tu
     try:
         loaded = load_case(case, tuple(settings["modalities"]))
         image, label, meta = preprocess_case(loaded, settings)
-    except DataError as exc:
-        return case.case_id, str(exc), None
-    except Exception as exc:  # noqa: BLE001 - one case's files never stop the others
-        return case.case_id, f"case {case.case_id}: {unexpected_problem(exc)}", None
+    except Exception as exc:  # one case's files never stop the others (errors.case_problem)
+        problem = case_problem(case.case_id, exc)
+        if problem is None:
+            raise
+        return case.case_id, problem, None
     meta["sources"] = sources
     meta["image_dtype"] = str(image.dtype)
     write_entry(Path(cache_dir), case.case_id, image, label, meta)

@@ -1,7 +1,8 @@
 """Cases that failed while the others went on: `predict`, `evaluate` and `serve-challenge` skip a bad case (a
 missing or unreadable file, a wrong shape, foreign label values, or any other exception reading or segmenting
-it: a file nested past Python's recursion limit, a volume that does not fit in memory), finish every other
-case, then fail with the list. The project's other errors (a config value, a full disk) still stop the command.
+it, such as a file nested past Python's recursion limit), finish every other
+case, then fail with the list. The project's other errors (a config value, a full disk) and running out of
+memory still stop the command (`errors.case_problem`).
 
 A `CaseFailures` collects one line per failed case; `raise_if_any` ends the command with one DataError
 (exit 1) naming every failed case, after the outputs of the good cases are written.
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from brats_swap.errors import BratsSwapError, DataError, unexpected_problem
+from brats_swap.errors import DataError, case_problem
 from brats_swap.names import printable, shown
 
 
@@ -45,12 +46,11 @@ class CaseFailures:
         goes on with the next case."""
         try:
             yield
-        except DataError as exc:
-            self.add(case_id, str(exc))
-        except BratsSwapError:  # not the case's fault (a config value, a full disk): every case would fail
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever one case's files make happen, the others go on
-            self.add(case_id, unexpected_problem(exc))
+        except Exception as exc:  # whatever one case's files make happen, the others go on (errors.case_problem)
+            problem = case_problem(case_id, exc)
+            if problem is None:
+                raise
+            self.add(case_id, problem)
 
     def describe(self) -> str:
         return "; ".join(self.reasons.values())
