@@ -494,3 +494,38 @@ def test_sigterm_while_train_challenge_prepares_the_data_stops_within_seconds(bu
 def test_members_helper_reads_a_rewritten_bundle(bundle, tmp_path):
     changed = _bundle_with(bundle, tmp_path / "b.zip", lambda raw: raw["evaluate"].update(sw_overlap=0.25))
     assert yaml.safe_load(members_of(changed)[fold_config(0)])["evaluate"]["sw_overlap"] == 0.25
+
+
+def test_an_nnunet_checkpoint_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "checkpoint_final.pth")
+    result = _run_capped("""
+        import sys
+        from pathlib import Path
+        from brats_swap.errors import CheckpointError
+        from brats_swap.ship.nnunet_import import _load_nnunet_checkpoint
+        try:
+            _load_nnunet_checkpoint(Path(sys.argv[1]))
+        except CheckpointError as exc:
+            print(exc)
+        """, str(tmp_path / "checkpoint_final.pth"), timeout=60)
+    assert result.stdout.strip() == (f"{tmp_path / 'checkpoint_final.pth'}: a FIFO (named pipe), not a regular file; "
+                                     "it is not read"), result.stderr[-2000:]
+
+
+def test_predict_skips_a_case_whatever_it_raises_and_goes_on(tmp_path, monkeypatch):
+    from brats_swap.evaluate import predicting
+
+    data = tmp_path / "data"
+    for number, case_id in enumerate(CASES):
+        write_case(data, case_id, "2021", shape=SHAPE, seed=number, seg=False)
+    real = nifti.load_case
+
+    def load_case(case, *args, **kwargs):
+        if case.case_id == CASES[0]:
+            raise RecursionError("maximum recursion depth exceeded")
+        return real(case, *args, **kwargs)
+    monkeypatch.setattr(nifti, "load_case", load_case)  # predicting imports it when it runs
+    with pytest.raises(DataError, match=rf"1 of 2 case\(s\) failed, the others are done: case {CASES[0]}: "
+                                        "RecursionError: maximum recursion depth exceeded"):
+        predicting.predict_with(_tiny_predictor(), data, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{CASES[1]}.nii.gz"]
