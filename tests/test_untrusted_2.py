@@ -529,3 +529,34 @@ def test_predict_skips_a_case_whatever_it_raises_and_goes_on(tmp_path, monkeypat
                                         "RecursionError: maximum recursion depth exceeded"):
         predicting.predict_with(_tiny_predictor(), data, tmp_path / "out", progress=False)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{CASES[1]}.nii.gz"]
+
+
+def test_a_large_nii_gz_is_refused_from_its_first_mib_without_reading_the_rest(tmp_path):
+    """512 MiB files (sparse): a small image's header followed by zeros, and no gzip header at all; each refused
+    having read one MiB, under an address space 64 MiB above the interpreter's."""
+    small = nib.Nifti1Image(np.ones((8, 8, 8), dtype=np.uint8), np.eye(4))
+    with open(tmp_path / "padded.nii.gz", "wb") as file:
+        file.write(gzip.compress(small.to_bytes(), mtime=0))
+        file.truncate(512 * 2**20)
+    with open(tmp_path / "garbage.nii.gz", "wb") as file:
+        file.write(b"not gzip")
+        file.truncate(512 * 2**20)
+    result = _run_capped("""
+        import resource, sys
+        from pathlib import Path
+        from brats_swap.data.nifti import read_volume
+        from brats_swap.errors import DataError
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (used + 64 * 2**20, used + 64 * 2**20))
+        for name in ("padded", "garbage"):
+            try:
+                read_volume("c", Path(sys.argv[1]) / f"{name}.nii.gz")
+            except DataError as exc:
+                print(exc)
+        """, str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == [
+        f"case c: file padded.nii.gz: {512 * 2**20} bytes compressed for the 864 bytes its header declares; the file "
+        "is damaged and is not read",
+        "case c: file garbage.nii.gz: not a NIfTI file (no gzip header in a .gz file)"]

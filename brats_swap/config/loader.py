@@ -151,7 +151,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     try:
         value = parse_yaml(text, f"override {key}", ConfigError) if text.strip() else ""
     except ConfigError as exc:
-        raise ConfigError(f"override {key}: cannot parse value {text!r}") from exc
+        shown = text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+        raise ConfigError(f"override {key}: cannot parse value {shown!r} ({str(exc).split(': ', 1)[-1]})") from exc
     return key, value
 
 

@@ -291,28 +291,20 @@ def decoded_bytes(file_bytes: int, voxels: int, stored: int = 0) -> int:
 
 
 def _read_compressed(where: str, file, size: int) -> bytes:
-    """A `.nii.gz`'s bytes (`size` of them, as the open file's descriptor said), refused before the whole file
-    is read when it is larger than any compressed form of what its header declares."""
+    """A `.nii.gz`'s bytes (`size` of them, as the open file's descriptor said). Its first MiB is read alone and
+    its header inflated from it: a file that has none there, or is larger than any compressed form of what the
+    header declares, is refused before the rest is read."""
     if size > MAX_VOLUME_BYTES + TRAILING_BYTES_ALLOWED:
         raise DataError(f"{where}: {size} bytes compressed, more than any MRI volume; the file is not read")
     first = file.read(min(size, TRAILING_BYTES_ALLOWED))
-    head = _peek_header(first)
-    if head is not None:
-        declared = declared_file_bytes(where, head, stored=size)
-        if size > declared * _DEFLATE_EXPANSION + 2 * TRAILING_BYTES_ALLOWED:
-            raise DataError(f"{where}: {size} bytes compressed for the {declared} bytes its header declares; the "
-                            "file is damaged and is not read")
+    head = _GzipStream(where, first).read(NIFTI_HEADER_BYTES)
+    if len(head) < NIFTI_HEADER_BYTES:  # the stream ended within its first MiB: a tiny image, whole in `first`
+        return first
+    declared = declared_file_bytes(where, head, stored=size)
+    if size > declared * _DEFLATE_EXPANSION + 2 * TRAILING_BYTES_ALLOWED:
+        raise DataError(f"{where}: {size} bytes compressed for the {declared} bytes its header declares; the "
+                        "file is damaged and is not read")
     return first + file.read(size - len(first))
-
-
-def _peek_header(first: bytes) -> bytes | None:
-    """The first NIFTI_HEADER_BYTES inflated from the start of a gzip file, None when they cannot be (the
-    full check, `gunzip_checked`, then names the problem)."""
-    try:
-        head = zlib.decompressobj(_GZIP_WBITS).decompress(first, NIFTI_HEADER_BYTES)
-    except zlib.error:
-        return None
-    return head if len(head) == NIFTI_HEADER_BYTES else None
 
 
 def _read_uncompressed(where: str, file, size: int) -> bytes:
