@@ -560,3 +560,32 @@ def test_a_large_nii_gz_is_refused_from_its_first_mib_without_reading_the_rest(t
         f"case c: file padded.nii.gz: {512 * 2**20} bytes compressed for the 864 bytes its header declares; the file "
         "is damaged and is not read",
         "case c: file garbage.nii.gz: not a NIfTI file (no gzip header in a .gz file)"]
+
+
+def test_sigterm_to_the_whole_group_while_workers_prepare_the_data_is_exit_130_without_a_traceback(bundle, tmp_path):
+    """`docker stop` on a container whose main process leads the group, or a shell's kill of the job: the prepare
+    workers die with the main process; their broken pool is the same stop (exit 130, one line), not a traceback."""
+    from brats_swap.data.phantom import synthesize_dataset
+
+    synthesize_dataset(tmp_path / "data", 6, seed=0, edition="met", shape=(64, 64, 48))
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "brats_swap", "train-challenge", "--model", str(bundle), "--data",
+                                str(tmp_path / "data"), "--output", str(tmp_path / "out"), "--device", "cpu"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not process.stdout.readline().startswith("card:"):
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
+        time.sleep(1.0)  # the workers are starting (each imports torch) or preparing
+        sent = time.monotonic()
+        os.killpg(process.pid, signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert time.monotonic() - sent < 15
+    assert process.returncode == 130, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err and "BrokenProcessPool" not in err, err[-3000:]
+    assert "SIGTERM" in errors[0] and "run the same command again" in errors[0], errors
