@@ -103,3 +103,19 @@ def user_message(exc: BaseException) -> str:
     last = [line for line in text.splitlines() if line.strip()][-1]
     prefix = f"{type(exc).__module__}.{type(exc).__qualname__}: "
     return last[len(prefix):] if last.startswith(prefix) else last
+
+
+def case_problem(case_id: str, exc: BaseException) -> str | None:
+    """The one line that skips a case, for `exc` raised while that case was read or segmented; None when `exc`
+    must stop the command instead. A case's problem is a DataError, or any exception that is not the project's
+    own (a RecursionError from a file nested too deeply, a library's error on a strange file): the case is
+    skipped and the others go on (`data check`, `data prepare`, `predict`, `serve-challenge`). Not a case's
+    problem: the project's other errors (a config value, a full disk: every case would fail alike) and running
+    out of memory (the machine's limit, exit 3 with advice; what one case may take is priced before it is read),
+    on the host (MemoryError) or on the card (torch's OutOfMemoryError, matched by name: no torch import here)."""
+    if isinstance(exc, DataError):
+        return str(exc)
+    if (not isinstance(exc, Exception) or isinstance(exc, BratsSwapError | MemoryError)
+            or type(exc).__name__ == "OutOfMemoryError"):
+        return None
+    return f"case {case_id}: {type(exc).__name__}: {' '.join(str(exc).split())[:200] or 'no message'}"

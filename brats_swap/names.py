@@ -10,6 +10,9 @@ module is the one place that decides (rule numbers are cited where the rules are
    must stay inside the folder it was built in (`path_inside`, `relative_path_inside`).
 3. Text written into a generated script, Dockerfile or README holds no control character (newline
    included); shell words go through `shlex.quote` (`script_text`, `shell_word`).
+4. A name printed on the terminal or in a log is shown as itself when it follows rule 1, else as its `repr`
+   (`shown`), and a line that quotes a file's text has its control characters escaped (`printable`): a
+   folder named "x\nerror: all done" cannot start a line of its own, nor a terminal escape rewrite one.
 
 Every refusal is one `DataError` line naming the file the value came from and the problem (exit 1).
 """
@@ -51,6 +54,16 @@ def name_problem(value: object) -> str | None:
     if not _NAME.fullmatch(value):
         return f"may only use {NAME_CHARACTERS} and must start with a letter or digit"
     return None
+
+
+def shown(name: object) -> str:
+    """`name` as it may be printed (rule 4): itself when it is a valid name, else its `repr`."""
+    return name if isinstance(name, str) and name_problem(name) is None else repr(name)
+
+
+def printable(line: str) -> str:
+    """`line` with each control character (newline, carriage return, escape, ...) written as its escape (rule 4)."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], line)
 
 
 def checked_name(value: object, what: str, source: str | Path) -> str:

@@ -8,8 +8,9 @@
 after it; handlers can only be installed from the main thread, so elsewhere it installs nothing and the
 signals keep their previous meaning. A handler writes with `say` (os.write), not through the console:
 it may run while the console holds its lock. `ignore(signals)` is for child processes whose parent
-decides when to stop (cross-validation's fold workers and followers, DataLoader workers): the signals
-that reach the whole process group must not kill them under the parent.
+decides when to stop (cross-validation's fold workers and followers, DataLoader workers, the data preparation's
+workers): the signals that reach the whole process group must not kill them under the parent; `held_back`
+keeps them from a worker that is still starting.
 """
 
 from __future__ import annotations
@@ -44,6 +45,22 @@ def handled(signals: Iterable[int], handler: Handler) -> Iterator[bool]:
     finally:
         for sig, before in previous.items():
             signal.signal(sig, before)
+
+
+@contextlib.contextmanager
+def held_back(signals: Iterable[int] = SCHEDULER_SIGNALS) -> Iterator[None]:
+    """In the block, `signals` wait (blocked, not lost) and arrive at its end. For starting worker processes
+    that `ignore` them: a child starts with its parent's blocked signals, so one sent to the whole group while
+    the child still imports cannot kill it before it ignores them. Main thread only; elsewhere nothing is held."""
+    signals = tuple(signals)
+    if not on_main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def ignore(signals: Iterable[int] = STOP_SIGNALS) -> None:

@@ -24,10 +24,20 @@ from brats_swap.config.networks import (
     foreign_model_keys,
     input_size_problem,
 )
-from brats_swap.config.schema import Config, DataConfig, MemoryConfig, ModelConfig
+from brats_swap.config.schema import (
+    INTEGER_LIMITS,
+    INTEGER_MAGNITUDE,
+    Config,
+    DataConfig,
+    MemoryConfig,
+    ModelConfig,
+)
 from brats_swap.errors import ConfigError
+from brats_swap.foreign_files import parse_yaml, read_text
 from brats_swap.names import name_problem
 
+# A config is a few kilobytes; a file far larger is not one.
+MAX_CONFIG_BYTES = 2**20
 # Keys that older configs used, with what replaced them (a config that still sets one is told how to move).
 RETIRED_KEYS = {
     "train.monai_augment": "replaced by train.augment: the MONAI set is train.augment: mild (it no longer adds to "
@@ -117,33 +127,17 @@ def _derive_unset(config: Config, raw: dict[str, Any]) -> None:
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A config file's mapping: a regular UTF-8 file, YAML nested at most MAX_NESTING levels, no key twice
+    (`brats_swap.foreign_files`); ConfigError in one line naming the file otherwise."""
     file = Path(path)
-    if not file.is_file():
+    if not file.exists():
         raise ConfigError(f"{file}: config file not found")
-    try:
-        loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: not valid YAML{_yaml_problem(exc)}") from exc
+    loaded = parse_yaml(read_text(file, ConfigError, MAX_CONFIG_BYTES, "config file"), str(file), ConfigError)
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{file}: a config must be a mapping of sections, got {type(loaded).__name__}")
     return loaded
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """The parser's reason and position: " at line L, column C: <problem> (while <context> that starts at line
-    L, column C)"; PyYAML counts lines and columns from 0."""
-    def at(mark: Any) -> str:
-        return f"line {mark.line + 1}, column {mark.column + 1}"
-
-    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
-    text = f" at {at(mark)}" if mark is not None else ""
-    text += f": {' '.join(str(problem).split())}" if problem else ""
-    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if context and context_mark is not None:
-        text += f" ({' '.join(str(context).split())} that starts at {at(context_mark)})"
-    return text
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -155,9 +149,10 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override {item!r}: empty key")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override {key}: cannot parse value {text!r}") from exc
+        value = parse_yaml(text, f"override {key}", ConfigError) if text.strip() else ""
+    except ConfigError as exc:
+        shown = text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+        raise ConfigError(f"override {key}: cannot parse value {shown!r} ({str(exc).split(': ', 1)[-1]})") from exc
     return key, value
 
 
@@ -227,10 +222,13 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected true or false, got {_describe(value)}")
     if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INTEGER_MAGNITUDE:
+                raise ConfigError(f"{key}: {_digits(value)} is beyond any value this key can take "
+                                  f"(at most {INTEGER_MAGNITUDE:.3g} in size)")
+            return value
         raise ConfigError(f"{key}: expected an integer, got {_describe(value)}")
     if annotation is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -248,6 +246,24 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             return str(value)
         raise ConfigError(f"{key}: expected a string, got {_describe(value)}")
     raise ConfigError(f"{key}: unsupported type {annotation!r}")  # a schema bug, not a user error
+
+
+def _digits(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 20 else f"a {len(text)}-digit integer"
+
+
+def _check_integer_limits(config: Config) -> None:
+    """Each key of INTEGER_LIMITS at most its limit (each item of a list key); the seed 0 or more."""
+    _require(config.seed >= 0, "seed", f"must be 0 or more, got {config.seed}")
+    for key, limit in INTEGER_LIMITS.items():
+        value: Any = config
+        for part in key.split("."):
+            value = getattr(value, part)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and item > limit:
+                raise ConfigError(f"{key}: {item} is more than {limit:,}, the most this key takes "
+                                  "(docs/configs.md#limits)")
 
 
 def _describe(value: Any) -> str:
@@ -295,6 +311,7 @@ def validate_config(config: Config) -> None:
     """Impossible values, each named by its dotted key."""
     require = _require
     data, train, model = config.data, config.train, config.model
+    _check_integer_limits(config)
     require(len(data.cube) == 3 and all(s > 0 for s in data.cube), "data.cube", f"expected 3 positive sizes, got {data.cube}")
     check_network_keys(model, require)
     # A patch-trained network sees the cube through a sliding window of patches: only isensee2017 (whose

@@ -189,3 +189,30 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     cv: CVConfig = field(default_factory=CVConfig)
+
+
+# The largest value of each integer key (dotted; a list key bounds each of its items). Far above any real run,
+# and low enough that what follows from a value (a batch of volumes, a schedule, a pool of workers, a network
+# input) cannot overflow an integer or ask for memory without end: `train.batch_size: 1e30` is refused here, not
+# deep inside torch. Every other integer key is bounded by INTEGER_MAGNITUDE. docs/configs.md lists them.
+INTEGER_LIMITS: dict[str, int] = {
+    "seed": 2**32 - 1,  # numpy's seeds are 32-bit
+    "data.cube": 1024,
+    "data.prepare_workers": 256,
+    "data.loader_workers": 256,
+    "data.synth.cases": 100_000,
+    "data.synth.shape": 1024,
+    "train.patch": 1024,
+    "train.batch_size": 1024,
+    "train.val_batch_size": 1024,
+    "train.patches_per_case": 1024,
+    "train.max_epochs": 100_000,
+    "train.steps_per_epoch": 10_000_000,
+    "train.val_every": 100_000,
+    "train.early_stop_patience": 100_000,
+    "train.plateau_patience": 100_000,
+    "train.threads": 1024,
+    "evaluate.sw_batch_size": 1024,
+    "cv.folds": 100,
+}
+INTEGER_MAGNITUDE = 2**53  # integers a float64 holds exactly

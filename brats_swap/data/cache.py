@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 import uuid
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -41,11 +42,12 @@ from typing import Any
 import numpy as np
 from rich.progress import Progress
 
+from brats_swap import stop_signals
 from brats_swap.atomic import atomic_save_npy, atomic_write_json, remove_stale_temp_files
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
-from brats_swap.errors import DataError
+from brats_swap.errors import DataError, case_problem
 from brats_swap.names import name_problem, path_inside
 from brats_swap.progress import progress_bar
 
@@ -188,9 +190,10 @@ def prepare_missing(data_cfg, workers: int | None = None, progress: bool = True)
 def _prepare_in_pool(todo, cache_dir: Path, settings: dict, workers: int, finished, advance) -> None:
     # spawn, not fork: a forked child of a process that already ran torch/OpenMP threads can hang.
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker) as pool:
-        pending: set[Future] = {pool.submit(prepare_one, case, str(cache_dir), settings, sources)
-                                for case, sources in todo}
+        pending: set[Future] = set()
         try:
+            with stop_signals.held_back():  # the workers start here (see _init_worker)
+                pending = {pool.submit(prepare_one, case, str(cache_dir), settings, sources) for case, sources in todo}
             while pending:
                 done, pending = wait_futures(pending, return_when="FIRST_COMPLETED")
                 for future in done:
@@ -207,8 +210,11 @@ def prepare_one(case: Case, cache_dir: str, settings: dict, sources: dict) -> tu
     try:
         loaded = load_case(case, tuple(settings["modalities"]))
         image, label, meta = preprocess_case(loaded, settings)
-    except DataError as exc:
-        return case.case_id, str(exc), None
+    except Exception as exc:  # one case's files never stop the others (errors.case_problem)
+        problem = case_problem(case.case_id, exc)
+        if problem is None:
+            raise
+        return case.case_id, problem, None
     meta["sources"] = sources
     meta["image_dtype"] = str(image.dtype)
     write_entry(Path(cache_dir), case.case_id, image, label, meta)
@@ -410,6 +416,10 @@ def _init_worker() -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core already; more threads would oversubscribe
+    # A scheduler's SIGTERM to the whole group (`docker stop`, a shell's kill) is the parent's to act on; a worker
+    # it killed would break the pool under the parent's own orderly stop.
+    stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals.SCHEDULER_SIGNALS)  # held back while it started
 
 
 def _progress_bar(enabled: bool) -> Progress:

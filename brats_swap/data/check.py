@@ -12,7 +12,7 @@ from brats_swap.data.challenges import CANONICAL_MODALITIES, get_challenge
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.nifti import is_foreign_labels, load_case
 from brats_swap.data.preprocess import cropped_label_voxels, describe_cropped
-from brats_swap.errors import DataError
+from brats_swap.errors import case_problem
 
 UNLABELLED_NOTE = "no segmentation: for prediction only"
 
@@ -54,8 +54,10 @@ def check_dataset(root: str | os.PathLike, edition: str = "auto",
             result.notes.extend(f"ignored {p.name}" for p in case.ignored)
             try:
                 loaded = load_case(case, tuple(modalities))
-            except DataError as exc:
-                result.problem = str(exc)
+            except Exception as exc:  # one case's files never stop the check of the others (errors.case_problem)
+                result.problem = case_problem(case.case_id, exc)
+                if result.problem is None:
+                    raise
             else:
                 result.shape = loaded.shape
                 result.spacing = loaded.spacing

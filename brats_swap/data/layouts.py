@@ -17,16 +17,19 @@ file happens to hold. `brats_swap.data.discovery` turns what this module reads i
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from brats_swap.data.challenges import ChallengeSpec, label_map_from_names
 from brats_swap.errors import BratsSwapError, DataError
+from brats_swap.foreign_files import parse_json, read_text
 from brats_swap.names import checked_name, relative_path_inside
 
 DATASET_JSON = "dataset.json"
+# The largest label value a dataset.json may declare: any integer type a segmentation is stored in holds it;
+# beyond it a value is a damaged or hostile file, not a label.
+MAX_LABEL_VALUE = 2**31 - 1
 LAYOUT_FOLDERS = ("imagesTr", "labelsTr", "imagesTs")
 # Channel names datasets use (compared lower case, without spaces, "-" or "_"), per canonical modality.
 CHANNEL_NAMES: dict[str, tuple[str, ...]] = {
@@ -138,8 +141,12 @@ def declared_labels(description: Path, labels) -> dict[str, tuple[int, ...]]:
         else:
             for name, values in labels.items():
                 declared[str(name)] = tuple(int(v) for v in (values if isinstance(values, list | tuple) else [values]))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise DataError(f"{description}: labels: expected integer values ({exc})") from exc
+    beyond = [v for values in declared.values() for v in values if not 0 <= v <= MAX_LABEL_VALUE]
+    if beyond:
+        raise DataError(f"{description}: labels: value {beyond[0]} outside 0..{MAX_LABEL_VALUE}, the values a "
+                        "segmentation file can hold as labels")
     return declared
 
 
@@ -206,10 +213,7 @@ def _listed_case(folder: Path, description: Path, case_id: str, entry, modalitie
 def read_json_object(path: Path, error: type[BratsSwapError] = DataError) -> dict:
     """A JSON file that must hold an object (`dataset.json`, nnU-Net's `plans.json`); `error` (one line naming
     the file) when it cannot be read, is not JSON or holds something else."""
-    try:
-        record = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise error(f"{path}: unreadable ({exc})") from exc
+    record = parse_json(read_text(path, error, what="JSON file"), str(path), error)
     if not isinstance(record, dict):
         raise error(f"{path}: expected a JSON object, got {type(record).__name__}")
     return record

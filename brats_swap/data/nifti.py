@@ -11,11 +11,17 @@ and nibabel parses the checked bytes. nibabel on its own reads the voxels withou
 so a flipped bit in the compressed stream would decode silently to different voxels; here it is a
 `DataError` ("damaged gzip data") and the file is never used.
 
-Size. Files come from someone else, so the header is read first (the first bytes inflated, or read, alone)
-and what it declares (voxel offset + voxels) bounds everything after it: a header declaring more than
-MAX_VOLUME_BYTES is refused before any voxel is inflated, and inflating stops at the declared size (plus
-TRAILING_BYTES_ALLOWED): a small `.nii.gz` that would unpack to gigabytes is refused having allocated about
-its header's size.
+Size. Files come from someone else, so only a regular file is read (after following links: a FIFO would
+block forever, a device such as /dev/zero never ends, and both report no size), through one open file whose
+kind is checked on the open descriptor itself, and never more bytes than the file held when it was opened.
+The header is read first (the first bytes inflated, or read, alone) and what it declares (voxel offset +
+voxels) bounds everything after it: a header declaring more than MAX_VOLUME_BYTES is refused before any
+voxel is inflated, and inflating stops at the declared size (plus TRAILING_BYTES_ALLOWED): a small `.nii.gz`
+that would unpack to gigabytes is refused having allocated about its header's size. What decoding costs is
+priced from the same header before anything else is allocated (`decoded_bytes`: the compressed bytes, the
+inflated bytes, nibabel's copy of them, its float64 scaling intermediate and the float32 array) and refused
+above MAX_DECODED_BYTES. A `.nii.gz` much larger than the bytes its header declares is refused before it is
+read whole (deflate never expands data by more than ~0.1%).
 
 Labels. A segmentation may hold only the values of its case's table (`brats_swap.data.challenges`);
 anything else is refused with the values, the table checked and the config keys that choose another. A
@@ -42,12 +48,23 @@ from brats_swap.atomic import atomic_write_bytes
 from brats_swap.data.challenges import CANONICAL_MODALITIES, MODERN_CHALLENGES, ChallengeSpec, get_challenge
 from brats_swap.data.discovery import SEG, Case
 from brats_swap.errors import DataError
+from brats_swap.foreign_files import open_regular
 
 # Affines of one case's files may differ by float noise from resampling tools; more than this is a
 # different grid. 1e-3 mm is far below a voxel and far above float32 round-off of a 240 mm offset.
 AFFINE_TOLERANCE = 1e-3
 # A BraTS volume is ~9 M voxels (35 MB as float32); a header declaring more than this is damaged.
 MAX_VOLUME_BYTES = 4 * 2**30
+# What reading one file may cost in memory, all copies counted (`decoded_bytes`): 2 GiB holds a 0.5 mm 7 T
+# volume (400x400x300 float32, ~1.2 GiB priced) with room; a 512^3 uint8 header (2.25 GiB priced) is refused.
+MAX_DECODED_BYTES = 2 * 2**30
+# Per voxel, besides twice the stored bytes (the inflated payload and nibabel's copy): the float32 array and
+# the float64 intermediate nibabel makes while scaling (measured: at most 2 x itemsize + 15 B, uint8 scaled).
+_DECODING_BYTES_PER_VOXEL = 16
+# Deflate's worst case is stored blocks (5 bytes per 65535); gzip headers, trailers and zero padding add a few
+# bytes. A .nii.gz larger than this share of what its header declares (plus the trailing allowance) is not a
+# compressed NIfTI of that header.
+_DEFLATE_EXPANSION = 1.001
 # Bytes a file may hold after the voxels its header declares (ignored, but inflated to check the CRC): writers
 # end the file at the last voxel, so anything near this size is another file's data, not padding.
 TRAILING_BYTES_ALLOWED = 2**20
@@ -150,11 +167,12 @@ def read_volume(case_id: str, path: Path, as_float: bool = True,
         reason = "permission denied" if path.exists() else "file not found"
         raise DataError(f"{where}: {reason}")
     try:
-        if path.name.endswith(".gz"):
-            _check_stored_size(where, path)
-            payload = gunzip_checked(where, _read_bytes(path))
-        else:
-            payload = _read_uncompressed(where, path)
+        with open_regular(path, where, what="file") as file:
+            size = os.fstat(file.fileno()).st_size
+            if path.name.endswith(".gz"):
+                payload = gunzip_checked(where, _read_compressed(where, file, size))
+            else:
+                payload = _read_uncompressed(where, file, size)
     except OSError as exc:
         raise DataError(f"{where}: unreadable ({_short(exc)})") from exc
     img = _image_from_bytes(where, payload)
@@ -168,6 +186,7 @@ def read_volume(case_id: str, path: Path, as_float: bool = True,
     elif len(shape) != 3:
         raise DataError(f"{where}: {len(img.shape)}D image of shape {_fmt(img.shape)}, expected one 3D volume")
     _check_declared_size(where, len(payload), img)
+    _check_geometry(where, img)
     if np.issubdtype(img.get_data_dtype(), np.complexfloating):
         raise DataError(f"{where}: complex-valued voxels ({img.get_data_dtype()}), expected a real-valued volume")
     try:
@@ -184,7 +203,7 @@ def gunzip_checked(where: str, stored: bytes) -> bytes:
     MAX_VOLUME_BYTES, more bytes than the header declares."""
     stream = _GzipStream(where, stored)
     head = stream.read(NIFTI_HEADER_BYTES)
-    limit = declared_file_bytes(where, head) + TRAILING_BYTES_ALLOWED
+    limit = declared_file_bytes(where, head, stored=len(stored)) + TRAILING_BYTES_ALLOWED
     payload = head + stream.read(limit + 1 - len(head))
     if len(payload) > limit:
         raise DataError(f"{where}: decompresses to more than the {limit - TRAILING_BYTES_ALLOWED} bytes its header "
@@ -231,17 +250,19 @@ class _GzipStream:
             self._ended = True
 
 
-def declared_file_bytes(where: str, head: bytes) -> int:
+def declared_file_bytes(where: str, head: bytes, stored: int = 0) -> int:
     """The bytes a single-file NIfTI holds by the header at the start of `head` (its voxel offset plus the
-    voxels it declares); DataError when `head` starts with no NIfTI header, or one declaring more than
-    MAX_VOLUME_BYTES of voxels."""
+    voxels it declares); DataError when `head` starts with no NIfTI header, one declaring more than
+    MAX_VOLUME_BYTES of voxels, or one whose decoding (`decoded_bytes`, with `stored` compressed bytes) would
+    cost more than MAX_DECODED_BYTES."""
     for header_class in (nib.Nifti2Header, nib.Nifti1Header):
         size = header_class.template_dtype.itemsize
         if len(head) >= size and header_class.may_contain_header(head[:size]):
             try:
                 header = header_class(head[:size], check=False)
                 shape = tuple(int(s) for s in header.get_data_shape())
-                voxels = int(np.prod(shape, dtype=object)) * header.get_data_dtype().itemsize
+                count = int(np.prod(shape, dtype=object))
+                voxels = count * header.get_data_dtype().itemsize
                 offset = int(header.get_data_offset())
             except KeyError as exc:
                 raise DataError(f"{where}: unreadable (unknown NIfTI datatype code {exc})") from exc
@@ -254,27 +275,42 @@ def declared_file_bytes(where: str, head: bytes) -> int:
             if total > MAX_VOLUME_BYTES:
                 raise DataError(f"{where}: header declares {total} bytes (voxels from byte {offset}), more than any "
                                 "MRI volume; the header is damaged")
+            cost = decoded_bytes(total, max(count, 0), stored)
+            if cost > MAX_DECODED_BYTES:
+                raise DataError(f"{where}: header declares a {_fmt(shape)} image of {header.get_data_dtype()}, "
+                                f"{cost / 2**30:.3g} GiB to decode (the copies and the float32 array), more than the "
+                                f"{MAX_DECODED_BYTES / 2**30:g} GiB allowed for one volume; the file is not read")
             return total
     raise DataError(f"{where}: not a NIfTI file (no NIfTI-1 or NIfTI-2 header)")
 
 
-def _check_stored_size(where: str, path: Path) -> None:
-    # Deflate never makes data much larger, so a .gz this big cannot hold an image under the cap.
-    size, limit = os.stat(path).st_size, MAX_VOLUME_BYTES + TRAILING_BYTES_ALLOWED
-    if size > limit:
+def decoded_bytes(file_bytes: int, voxels: int, stored: int = 0) -> int:
+    """The memory reading one NIfTI may take at its peak, from its header: the `stored` (compressed) bytes, the
+    `file_bytes` it inflates to and nibabel's copy of them, and `_DECODING_BYTES_PER_VOXEL` per voxel."""
+    return stored + 2 * file_bytes + _DECODING_BYTES_PER_VOXEL * voxels
+
+
+def _read_compressed(where: str, file, size: int) -> bytes:
+    """A `.nii.gz`'s bytes (`size` of them, as the open file's descriptor said). Its first MiB is read alone and
+    its header inflated from it: a file that has none there, or is larger than any compressed form of what the
+    header declares, is refused before the rest is read."""
+    if size > MAX_VOLUME_BYTES + TRAILING_BYTES_ALLOWED:
         raise DataError(f"{where}: {size} bytes compressed, more than any MRI volume; the file is not read")
+    first = file.read(min(size, TRAILING_BYTES_ALLOWED))
+    head = _GzipStream(where, first).read(NIFTI_HEADER_BYTES)
+    if len(head) < NIFTI_HEADER_BYTES:  # the stream ended within its first MiB: a tiny image, whole in `first`
+        return first
+    declared = declared_file_bytes(where, head, stored=size)
+    if size > declared * _DEFLATE_EXPANSION + 2 * TRAILING_BYTES_ALLOWED:
+        raise DataError(f"{where}: {size} bytes compressed for the {declared} bytes its header declares; the "
+                        "file is damaged and is not read")
+    return first + file.read(size - len(first))
 
 
-def _read_bytes(path: Path) -> bytes:
-    with open(path, "rb") as file:
-        return file.read()
-
-
-def _read_uncompressed(where: str, path: Path) -> bytes:
+def _read_uncompressed(where: str, file, size: int) -> bytes:
     """A `.nii`'s header and the bytes it declares, no more (what follows is not read)."""
-    with open(path, "rb") as file:
-        head = file.read(NIFTI_HEADER_BYTES)
-        return head + file.read(max(declared_file_bytes(where, head) - len(head), 0))
+    head = file.read(min(NIFTI_HEADER_BYTES, size))
+    return head + file.read(min(max(declared_file_bytes(where, head) - len(head), 0), size - len(head)))
 
 
 def _image_from_bytes(where: str, payload: bytes):
@@ -287,6 +323,24 @@ def _image_from_bytes(where: str, payload: bytes):
             except _NIBABEL_ERRORS as exc:
                 raise DataError(f"{where}: unreadable ({_short(exc)})") from exc
     raise DataError(f"{where}: not a NIfTI file (no NIfTI-1 or NIfTI-2 header)")
+
+
+def _check_geometry(where: str, img) -> None:
+    """The affine (and every set sform/qform) and the voxel spacing must be finite, the spacing positive: a NaN
+    compares False with any tolerance, so it would pass the same-grid check and land in meta.json."""
+    header = img.header
+    forms = [("affine", img.affine)]
+    for name in ("sform", "qform"):
+        matrix, code = getattr(header, f"get_{name}")(coded=True)
+        if code and matrix is not None:
+            forms.append((name, matrix))
+    for name, matrix in forms:
+        if not np.isfinite(np.asarray(matrix, dtype=np.float64)).all():
+            raise DataError(f"{where}: non-finite values (NaN or infinity) in the {name}; the header is damaged")
+    zooms = np.asarray(header.get_zooms()[:3], dtype=np.float64)
+    if not (np.isfinite(zooms).all() and (zooms > 0).all()):
+        raise DataError(f"{where}: voxel spacing {'x'.join(str(float(z)) for z in zooms)} (pixdim) is not three "
+                        "positive finite numbers; the header is damaged")
 
 
 def _check_declared_size(where: str, available_bytes: int, img) -> None:
@@ -380,10 +434,13 @@ def to_table_values(where: str, raw: np.ndarray, label_map: dict[int, int | None
     if absent:
         raise DataError(f"{where}: label {absent[0]} of {source} names a class the {spec.key} table lacks "
                         f"({spec.describe_labels()}); set data.challenge to the challenge with that class")
-    lookup = np.zeros(max([*values, 0]) + 1, dtype=np.uint8)
-    for value in values:
-        lookup[value] = label_map[value]
-    return lookup[np.asarray(raw).astype(np.int64)]
+    # A table indexed by the declared values themselves, not by a lookup array as long as the largest value: a
+    # dataset.json may declare 2^40 (the values present are all declared, so each is found here).
+    present = np.array([0, *values], dtype=np.int64)
+    table = np.array([0, *(label_map[value] for value in values)], dtype=np.uint8)
+    order = np.argsort(present)
+    flat = np.asarray(raw).astype(np.int64)
+    return table[order][np.searchsorted(present[order], flat)]
 
 
 def from_table_values(label: np.ndarray, label_map: dict[int, int | None] | None) -> np.ndarray:

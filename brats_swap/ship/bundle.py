@@ -44,7 +44,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import yaml
 
 from brats_swap.atomic import atomic_path
 from brats_swap.config import Config, config_from_saved
@@ -54,6 +53,7 @@ from brats_swap.data.challenges import get_challenge
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan
 from brats_swap.evaluate.predicting import Predictor, check_one_output_kind, select_folds
+from brats_swap.foreign_files import decode_utf8, parse_json, parse_yaml
 from brats_swap.model.targets import output_names
 from brats_swap.names import checked_name
 from brats_swap.run.device import resolve_device
@@ -256,20 +256,15 @@ class Bundle:
         return PostprocessingPlan.from_dict(self._json(POSTPROCESSING), where=f"{self.path}: {POSTPROCESSING}")
 
     def _json(self, member: str) -> dict:
-        try:
-            record = json.loads(self.members[member])
-        except ValueError as exc:
-            raise CheckpointError(f"{self.path}: {member}: not valid JSON ({exc})") from None
+        where = f"{self.path}: {member}"
+        record = parse_json(decode_utf8(self.members[member], where, CheckpointError), where, CheckpointError)
         if not isinstance(record, dict):
             raise CheckpointError(f"{self.path}: {member}: expected a JSON object, got {type(record).__name__}")
         return record
 
     def _config(self, member: str) -> Config:
         where = f"{self.path}: {member}"
-        try:
-            raw = yaml.safe_load(self.members[member])
-        except yaml.YAMLError as exc:
-            raise CheckpointError(f"{where}: not valid YAML ({_first_line(exc)})") from None
+        raw = parse_yaml(decode_utf8(self.members[member], where, CheckpointError), where, CheckpointError)
         if not isinstance(raw, dict):
             raise CheckpointError(f"{where}: expected a mapping of config sections, got {type(raw).__name__}")
         try:
@@ -352,8 +347,10 @@ def _inflate(path: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> byt
 def _read_metadata(path: Path, archive: zipfile.ZipFile, entries: dict[str, zipfile.ZipInfo]) -> dict:
     if METADATA not in entries:
         raise CheckpointError(f"{path}: {METADATA}: missing; not a brats-swap bundle")
+    where = f"{path}: {METADATA}"
     try:
-        metadata = json.loads(_inflate(path, archive, entries[METADATA]))
+        metadata = parse_json(decode_utf8(_inflate(path, archive, entries[METADATA]), where, CheckpointError), where,
+                              CheckpointError)
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as exc:
         raise CheckpointError(f"{path}: {METADATA}: unreadable ({exc.__class__.__name__}: {exc})") from None
     if not isinstance(metadata, dict) or metadata.get("format") != BUNDLE_FORMAT:

@@ -45,6 +45,7 @@ from brats_swap.data.layouts import (
     read_json_object,
 )
 from brats_swap.errors import CheckpointError, ConfigError
+from brats_swap.foreign_files import open_regular
 from brats_swap.run.checkpoint import save_checkpoint
 from brats_swap.run.folder import RunFolder
 from brats_swap.run.trained import trained_model
@@ -346,8 +347,11 @@ def _load_nnunet_checkpoint(path: Path) -> dict[str, Any]:
     multiarray = (np._core if hasattr(np, "_core") else np.core).multiarray
     allowed = [np.dtype, multiarray.scalar, *{type(np.dtype(t)) for t in ("float64", "float32", "int64")}]
     try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        # A regular file only (a FIFO would block the import, /dev/zero never end: foreign_files.open_regular).
+        with torch.serialization.safe_globals(allowed), open_regular(path, str(path), CheckpointError, "file") as file:
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:  # torch raises many types for unreadable or foreign files
         lines = str(exc).strip().splitlines()  # an empty file's error has no message at all
         raise CheckpointError(f"{path}: unreadable nnU-Net checkpoint ({lines[0][:200] if lines else type(exc).__name__})"

@@ -16,14 +16,17 @@ evaluation, the cv-tuned postprocessing) -> export the new bundle (`ship.bundle.
   epochs (down to half the recipe's), then fewer folds, then fewer epochs again; each change is printed and
   recorded. After the first epoch of the first fold it is made again from the measured steps
   (`check_plan_with_first_epoch`); a change of epochs starts that fold again. Nothing is cut mid-way.
+- The output and the data are apart: an output inside the data (or equal to it), or data inside the output, is
+  refused before anything is written.
 - The run folder is `<output>/run` and its cache `<output>/cache`: a restart of the same command reads the
   recorded plan back (the card is not measured again, so the config is the same) and resumes each fold
   exactly as `train --resume` does.
 - Stops (`_SignalsOutsideTraining`; exit 130, the same command continues; SIGTERM's and SIGUSR1's line is
   `stopped: ...` (`PlannedStop`), Ctrl-C's `error: ...`): SIGTERM or SIGUSR1 (the organisers' runner, a
   scheduler) or Ctrl-C while a fold trains stops at the end of the running step with the checkpoint written
-  (the training loop's own handling); SIGTERM or SIGUSR1 before training (the
-  card measured, the data prepared) stops once that phase is done; once every fold is trained, model.zip is
+  (the training loop's own handling); SIGTERM or SIGUSR1 before training (the card measured) stops once that
+  phase is done, and while the data is prepared at once (the cases prepared so far are kept); once every fold
+  is trained, model.zip is
   finished first (a temporary file renamed onto it: the model already in the output stays whole until then)
   and the call ends as done (exit 0). Ctrl-C outside training stops at once (exit 130); every write is atomic.
 - The plan is `<output>/run/training_plan.json` and goes into the bundle (`configs/training_plan.json`), with
@@ -32,6 +35,7 @@ evaluation, the cv-tuned postprocessing) -> export the new bundle (`ship.bundle.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -356,11 +360,30 @@ class _SignalsOutsideTraining:
     def __init__(self) -> None:
         self.reason: StopReason | None = None
         self.then = "stopping before training, once the data is prepared; the same command continues"
+        self.stopping_now: str | None = None  # while set: the message of the stop raised at once
 
     def __call__(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if self.reason is None:
             self.reason = StopReason.from_signal(signum)
-            stop_signals.say(f"{self.reason}: {self.then}")
+            if self.stopping_now is None:
+                stop_signals.say(f"{self.reason}: {self.then}")
+        if self.stopping_now is not None:
+            raise PlannedStop(f"{self.reason} {self.stopping_now}")
+
+    @contextlib.contextmanager
+    def stop_at_once(self, message: str):
+        """In the block, a signal stops the call at once (PlannedStop "<signal> <message>", exit 130):
+        preparing the data may wait on reading many cases, every write of it is atomic, and the next call
+        prepares what is missing. A failure the signal caused (a pool whose workers it ended) is that stop too."""
+        self.stopping_now = message
+        try:
+            yield
+        except Exception:
+            if self.reason is not None:
+                raise PlannedStop(f"{self.reason} {message}") from None
+            raise
+        finally:
+            self.stopping_now = None
 
 
 def retrain(bundle: Bundle, data: Path, output: Path, *, time_budget_s: float | None = None, device: str = "auto",
@@ -383,6 +406,7 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
 
     if not data.is_dir():
         raise DataError(f"{data}: training data folder not found")
+    _check_apart(data, output)
     output.mkdir(parents=True, exist_ok=True)
     if not os.access(output, os.W_OK | os.X_OK):
         raise DataError(f"{output}: output folder is not writable by uid {os.getuid()}")
@@ -397,7 +421,9 @@ def _retrain(bundle: Bundle, data: Path, output: Path, signals: _SignalsOutsideT
         say(f"{run.training_plan}: continuing with the recorded plan (the card is not measured again)")
     else:
         card = measure_card(device)  # its line is the plan's first (`TrainingPlan.screen`)
-        with shared_files(run.root):
+        with shared_files(run.root), signals.stop_at_once(
+                f"while the data was prepared ({output}/{CACHE_FOLDER} keeps the cases done); run the same command "
+                "again to continue"):
             prepare_run_data(recipe.data, progress=console is not None)
         train_cases, val_cases = _fold_counts(recipe, run, folds)
         plan = plan_training(recipe, card, folds, train_cases, val_cases, time_budget_s)
@@ -494,6 +520,18 @@ def check_plan_with_first_epoch(plan: TrainingPlan, recipe: Config, run: RunFold
     for line in replanned.screen()[1:]:
         say(line)
     return replanned
+
+
+def _check_apart(data: Path, output: Path) -> None:
+    """ConfigError unless the output and the data are apart: the run, cache and model.zip written inside the data
+    would be read as data (and the data is read only), the data inside the output would be the run's to replace."""
+    real_data, real_output = data.resolve(), output.resolve()
+    if real_output == real_data or real_data in real_output.parents:
+        raise ConfigError(f"{output}: the output folder is inside the data folder {data}, which is never written to; "
+                          "give an output folder outside it")
+    if real_output in real_data.parents:
+        raise ConfigError(f"{data}: the data folder is inside the output folder {output}; give an output folder "
+                          "that does not hold the data")
 
 
 def _read_json(path: Path) -> dict:

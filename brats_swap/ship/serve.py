@@ -11,8 +11,14 @@ The contract (BraTS 2025+: a Docker image run with no network, as any uid, with 
 - Any uid, an unwritable HOME: home, torch, matplotlib and cache folders are set under the temporary folder
   (`$TMPDIR`, else /tmp) only when theirs (or, unset, their default under HOME) cannot be written, before
   anything could use them (`ship/writable_folders.py`).
-- Case by case: a broken case (a missing or unreadable image, a folder holding no case) is named and skipped,
-  the others are segmented, and the command then fails (exit 1) naming every failed case.
+- Case by case: a broken case (a missing or unreadable image, a folder holding no case, any exception while it
+  is read or segmented) is named and skipped, the others are segmented, and the command then fails (exit 1)
+  naming every failed case. Names from `/input` are printed so they cannot forge a line (`names.shown`).
+- Case ids are unique: two folders holding the same case id would write one output file twice, so both are
+  refused (each counted as a failed case) and neither is segmented.
+- Priced before the first case (`ship/inference_cost.py`): the memory one case's input, windows and outputs
+  take, against the host's available memory, and the network calls one case makes (windows x mirrors x folds)
+  against MAX_NETWORK_CALLS_PER_CASE; a bundle that cannot fit or finish is refused before anything is read.
 - A time budget for the whole test set (`ship/time_budget.py`): when the cases done so far project past it,
   test-time augmentation is dropped first, then folds, and each change is said.
 """
@@ -30,6 +36,8 @@ from brats_swap.data.discovery import discover_cases
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.predicting import predict_case
+from brats_swap.names import shown
+from brats_swap.ship.inference_cost import check_case_cost
 from brats_swap.ship.time_budget import TimeBudget
 
 
@@ -80,6 +88,7 @@ def serve(predictor, input_dir: Path, output_dir: Path, *, tta: bool = True, tim
     models of `predictor` (`evaluate.predicting.Predictor`); the caller raises on the report's failures."""
     input_dir, output_dir = Path(input_dir), Path(output_dir)
     folders = case_folders(input_dir)
+    check_case_cost(predictor, tta, predictor.description)
     _check_output(input_dir, output_dir)
     config = predictor.config
     failures = CaseFailures(say=say)
@@ -87,13 +96,12 @@ def serve(predictor, input_dir: Path, output_dir: Path, *, tta: bool = True, tim
     folds, written, changes = len(predictor.members), [], []
     say(f"serve-challenge: {len(folders)} case(s) from {input_dir} to {output_dir}; {predictor.description}"
         f"{', 8-mirror TTA' if tta else ''}; device {predictor.device}")
-    for folder in folders:
+    for folder, case in _unique_cases(folders, config, failures):
         started = time.monotonic()
         with failures.case(folder.name):
-            case = _one_case(folder, config)
             written.append(predict_case(case, config, predictor.members[:folds], predictor.device, output_dir,
                                         tta=tta, plan=predictor.plan, probabilities=False, say=None))
-            say(f"{case.case_id}: {time.monotonic() - started:.1f} s ({folds} fold(s){', TTA' if tta else ''})")
+            say(f"{shown(case.case_id)}: {time.monotonic() - started:.1f} s ({folds} fold(s){', TTA' if tta else ''})")
         if budget is not None:
             tta, folds, change = budget.after_case(time.monotonic() - started, tta, folds)
             if change is not None:
@@ -102,10 +110,29 @@ def serve(predictor, input_dir: Path, output_dir: Path, *, tta: bool = True, tim
     return ServeReport(written, failures, changes, len(folders))
 
 
+def _unique_cases(folders: list[Path], config, failures: CaseFailures) -> list[tuple[Path, object]]:
+    """Each folder's one case, in order; a folder that holds none (or several) is a failure, and so is every
+    folder whose case id another folder also holds (which of them would be the output file?)."""
+    found: list[tuple[Path, object]] = []
+    for folder in folders:
+        with failures.case(folder.name):
+            found.append((folder, _one_case(folder, config)))
+    holders: dict[str, list[Path]] = {}
+    for folder, case in found:
+        holders.setdefault(case.case_id, []).append(folder)
+    for case_id, where in holders.items():
+        if len(where) > 1:
+            names = ", ".join(shown(folder.name) for folder in where)
+            for folder in where:
+                failures.add(folder.name, f"case {shown(case_id)}: held by {len(where)} input folders ({names}); "
+                                          "each case id must be in one folder, so none of them is segmented")
+    return [(folder, case) for folder, case in found if len(holders[case.case_id]) == 1]
+
+
 def _one_case(folder: Path, config):
     """The one case of a case folder, read with the bundle's modalities and label table."""
     cases = discover_cases(folder, config.data.edition, config.data.modalities, config.data.challenge)
     if len(cases) != 1:
-        raise DataError(f"case {folder.name}: the folder holds {len(cases)} cases "
-                        f"({', '.join(c.case_id for c in cases[:3])}); expected one")
+        raise DataError(f"case {shown(folder.name)}: the folder holds {len(cases)} cases "
+                        f"({', '.join(shown(c.case_id) for c in cases[:3])}); expected one")
     return cases[0]

@@ -92,22 +92,22 @@ def test_unreadable_file(one_case, monkeypatch):
 
     root, case_id = one_case
     denied = root / case_id / f"{case_id}_t2.nii.gz"
-    real_access, real_read = nifti.os.access, nifti._read_bytes
+    real_access, real_open = nifti.os.access, nifti.open_regular
 
     def access(path, mode, *args, **kwargs):
         return False if str(path) == str(denied) else real_access(path, mode, *args, **kwargs)
 
-    def read(path):
+    def open_file(path, *args, **kwargs):
         if str(path) == str(denied):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return real_read(path)
+        return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(nifti.os, "access", access)
     error_line(invoke("data", "check", "--strict", root), EXIT_BAD_INPUT, f"case {case_id}", denied.name,
                "permission denied")
     # Past the access check (e.g. a file that changed in between), the read's own PermissionError is reported too.
     monkeypatch.setattr(nifti.os, "access", real_access)
-    monkeypatch.setattr(nifti, "_read_bytes", read)
+    monkeypatch.setattr(nifti, "open_regular", open_file)
     error_line(invoke("data", "check", "--strict", root), EXIT_BAD_INPUT, f"case {case_id}", denied.name,
                "ermission denied")
 
