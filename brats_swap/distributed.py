@@ -258,9 +258,11 @@ def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
     """DistributedDataParallel around `model` when distributed; the model itself otherwise.
 
     - `device_ids=[local GPU]` on CUDA (one device per process), None on CPU/gloo.
-    - `find_unused_parameters=False`: every parameter of the U-Net (encoder, decoder and all deep-
-      supervision segmentation layers) takes part in every forward, so the reducer need not walk the
-      autograd graph after each forward to find unused ones (tests/test_distributed.py checks this).
+    - `find_unused_parameters=False`: every parameter that requires a gradient, of every network with deep
+      supervision on or off, takes part in every training forward (heads the loss does not use are frozen
+      where they are built, model/networks.py), so the reducer need not walk the autograd graph after each
+      forward to find unused ones (tests/test_distributed.py checks each network, tests/test_ddp_networks.py
+      trains each on 1 and 2 gloo ranks).
     - `gradient_as_bucket_view=True`: gradients live in DDP's communication buckets, saving one copy of
       the gradients on the device.
     - Gradient all-reduce and the memory engine do not wait on each other: DDP registers hooks on the
