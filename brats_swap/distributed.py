@@ -47,6 +47,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from brats_swap import stop_signals
 from brats_swap.errors import ConfigError
+from brats_swap.memory import cuda_device
 from brats_swap.run.device import resolve_device
 
 T = TypeVar("T")
@@ -118,7 +119,7 @@ def init_distributed(device_pref: str = "auto", *, timeout_minutes: float = 30.0
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        cuda_device.use_device(device)
         kwargs["device_id"] = device  # binds the communicator to this GPU (no guessing in barrier())
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
