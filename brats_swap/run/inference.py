@@ -50,7 +50,8 @@ def predict_sliding_window(
 
     with autocast_context(device, amp):
         probs = sliding_window_inference(
-            images.float(),  # MONAI stitches in the input's dtype: float32, never the cache's float16 roi_size=tuple(roi_size), sw_batch_size=sw_batch_size, predictor=model, overlap=overlap,
+            images.float(),  # MONAI stitches in the input's dtype: float32, never the cache's float16
+            roi_size=tuple(roi_size), sw_batch_size=sw_batch_size, predictor=model, overlap=overlap,
             mode=blend, sw_device=device, device=torch.device("cpu"),
         )
     return torch.as_tensor(probs).float()
