@@ -1,5 +1,7 @@
-"""GPU acceptance check of the memory engine, one shot: at most 7 minutes on one H200, JSON written after
-every stage, a single summary line last, exit code 1 when a stage failed.
+"""GPU acceptance check of the memory engine, one shot: at most 8 minutes on one H100/H200, JSON written after
+every stage, a single summary line last, exit code 1 when a stage failed. Sizes below are the largest; before
+any stage they are fitted to the card's memory and the host's available memory (`fit_sizes`, down to the
+A10G 24 GB / 32 GiB host floor), and what that changed or skipped is printed and written (docs/gpu.md).
 
     .venv/bin/python scripts/gpu_check.py                       # one CUDA GPU -> docs/benchmarks/gpu/
     .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gc   # the same stages, tiny, on the CPU
@@ -17,7 +19,7 @@ measurements at the deadline and lists what it skipped):
    a missing wait would read unfinished data. Deterministic kernels are asked for explicitly
    (`torch.use_deterministic_algorithms`, cuDNN deterministic, `CUBLAS_WORKSPACE_CONFIG`) for this stage
    only; if plain PyTorch does not repeat itself bit for bit the stage is "inconclusive", not failed.
-4. `peak`: under a 16 GiB cap (`torch.cuda.set_per_process_memory_fraction`, after `empty_cache`),
+4. `peak`: under a cap of at most 16 GiB (`cuda_device.memory_cap`), each row planned for the cap,
    192³ batch 1 and 2, every policy (none, the presets, the planner's auto plan for 16 GiB):
    `torch.cuda.max_memory_allocated` and `max_memory_reserved` after a warm-up step against the
    planner's prediction, with the default allocator and with `expandable_segments:True`; out of memory
@@ -40,7 +42,9 @@ step pins or unpins memory); every global setting the script changes is restored
 
 `--dry-run` runs every stage at 16³ (batch 1) with 2 base filters on the CPU, copies going through the emulated
 link (`memory.swap.emulate_gbs`), so the script itself is tested without a GPU (tests/test_gpu_check.py);
-there the peak compared is the engine's peak resident saved bytes and nothing is pinned.
+there the peak compared is the engine's peak resident saved bytes and nothing is pinned. Its caps and card
+readings go to a rehearsed A10G (`cuda_device.rehearsal`, torch's device-index rule kept), so the capping code
+of a GPU run runs; it records the sizes a GPU run would fit to that floor machine (not applied).
 `--fail-stage NAME` makes a stage raise (a test of the failure path).
 """
 
@@ -67,8 +71,8 @@ from validate_plan import SAVE_ON_CPU, measure, relative_error, torch_threads  #
 
 from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
-from brats_swap.memory.arena import HostArena  # noqa: E402
 from brats_swap.memory import cuda_device  # noqa: E402
+from brats_swap.memory.arena import HostArena, available_host_bytes  # noqa: E402
 from brats_swap.memory.budget import tensor_limit, with_inflight_window, with_overhead  # noqa: E402
 from brats_swap.memory.cost import bytes_per_second  # noqa: E402
 from brats_swap.memory.device_profile import resolve_cost_model  # noqa: E402
@@ -133,19 +137,6 @@ DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4
 
 
 FALLBACK_CUBES = (192, 160, 128)  # what a stage steps down to when its size does not fit the machine
-
-
-def host_available_bytes() -> int:
-    """The host memory available to new work (Linux `MemAvailable`: free plus reclaimable cache; elsewhere
-    free pages)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def fit_sizes(sizes: Sizes, card_bytes: int, host_bytes: int) -> tuple[Sizes, dict]:
@@ -771,7 +762,7 @@ def _run(args: argparse.Namespace, path: Path, rehearsed: cuda_device.RehearsedC
         fit["applied"] = False
     else:
         cuda_device.use_device(device)
-        sizes, fit = fit_sizes(GPU_SIZES, cuda_device.total_bytes(device), host_available_bytes())
+        sizes, fit = fit_sizes(GPU_SIZES, cuda_device.total_bytes(device), available_host_bytes() or FLOOR_HOST_BYTES)
         fit["applied"] = True
     check = Check(device, sizes, path, args.time_limit, fail_stage=args.fail_stage, rehearsed=rehearsed)
     check.document.update(path=str(path), fit=fit, sizes=asdict(sizes))
