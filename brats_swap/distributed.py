@@ -47,6 +47,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from brats_swap import stop_signals
 from brats_swap.errors import ConfigError
+from brats_swap.memory import cuda_device
 from brats_swap.run.device import resolve_device
 
 T = TypeVar("T")
@@ -118,7 +119,7 @@ def init_distributed(device_pref: str = "auto", *, timeout_minutes: float = 30.0
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        cuda_device.use_device(device)
         kwargs["device_id"] = device  # binds the communicator to this GPU (no guessing in barrier())
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=timeout_minutes), **kwargs)
@@ -258,9 +259,11 @@ def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
     """DistributedDataParallel around `model` when distributed; the model itself otherwise.
 
     - `device_ids=[local GPU]` on CUDA (one device per process), None on CPU/gloo.
-    - `find_unused_parameters=False`: every parameter of the U-Net (encoder, decoder and all deep-
-      supervision segmentation layers) takes part in every forward, so the reducer need not walk the
-      autograd graph after each forward to find unused ones (tests/test_distributed.py checks this).
+    - `find_unused_parameters=False`: every parameter that requires a gradient, of every network with deep
+      supervision on or off, takes part in every training forward (heads the loss does not use are frozen
+      where they are built, model/networks.py), so the reducer need not walk the autograd graph after each
+      forward to find unused ones (tests/test_distributed.py checks each network, tests/test_ddp_networks.py
+      trains each on 1 and 2 gloo ranks).
     - `gradient_as_bucket_view=True`: gradients live in DDP's communication buckets, saving one copy of
       the gradients on the device.
     - Gradient all-reduce and the memory engine do not wait on each other: DDP registers hooks on the

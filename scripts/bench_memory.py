@@ -36,7 +36,7 @@ import torch
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import MemoryConfig, ModelConfig
-from brats_swap.memory import MemoryEngine, discover_blocks
+from brats_swap.memory import MemoryEngine, cuda_device, discover_blocks
 from brats_swap.memory.device_profile import measure_bandwidth
 from brats_swap.memory.presets import PRESET_NAMES, named_policies
 from brats_swap.memory.recompute import CheckpointedModules
@@ -111,12 +111,11 @@ def run_point(policy: str, cube: int, batch: int, dtype: str, device: torch.devi
     try:
         case = Case(policy, cube, batch, dtype, device, args)
         case.step()  # warm-up: allocator, cuDNN algorithms, the arena, the learned backward order
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        cuda_device.reset_peak(device)
         times = [case.step() for _ in range(args.steps)]
         row["step_s"] = round(statistics.median(times), 4)
         if device.type == "cuda":
-            row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["peak_bytes"] = cuda_device.peak_allocated_bytes(device)
         if case.engine is not None and case.engine.enabled:
             stats = case.engine.last_stats()
             row.update(saved_bytes=stats.saved_bytes, peak_resident_saved_bytes=stats.peak_resident_saved_bytes,
@@ -234,17 +233,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cap_gib is not None or args.memory_fraction is not None:
         if device.type != "cuda":
             sys.exit("bench_memory: --cap-gib / --memory-fraction need a CUDA device")
-        total = torch.cuda.get_device_properties(device).total_memory
+        total = cuda_device.total_bytes(device)
         fraction = args.memory_fraction if args.memory_fraction is not None else args.cap_gib * 2**30 / total
-        torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), device)
-        result["cap_gib"] = round(fraction * total / 2**30, 2)
+        result["cap_gib"] = round(min(fraction, 1.0) * total / 2**30, 2)
         result["largest_cube"] = []
-        for policy in args.policies:
-            cube = largest_cube(policy, args.batches[0], dtypes[0], device, args)
-            result["largest_cube"].append({"policy": policy, "batch": args.batches[0], "dtype": dtypes[0],
-                                           "cube": cube})
-            print(result["largest_cube"][-1], flush=True)
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        with cuda_device.memory_cap(device, min(fraction, 1.0) * total):
+            for policy in args.policies:
+                cube = largest_cube(policy, args.batches[0], dtypes[0], device, args)
+                result["largest_cube"].append({"policy": policy, "batch": args.batches[0], "dtype": dtypes[0],
+                                               "cube": cube})
+                print(result["largest_cube"][-1], flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if device.type == "cuda" else "cpu"

@@ -1,5 +1,7 @@
-"""GPU acceptance check of the memory engine, one shot: at most 7 minutes on one H200, JSON written after
-every stage, a single summary line last, exit code 1 when a stage failed.
+"""GPU acceptance check of the memory engine, one shot: at most 8 minutes on one H100/H200, JSON written after
+every stage, a single summary line last, exit code 1 when a stage failed. Sizes below are the largest; before
+any stage they are fitted to the card's memory and the host's available memory (`fit_sizes`, down to the
+A10G 24 GB / 32 GiB host floor), and what that changed or skipped is printed and written (docs/gpu.md).
 
     .venv/bin/python scripts/gpu_check.py                       # one CUDA GPU -> docs/benchmarks/gpu/
     .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gc   # the same stages, tiny, on the CPU
@@ -17,7 +19,7 @@ measurements at the deadline and lists what it skipped):
    a missing wait would read unfinished data. Deterministic kernels are asked for explicitly
    (`torch.use_deterministic_algorithms`, cuDNN deterministic, `CUBLAS_WORKSPACE_CONFIG`) for this stage
    only; if plain PyTorch does not repeat itself bit for bit the stage is "inconclusive", not failed.
-4. `peak`: under a 16 GiB cap (`torch.cuda.set_per_process_memory_fraction`, after `empty_cache`),
+4. `peak`: under a cap of at most 16 GiB (`cuda_device.memory_cap`), each row planned for the cap,
    192³ batch 1 and 2, every policy (none, the presets, the planner's auto plan for 16 GiB):
    `torch.cuda.max_memory_allocated` and `max_memory_reserved` after a warm-up step against the
    planner's prediction, with the default allocator and with `expandable_segments:True`; out of memory
@@ -40,7 +42,9 @@ step pins or unpins memory); every global setting the script changes is restored
 
 `--dry-run` runs every stage at 16³ (batch 1) with 2 base filters on the CPU, copies going through the emulated
 link (`memory.swap.emulate_gbs`), so the script itself is tested without a GPU (tests/test_gpu_check.py);
-there the peak compared is the engine's peak resident saved bytes and nothing is pinned.
+there the peak compared is the engine's peak resident saved bytes and nothing is pinned. Its caps and card
+readings go to a rehearsed A10G (`cuda_device.rehearsal`, torch's device-index rule kept), so the capping code
+of a GPU run runs; it records the sizes a GPU run would fit to that floor machine (not applied).
 `--fail-stage NAME` makes a stage raise (a test of the failure path).
 """
 
@@ -56,7 +60,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,8 +71,9 @@ from validate_plan import SAVE_ON_CPU, measure, relative_error, torch_threads  #
 
 from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.config.schema import MemoryConfig, ModelConfig  # noqa: E402
-from brats_swap.memory.arena import HostArena  # noqa: E402
-from brats_swap.memory.budget import with_inflight_window  # noqa: E402
+from brats_swap.memory import cuda_device  # noqa: E402
+from brats_swap.memory.arena import HostArena, available_host_bytes  # noqa: E402
+from brats_swap.memory.budget import tensor_limit, with_inflight_window, with_overhead  # noqa: E402
 from brats_swap.memory.cost import bytes_per_second  # noqa: E402
 from brats_swap.memory.device_profile import resolve_cost_model  # noqa: E402
 from brats_swap.memory.engine import MemoryEngine, discover_blocks, memory_config_from  # noqa: E402
@@ -81,6 +86,14 @@ from brats_swap.train.losses import weighted_dice_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PINNED_TARGET = 1.2  # pinned host bytes per swapped byte
+# The smallest machine the check fits itself to: the BraTS challenge's card, an A10G 24 GB (torch reports
+# 23028 MiB), on a host with 32 GiB of memory (28 GiB available). The dry run rehearses this card (`cuda_device.rehearsal`).
+FLOOR_CARD_BYTES = 23028 << 20
+FLOOR_HOST_BYTES = 28 << 30  # available of the 32 GiB (the system and its services hold the rest)
+# Of the host's available memory, the share that pinned memory may take in all: the run's arena, plus
+# save_on_cpu's pinned copies in the step_time stage. The rest is for the loader's workers, the prepared
+# phantoms and the page cache.
+HOST_PIN_SHARE = 0.6
 
 
 @dataclass(frozen=True)
@@ -108,6 +121,8 @@ class Sizes:
     mednext_batch: int
     mednext_tiny: bool  # 2 initial filters and one block per stage instead of MedNeXt-L's 32 and 3-4-8-8-8-8-8-4-3
     mednext_half: bool  # fp16 autocast (its paper's setting); fp32 on the CPU
+    augment_batch: int = 2
+    card_limit_bytes: int | None = None  # what a step's tensors may use on the card (None: not checked)
 
 
 GPU_SIZES = Sizes(base_filters=16, bandwidth_bytes=256 << 20, bandwidth_repeats=5, bitwise_cube=128, bitwise_steps=3,
@@ -121,13 +136,69 @@ DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4
                   augment_prepare_workers=1, mednext_cube=32, mednext_batch=1, mednext_tiny=True, mednext_half=False)
 
 
+FALLBACK_CUBES = (192, 160, 128)  # what a stage steps down to when its size does not fit the machine
+
+
+def fit_sizes(sizes: Sizes, card_bytes: int, host_bytes: int) -> tuple[Sizes, dict]:
+    """`sizes` fitted to a card of `card_bytes` on a host with `host_bytes` available, and what was changed
+    or skipped and why. From the planner's meta traces of the U-Net (no device work):
+
+    - the cap of the capped rows: at most `sizes.cap_gib`, at most what the card's tensors may use;
+    - `peak`/`pinned` batches: those whose swap_all arena fits the host's pinned share (the run pins one
+      arena, sized from the largest of them), at the largest of `FALLBACK_CUBES` where batch 1 does;
+    - `step_time`: the largest cube whose no-policy step fits the card and whose save_on_cpu copies fit
+      the pinned share beside the arena;
+    - `augment`: the largest (cube, batch) whose no-policy step (it runs uncapped) fits the card.
+    MedNeXt's uncapped row is checked in its stage (its own planner): `card_limit_bytes`."""
+    card_limit = int(tensor_limit(card_bytes, with_overhead(MemoryConfig(), "cuda")))
+    pin_limit = int(HOST_PIN_SHARE * host_bytes)
+    model = build_model(ModelConfig(base_filters=sizes.base_filters))  # on the CPU: traced on meta tensors
+    policies = named_policies(MemoryConfig())
+    planned: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def plan(cube: int, batch: int) -> tuple[int, int]:
+        """(no-policy peak, swap_all arena) of the U-Net step at cube³, batch."""
+        if (cube, batch) not in planned:
+            planner = Planner(model, (batch, 4, cube, cube, cube), loss_fn=weighted_dice_loss)
+            planned[cube, batch] = (planner.memory(policies["none"]).peak_bytes,
+                                    planner.arena_bytes(policies["swap_all"]))
+        return planned[cube, batch]
+
+    gib = lambda nbytes: round(nbytes / GIB, 2)  # noqa: E731
+    skipped: list[str] = []
+    cubes = [c for c in FALLBACK_CUBES if c <= sizes.peak_cube] or [sizes.peak_cube]
+    peak_cube = next((c for c in cubes if plan(c, 1)[1] <= pin_limit), cubes[-1])
+    batches = tuple(b for b in sizes.peak_batches if plan(peak_cube, b)[1] <= pin_limit) or (1,)
+    skipped += [f"peak/pinned batch {b} at {peak_cube}³: swap_all's arena {gib(plan(peak_cube, b)[1])} GiB > "
+                f"{HOST_PIN_SHARE:.0%} of the host's available {gib(host_bytes)} GiB" for b in sizes.peak_batches
+                if b not in batches]
+    arena = max(plan(peak_cube, b)[1] for b in batches)
+    time_cube = next((c for c in cubes if plan(c, 1)[0] <= card_limit and arena + plan(c, 1)[1] <= pin_limit),
+                     cubes[-1])
+    augment = next(((c, b) for c, b in [(sizes.augment_cube, sizes.augment_batch)] + [(c, 1) for c in cubes]
+                    if plan(c, b)[0] <= card_limit), (cubes[-1], 1))
+    cap_gib = min(sizes.cap_gib, card_limit / GIB) if sizes.cap_gib is not None else None
+    fitted = replace(sizes, peak_cube=peak_cube, peak_batches=batches, time_cube=time_cube, cap_gib=cap_gib,
+                     augment_cube=augment[0], augment_batch=augment[1], card_limit_bytes=card_limit)
+    changed = {name: [getattr(sizes, name), getattr(fitted, name)] for name in
+               ("peak_cube", "peak_batches", "time_cube", "augment_cube", "augment_batch", "cap_gib")
+               if getattr(sizes, name) != getattr(fitted, name)}
+    return fitted, {"card_gib": gib(card_bytes), "host_available_gib": gib(host_bytes),
+                    "card_tensor_limit_gib": gib(card_limit), "pin_limit_gib": gib(pin_limit),
+                    "arena_gib": gib(arena), "changed": changed, "skipped": skipped}
+
+
 class Check:
     """The run's state: device, sizes, deadline, the one host arena, and the JSON document written after
     every stage."""
 
     def __init__(self, device: torch.device, sizes: Sizes, path: Path, time_limit_s: float,
-                 fail_stage: str | None = None):
+                 fail_stage: str | None = None, rehearsed: cuda_device.RehearsedCuda | None = None):
         self.device = device
+        # The card whose memory is capped and read: the GPU, or in the dry run the rehearsed floor card, so
+        # that the dry run runs the capping code of a GPU run (`cuda_device`), with torch's argument rules.
+        self.card = torch.device("cuda")
+        self.rehearsed = rehearsed
         self.sizes = sizes
         self.path = path
         self.deadline = time.monotonic() + time_limit_s
@@ -171,12 +242,19 @@ class Check:
             self._arena.close()
             self._arena = None
 
-    def base_policy(self) -> MemoryConfig:
-        base = MemoryConfig()
+    def base_policy(self, budget_gib: float | None = None) -> MemoryConfig:
+        """The policies' common settings; with `budget_gib` (a capped row), planned for that budget rather
+        than the whole card (the in-flight window is a share of it, as a card of that size would run)."""
+        base = MemoryConfig(budget_gib=budget_gib)
         if self.sizes.min_bytes is not None:
             base.swap.min_bytes = self.sizes.min_bytes
         base.swap.emulate_gbs = self.sizes.emulate_gbs
         return with_inflight_window(base, self.device)  # the planner prices the window the engine runs here
+
+    def cap(self, budget_gib: float | None):
+        """The block under a cap of `budget_gib` on the card (`cuda_device.memory_cap`; rehearsed in the dry
+        run, where the tensors stay on the CPU)."""
+        return cuda_device.memory_cap(self.card, None if budget_gib is None else budget_gib * GIB)
 
     def model(self) -> torch.nn.Module:
         torch.manual_seed(0)
@@ -190,6 +268,7 @@ class Check:
 
     def run_stage(self, name: str, stage) -> None:
         started = time.perf_counter()
+        calls_before = len(self.rehearsed.calls) if self.rehearsed is not None else 0
         if self.time_left() <= 0:
             section = {"status": "skipped", "reason": "past --time-limit before it started"}
         else:
@@ -201,6 +280,8 @@ class Check:
             except Exception as error:  # noqa: BLE001 - one failing stage must not hide the others
                 section = {"status": "error", "error": f"{type(error).__name__}: {error}"}
         section["seconds"] = round(time.perf_counter() - started, 2)
+        if self.rehearsed is not None:  # what the stage asked of the (rehearsed) card, in order
+            section["rehearsed_cuda_calls"] = [list(call) for call in self.rehearsed.calls[calls_before:]]
         self.document["stages"][name] = section
         atomic_write_json(self.path, self.document)
         print(f"{name}: {section['status']} in {section['seconds']} s", flush=True)
@@ -387,31 +468,14 @@ def _planner(check: Check, model, shape: tuple[int, ...]) -> Planner:
 def _policies(check: Check, planner: Planner, budget_gib: float) -> dict[str, MemoryConfig]:
     """none, the presets and (when one fits) the auto plan for `budget_gib`; the search runs once per planner."""
     key = (id(planner), budget_gib)
+    base = check.base_policy(budget_gib)
     if key not in check._auto_plans:
-        best, _ = planner.auto(budget_gib * GIB, check.base_policy())
+        best, _ = planner.auto(budget_gib * GIB, base)
         check._auto_plans[key] = best.policy if best is not None else None
-    policies = named_policies(check.base_policy())
+    policies = named_policies(base)
     if check._auto_plans[key] is not None:
         policies["auto"] = copy.deepcopy(check._auto_plans[key])
     return policies
-
-
-@contextlib.contextmanager
-def memory_cap(check: Check):
-    """The cap on CUDA (`set_per_process_memory_fraction`, after `empty_cache` so the cap bounds what this
-    stage reserves), lifted afterwards; nothing on the CPU."""
-    device = check.device
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, check.sizes.cap_gib * GIB / total), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        torch.cuda.empty_cache()
 
 
 def stage_peak(check: Check) -> dict:
@@ -432,10 +496,10 @@ def stage_peak(check: Check) -> dict:
                 if check.time_left() < 0:
                     skipped.append(f"{name} batch {batch} {allocator or 'default allocator'}")
                     continue
-                with allocator_settings(allocator), memory_cap(check):
+                with allocator_settings(allocator), check.cap(sizes.cap_gib):
                     rows.append({**_peak_row(check, planner, model, name, cfg, x, y, batch),
                                  "allocator": allocator or "default"})
-    return {"cube": sizes.peak_cube, "cap_gib": sizes.cap_gib if cuda else None,
+    return {"cube": sizes.peak_cube, "cap_gib": sizes.cap_gib,
             "peak": "torch.cuda.max_memory_allocated" if cuda else "engine peak resident saved bytes",
             "rows": rows, "skipped": skipped}
 
@@ -460,8 +524,9 @@ def _peak_row(check: Check, planner: Planner, model, name: str, cfg: MemoryConfi
         # `memory.device_overhead_gib` measured: what the card held beyond the planner's tensors, i.e. the CUDA
         # context and libraries (used, not the allocator's) plus the allocator's peak reserve (all processes
         # on the card count: run it alone).
-        free, total = torch.cuda.mem_get_info(check.device)
-        held = total - free - torch.cuda.memory_reserved(check.device) + torch.cuda.max_memory_reserved(check.device)
+        device = check.device
+        held = (cuda_device.total_bytes(device) - cuda_device.free_bytes(device) - cuda_device.reserved_bytes(device)
+                + cuda_device.peak_reserved_bytes(device))
         row["device_overhead_gib"] = round((held - predicted) / GIB, 3)
     return row
 
@@ -547,7 +612,7 @@ def stage_augment(check: Check) -> dict:
     from brats_swap.train.device_augment import DeviceBatches
 
     sizes, device = check.sizes, check.device
-    cube, batch, steps = sizes.augment_cube, 2, sizes.augment_steps
+    cube, batch, steps = sizes.augment_cube, sizes.augment_batch, sizes.augment_steps
     workers = loader_worker_count(DataConfig())
     model = check.model()
     waits, augments, computes = [], [], []
@@ -608,13 +673,12 @@ def stage_mednext(check: Check) -> dict:
         cost.sync_copies = False
         cost.h2d_bytes_per_s = cost.d2h_bytes_per_s = bytes_per_second(sizes.emulate_gbs)
     planner = Planner(model, shape, loss_fn=weighted_dice_loss, dtype=dtype, cost=cost)
-    base = check.base_policy()
-    none_cfg = copy.deepcopy(base)
+    none_cfg = check.base_policy()
     none_prediction = planner.predict("none", none_cfg)
     budget = sizes.cap_gib
     if not cuda:  # the dry run's cap: 1% under the tiny network's no-policy peak, so that auto must act
         budget = 0.99 * planner.memory(none_cfg).peak_bytes / BUDGET_HEADROOM / GIB
-    best, _ = planner.auto(budget * GIB, base)
+    best, _ = planner.auto(budget * GIB, check.base_policy(budget))
     x, y = check.batch(sizes.mednext_cube, sizes.mednext_batch)
     rows = []
     for name, cfg, capped in (("none", none_cfg, False), ("auto", best.policy if best else None, True)):
@@ -623,10 +687,15 @@ def stage_mednext(check: Check) -> dict:
             continue
         prediction = planner.predict(name, cfg, budget * GIB)
         predicted = prediction.peak_bytes if cuda else prediction.peak_resident_saved_bytes
-        row = {"policy": name, "mode": cfg.mode, "norm_act": cfg.recompute.norm_act, "capped": capped and cuda,
+        row = {"policy": name, "mode": cfg.mode, "norm_act": cfg.recompute.norm_act, "capped": capped,
                "predicted_peak_bytes": predicted, "predicted_step_s": round(prediction.step_s, 4)}
+        if not capped and sizes.card_limit_bytes is not None and prediction.peak_bytes > sizes.card_limit_bytes:
+            row.update(status="skipped", reason=f"planned peak {prediction.peak_bytes / GIB:.1f} GiB > the card's "
+                                                f"{sizes.card_limit_bytes / GIB:.1f} GiB for tensors")
+            rows.append(row)
+            continue
         try:
-            with memory_cap(check) if capped else contextlib.nullcontext():
+            with check.cap(budget) if capped else contextlib.nullcontext():
                 measured = measure(model, cfg, x, y, device, sizes.time_steps, dtype, hooks_for_none=not cuda,
                                    host_arena=check.arena(planner.arena_bytes(cfg)))
         except torch.cuda.OutOfMemoryError:
@@ -643,7 +712,8 @@ def stage_mednext(check: Check) -> dict:
             "predicted_step_ratio": round(best.step_s / none_prediction.step_s, 3) if best else None,
             "measured_step_ratio": (round(measured["auto"] / measured["none"], 3)
                                     if measured.get("auto") and measured.get("none") else None),
-            "rows": rows, "status": "failed" if any(row["status"] in ("oom", "no plan") for row in rows) else "ok"}
+            "rows": rows, "status": "failed" if any(row["status"] in ("oom", "no plan") for row in rows) else "ok",
+            "skipped": [f"{row['policy']}: {row['reason']}" for row in rows if "reason" in row]}
 
 
 def _synchronize(device: torch.device) -> None:
@@ -677,12 +747,27 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or use --dry-run")
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_check_dry_run.json" if args.dry_run else "gpu_check.json")
-    check = Check(device, sizes, path, args.time_limit, fail_stage=args.fail_stage)
-    check.document["path"] = str(path)
+    # The dry run rehearses the floor card: its stages call the card as a GPU run does (caps, readings).
+    with cuda_device.rehearsal(FLOOR_CARD_BYTES) if args.dry_run else contextlib.nullcontext() as rehearsed:
+        return _run(args, path, rehearsed)
+
+
+def _run(args: argparse.Namespace, path: Path, rehearsed: cuda_device.RehearsedCuda | None) -> dict:
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if args.dry_run:  # the sizes a GPU run would fit to the floor machine (recorded; the stages run tiny)
+        sizes = DRY_SIZES
+        _, fit = fit_sizes(GPU_SIZES, FLOOR_CARD_BYTES, FLOOR_HOST_BYTES)
+        fit["applied"] = False
+    else:
+        cuda_device.use_device(device)
+        sizes, fit = fit_sizes(GPU_SIZES, cuda_device.total_bytes(device), available_host_bytes() or FLOOR_HOST_BYTES)
+        fit["applied"] = True
+    check = Check(device, sizes, path, args.time_limit, fail_stage=args.fail_stage, rehearsed=rehearsed)
+    check.document.update(path=str(path), fit=fit, sizes=asdict(sizes))
+    for reason in fit["skipped"]:
+        print(f"fit: skipped {reason}", flush=True)
     # Dry run: one compute thread, as a second one stalls whenever a copy thread takes its core.
     try:
         with torch_threads(1 if args.dry_run else None):

@@ -61,6 +61,7 @@ import torch
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config.schema import MemoryConfig, ModelConfig
+from brats_swap.memory import cuda_device
 from brats_swap.memory.budget import with_inflight_window
 from brats_swap.memory.cost import OpCostModel, default_cost_model
 from brats_swap.memory.device_profile import profile_device
@@ -108,7 +109,7 @@ class PolicyRun:
         cuda = self.device.type == "cuda"
         if self.steps == 1 and cuda:  # the peak of the steps after the warm-up
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            cuda_device.reset_peak(self.device)
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32 and cuda)
         started = time.perf_counter()
         with _step_context(self.engine, self.policy, self.device), autocast:
@@ -141,8 +142,8 @@ class PolicyRun:
                        prefetch_misses=stats.prefetch_misses, late_reloads=stats.late_reloads,
                        arena_bytes=stats.arena_bytes)
         if self.device.type == "cuda":
-            row["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            row["peak_bytes"] = cuda_device.peak_allocated_bytes(self.device)
+            row["peak_reserved_bytes"] = cuda_device.peak_reserved_bytes(self.device)
         elif self.engine is not None:
             row["peak_bytes"] = row["peak_resident_saved_bytes"]
         return row

@@ -33,7 +33,7 @@ from brats_swap.distributed import (
 )
 from brats_swap.errors import ConfigError
 from brats_swap.model import build_model
-from brats_swap.train.losses import weighted_dice_loss
+from brats_swap.train.losses import training_loss, weighted_dice_loss
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -80,13 +80,34 @@ def test_launcher_command_drops_nproc_and_runs_the_package_module_under_torchrun
     assert command[6:] == ["brats_swap", "--", "train", "--config", "c.yaml", "--set", "train.lr=1e-3"]
 
 
-def test_every_unet_parameter_gets_a_gradient_so_ddp_needs_no_unused_parameter_search():
+NETWORK_OVERRIDES = {
+    "isensee2017": ["model.base_filters=4"], "nnunet": ["model.features=[2,4,8]"],
+    "resenc_m": ["model.features=[2,4,8]"], "mednext_s": ["model.features=[2]", "model.blocks=[1,1,1,1,1,1,1,1,1]"],
+    "segresnet": ["model.features=[2]"], "swinunetr": ["model.features=[12]", "model.blocks=[1,1,1,1]"],
+}
+
+
+# SwinUNETR has no deep supervision (the setting changes nothing): one run of it.
+@pytest.mark.parametrize("name, deep_supervision", [
+    (name, ds) for name in NETWORK_OVERRIDES for ds in (True, False) if (name, ds) != ("swinunetr", True)])
+def test_every_trained_parameter_gets_a_gradient_so_ddp_needs_no_unused_parameter_search(name, deep_supervision):
+    """Under DDP's training loss (distributed=True), every parameter that requires a gradient gets one, with
+    deep supervision on and off: what `find_unused_parameters=False` relies on. nnU-Net's decoder builds a
+    head per stage either way; without deep supervision the unused ones are frozen, not left to stall DDP."""
     torch.manual_seed(0)
-    model = build_model(tiny_model_config())
-    probs = model(torch.randn(1, 4, 16, 16, 16))
-    weighted_dice_loss(probs, (torch.rand_like(probs) > 0.5).float()).backward()
-    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    cube = 64 if name == "swinunetr" else 32  # SwinUNETR's smallest cube
+    config = load_config(None, [f"model.name={name}", f"data.cube=[{cube},{cube},{cube}]", "model.dropout=0.0",
+                                f"model.deep_supervision={str(deep_supervision).lower()}", *NETWORK_OVERRIDES[name]])
+    model = build_model(config.model)
+    outputs = model(torch.randn(1, 4, cube, cube, cube))
+    loss = training_loss(config.train.loss, model, distributed=True)
+    full = outputs[0] if isinstance(outputs, list | tuple) else outputs
+    loss(outputs, (torch.rand_like(full) > 0.5).float()).backward()
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert missing == []
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    heads = name in ("nnunet", "resenc_m") and not deep_supervision
+    assert bool(frozen) == heads and all(name.startswith("decoder.seg_layers.") for name in frozen)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -75,6 +76,23 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
     assert mednext["auto"]["mode"] != "none" and mednext["auto"]["measured_step_s"] > 0
     assert mednext["auto"]["peak_error"] == 0.0  # the engine's resident saved bytes, as predicted
 
+    # The capping code of a GPU run ran against the rehearsed floor card, which refuses an unindexed device
+    # as torch does: every capped row set its fraction on device 0 and lifted it afterwards.
+    card = gpu_check.FLOOR_CARD_BYTES
+    for name, budget_gib, rows in (("peak", peak["cap_gib"], len(peak["rows"])),
+                                   ("mednext", stages["mednext"]["budget_gib"], 1)):
+        calls = stages[name]["rehearsed_cuda_calls"]
+        fractions = [(index, fraction) for call, index, fraction in calls if call == "set_per_process_memory_fraction"]
+        assert len(fractions) == 2 * rows, name
+        for (index, fraction), (lift_index, lifted) in zip(fractions[::2], fractions[1::2], strict=True):
+            assert index == lift_index == 0 and lifted == 1.0
+            assert fraction == pytest.approx(budget_gib * 2**30 / card, rel=1e-2), name  # budget_gib rounded
+    assert all("rehearsed_cuda_calls" in stage for stage in stages.values())
+    # The sizes a GPU run fits to the floor machine: batch 2's arena does not fit its host, and is said.
+    fit = written["fit"]
+    assert fit["applied"] is False and fit["changed"]["peak_batches"] == [[1, 2], [1]]
+    assert fit["arena_gib"] <= fit["pin_limit_gib"] and "batch 2" in fit["skipped"][0]
+
 
 def test_a_failing_stage_exits_1_and_the_json_names_it(tmp_path):
     result = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--stages",
@@ -101,3 +119,44 @@ def test_without_a_gpu_only_the_dry_run_starts(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_the_rehearsed_card_keeps_torchs_device_index_rule():
+    """The fake CUDA of the dry run refuses what torch 2.13 refuses: an unindexed device where torch indexes
+    strictly (the crash of the first gpu_check on a GPU), and answers "cuda" as the current device where
+    torch does; the package's capping code indexes first, so it passes."""
+    from brats_swap.memory import cuda_device
+
+    unindexed = torch.device("cuda")
+    with pytest.raises(ValueError) as torch_error:
+        torch.cuda._utils._get_device_index(unindexed)
+    with cuda_device.rehearsal(24 << 30, device_count=2) as card:
+        with pytest.raises(ValueError) as fake_error:
+            card.set_per_process_memory_fraction(0.5, unindexed)  # what gpu_check called before
+        assert str(fake_error.value) == str(torch_error.value)
+        with pytest.raises(ValueError):
+            card.set_device(unindexed)
+        assert card.get_device_properties(unindexed).total_memory == 24 << 30  # optional: the current one
+        cuda_device.use_device("cuda:1")
+        with cuda_device.memory_cap(unindexed, 6 << 30):
+            assert card.fractions == {1: 0.25}
+        assert card.fractions == {1: 1.0} and cuda_device.peak_allocated_bytes(unindexed) == 0
+        assert [call[:2] for call in card.calls if call[0] != "empty_cache"] == [
+            ("get_device_properties", 0), ("set_device", 1), ("get_device_properties", 1),
+            ("set_per_process_memory_fraction", 1), ("set_per_process_memory_fraction", 1),
+            ("max_memory_allocated", 1)]
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            cuda_device.use_device("cuda:2")
+    # On the CPU every call is a no-op or answers None.
+    with cuda_device.memory_cap(torch.device("cpu"), 1):
+        assert cuda_device.total_bytes("cpu") is None and cuda_device.peak_allocated_bytes("cpu") is None
+
+
+def test_the_check_fits_a_large_machine_unchanged_and_the_floor_card_down():
+    gpu_check = _load()
+    sizes, fit = gpu_check.fit_sizes(gpu_check.GPU_SIZES, 141 * 10**9, 1500 << 30)  # H200, a large host
+    assert sizes == dataclasses.replace(gpu_check.GPU_SIZES, card_limit_bytes=sizes.card_limit_bytes)
+    assert fit["changed"] == {} and fit["skipped"] == []
+    sizes, fit = gpu_check.fit_sizes(gpu_check.GPU_SIZES, 15 << 30, 28 << 30)  # a 16 GB card
+    assert sizes.cap_gib < 15 - 2 and sizes.augment_batch == 1 and sizes.time_cube < 192
+    assert fit["changed"]["cap_gib"][0] == 16.0

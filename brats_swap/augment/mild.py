@@ -1,5 +1,7 @@
 """The `mild` recipe: a light MONAI set (small affine, intensity scale and shift, noise), run by MONAI on the
-device's tensors, sample by sample from the sample's seed."""
+device's tensors, sample by sample from the sample's seed. A CPU recipe (docs/augmentation.md): MONAI draws its
+Gaussian noise with NumPy on the host at the sample's full size, in the training process, so on a GPU it
+puts host work and a copy on every step's path."""
 
 from __future__ import annotations
 

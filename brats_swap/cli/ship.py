@@ -71,8 +71,9 @@ def container(
     from brats_swap.ship.container import write_container
 
     written = write_container(open_bundle(model), out, task, image, time_budget, trainable=trainable)
-    if written.task_note is not None:
-        _say(written.task_note)
+    for note in (written.task_note, written.wheel_note):
+        if note is not None:
+            _say(note)
     _say(f"wrote {written.folder}: Dockerfile, .dockerignore, entrypoint.sh, README.md (task {written.task}); "
          f"build with: docker build -t {written.image} {written.folder}")
     _say("entry for the BrainLesion brats package (also in brainlesion.yml; add authors, paper, rank to meta):")

@@ -156,7 +156,7 @@ class TrainConfig:
     amp: Literal["none", "bf16", "fp16"] = "none"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch CPU threads; None = torch's default
-    deterministic: bool = True
+    deterministic: bool = False  # true: torch deterministic algorithms, no cuDNN benchmark (run/device.py)
     # Weights a fold starts from instead of a fresh initialisation: a brats-swap checkpoint file (what
     # `import-nnunet` writes); None = initialise. A --resume continues from the fold's own checkpoint instead.
     init_from: str | None = None

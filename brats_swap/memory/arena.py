@@ -86,6 +86,22 @@ def check_host_memory(nbytes: int, available: int | None = None, ranks: int = 1)
             "memory.swap.exclude), recompute instead (memory.mode=recompute), or free host memory")
 
 
+
+def empty_unfilled(*size, **kwargs) -> torch.Tensor:
+    """`torch.empty` as it is without deterministic algorithms: never filled. Under
+    `torch.use_deterministic_algorithms(True)` torch fills every new tensor (NaN for floats,
+    `torch.utils.deterministic.fill_uninitialized_memory`), a full write of each of the engine's buffers (the
+    arena, reload and staging buffers) that the copy into it then overwrites whole: bandwidth on the step's
+    path, and for the pinned arena a pass over tens of GiB. The flag is global, so it is lifted for the one
+    call only."""
+    if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
+        return torch.empty(*size, **kwargs)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        return torch.empty(*size, **kwargs)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
 class Registrar(Protocol):
     """Page-locks host memory for the device (module docstring)."""
 
@@ -138,7 +154,7 @@ class _Slab:
         # Pinned: register whole pages that belong to this block alone (a page shared with a neighbouring
         # allocation could be registered twice, which CUDA refuses). Otherwise slices need ALIGN only.
         boundary = PAGE if registrar is not None else ALIGN
-        self._block = torch.empty(nbytes + 2 * boundary, dtype=torch.uint8)
+        self._block = empty_unfilled(nbytes + 2 * boundary, dtype=torch.uint8)
         start = _align(self._block.data_ptr(), boundary) - self._block.data_ptr()
         self.data = self._block[start:start + nbytes]
         self._unpin = None

@@ -39,6 +39,7 @@ import copy
 import torch
 
 from brats_swap.config import MemoryConfig
+from brats_swap.memory import cuda_device
 
 GIB = float(1 << 30)  # bytes per GiB: the one definition (a float, so byte counts divide to GiB)
 DEFAULT_DEVICE_OVERHEAD_GIB = 2.0
@@ -82,8 +83,8 @@ def device_memory_bytes(device: torch.device | str) -> int | None:
     kind = device.type if isinstance(device, torch.device) else str(device)
     if kind == "gpu":
         return ASSUMED_GPU_BYTES
-    if kind.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    if kind.startswith("cuda") and cuda_device.available():
+        return cuda_device.total_bytes(device)
     return None
 
 

@@ -41,6 +41,8 @@ class OpCostModel:
     scale fitted to a measured profile (see `profile_device`), and the link."""
 
     name: str = "default"
+    # The device type the costs are for: the planner traces that device's autocast policy (recorder.py).
+    device_type: str = "cuda"
     flops_per_s: float = 50e12
     bytes_per_s: float = 3.0e12
     launch_s: float = 5e-6
@@ -117,7 +119,7 @@ class OpCostModel:
 
 
 # The engine's synchronous CPU path with free copies: what the byte-exact tests replay.
-INSTANT = OpCostModel(name="instant synchronous copies", h2d_bytes_per_s=float("inf"),
+INSTANT = OpCostModel(name="instant synchronous copies", device_type="cpu", h2d_bytes_per_s=float("inf"),
                       d2h_bytes_per_s=float("inf"), sync_copies=True)
 
 
@@ -130,7 +132,7 @@ DEFAULT_BANDWIDTH_GBS = 50.0
 GPU_GROUPED_EFFICIENCY = 0.1  # see OpCostModel.grouped_efficiency
 ASSUMED_GPU_LINK = f"PCIe 5 link {DEFAULT_BANDWIDTH_GBS:g} GB/s"
 DEFAULT_COSTS = {
-    "cpu": OpCostModel(name="cpu (assumed)", flops_per_s=60e9, bytes_per_s=20e9, launch_s=20e-6,
+    "cpu": OpCostModel(name="cpu (assumed)", device_type="cpu", flops_per_s=60e9, bytes_per_s=20e9, launch_s=20e-6,
                        h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9, sync_copies=True),
     "gpu-float32": OpCostModel(name=f"H200-class GPU, fp32/TF32, {ASSUMED_GPU_LINK} (assumed)", flops_per_s=60e12,
                                bytes_per_s=3.0e12, launch_s=6e-6, h2d_bytes_per_s=DEFAULT_BANDWIDTH_GBS * 1e9,

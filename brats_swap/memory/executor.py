@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from brats_swap.config.schema import MemoryConfig
-from brats_swap.memory.arena import HostArena
+from brats_swap.memory.arena import HostArena, empty_unfilled
 from brats_swap.memory.frontend import BackEnd, SavedHandle, view_of
 from brats_swap.memory.link import FINISHED, CopyLink, open_link
 from brats_swap.memory.rulebook import RECOMPUTE, SWAP, Entry, EntryState
@@ -158,7 +158,7 @@ class SwapExecutor(BackEnd):
         """A bf16 buffer on the compute stream for the link's conversion (CUDA), else None."""
         if not self.staging_bytes(entry):
             return None
-        return torch.empty(entry.transfer_bytes // 2, dtype=torch.bfloat16, device=entry.payload.device)
+        return empty_unfilled(entry.transfer_bytes // 2, dtype=torch.bfloat16, device=entry.payload.device)
 
     def swap_out(self, entry: Entry) -> None:
         slot: _Slot = entry.payload
@@ -197,9 +197,9 @@ class SwapExecutor(BackEnd):
             return
         # Allocated on the compute stream: freed and reused in compute order, never under the copy.
         if slot.host.dtype == torch.bfloat16:
-            buffer = torch.empty(entry.record.nbytes // 4, dtype=torch.float32, device=slot.device)
+            buffer = empty_unfilled(entry.record.nbytes // 4, dtype=torch.float32, device=slot.device)
         else:
-            buffer = torch.empty(entry.record.nbytes, dtype=torch.uint8, device=slot.device)
+            buffer = empty_unfilled(entry.record.nbytes, dtype=torch.uint8, device=slot.device)
         slot.staging = self._staging(entry)
         slot.in_event = self._link(slot.device).copy_in(buffer, slot.host, after=slot.out_event, staging=slot.staging)
         slot.reloaded = buffer

@@ -60,6 +60,7 @@ import weakref
 import torch
 
 from brats_swap.config.schema import SwapConfig
+from brats_swap.memory.arena import empty_unfilled
 from brats_swap.memory.cost import bytes_per_second, link_seconds
 
 # `torch.cuda._sleep` counts GPU clock cycles; when the device does not report its clock, assume this.
@@ -362,8 +363,8 @@ class CudaLink(CopyLink):
             if buffer.dtype == host.dtype:
                 buffer.copy_(host, non_blocking=True)
             else:  # move the bf16 bytes into `staging`, then widen them on this stream, before the done event
-                staged = staging if staging is not None else torch.empty(host.shape, dtype=host.dtype,
-                                                                          device=self.device)
+                staged = staging if staging is not None else empty_unfilled(host.shape, dtype=host.dtype,
+                                                                            device=self.device)
                 staged.copy_(host, non_blocking=True)
                 buffer.copy_(staged)
 

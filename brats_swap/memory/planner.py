@@ -161,12 +161,15 @@ class Planner:
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], *, loss_fn: Callable | None = None,
                  dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
-                 optimizer_state_factor: int = 2, step: Callable | None = None, prelude_bytes: int = 0):
+                 optimizer_state_factor: int = 2, step: Callable | None = None, prelude_bytes: int = 0,
+                 autocast: str | None = None):
         self.model = model
         self.prelude_bytes = int(prelude_bytes)
         self.input_shape = tuple(int(v) for v in input_shape)
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.cost = cost or default_cost_model("cpu", self.dtype)
+        # Under AMP, the autocast policy traced: the device type the costs are for unless told ("cuda", "cpu").
+        self.autocast = autocast or self.cost.device_type
         self.loss_fn = loss_fn
         self.step = step
         self.optimizer_state_factor = optimizer_state_factor
@@ -197,7 +200,7 @@ class Planner:
             if key != ((), False, ()):
                 recompute = RecomputeConfig(modules=list(key[0]), norm_act=key[1], norm_act_exclude=list(key[2]))
             self._traces[key] = trace_step(self.model, self.input_shape, dtype=self.dtype, loss_fn=self.loss_fn,
-                                           recompute=recompute, step=self.step)
+                                           recompute=recompute, step=self.step, autocast=self.autocast)
         return self._traces[key]
 
     def durations(self, cfg: MemoryConfig | None = None) -> list[float]:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -116,6 +117,82 @@ class _AutocastEmulation:
             params["weight"] = saved[0]
             if saved[1] is not None:
                 params["bias"] = saved[1]
+
+
+# The autocast policy a trace emulates, by the names torch functions, Tensor methods and torch.nn.functional
+# share (torch's AMP docs, "op reference", torch 2.13). Convolutions and linear layers are cast by
+# `_AutocastEmulation` (with autocast's weight cache); `_AutocastOps` casts the other listed ops' floating
+# inputs: to the low precision for LOWER, to float32 for FP32 (unless the call passes its own `dtype=`).
+# Unlisted ops run in the dtype they receive, as under autocast. Ops that promote to the widest input
+# (cat, addcmul, index_put, ...) need nothing: torch promotes them natively.
+CUDA_LOWER_OPS = frozenset({"matmul", "mm", "bmm", "mv", "addmm", "addbmm", "baddbmm", "addmv", "addr",
+                            "multi_dot", "chain_matmul", "prelu", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                            "conv_transpose2d", "conv_transpose3d", "linear"})
+CUDA_FP32_OPS = frozenset({
+    "pow", "rdiv", "rpow", "rtruediv", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
+    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv",
+    "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax",
+    "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss", "multilabel_margin_loss", "multi_margin_loss",
+    "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "prod", "reciprocal", "rsqrt", "sinh",
+    "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
+    "triplet_margin_loss"})
+# CPU autocast: bf16 for the matrix products and convolutions (conv_transpose too: the docs list it as fp32,
+# torch 2.13 runs it in bf16, checked by tests/test_autocast_policy.py against the real CPU autocast), fp32
+# for the pooling and losses below; norms, softmax, exp, pow and sums stay in the input's dtype.
+CPU_LOWER_OPS = frozenset({"matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "conv1d", "conv2d", "conv3d",
+                           "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "linear"})
+CPU_FP32_OPS = frozenset({
+    "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "adaptive_max_pool3d", "fractional_max_pool3d",
+    "max_unpool3d", "binary_cross_entropy", "grid_sample", "prod", "cdist", "trace", "mse_loss", "kl_div",
+    "ctc_loss", "multilabel_margin_loss", "quantile", "nanquantile", "stft"})
+AUTOCAST_OPS = {"cuda": (CUDA_LOWER_OPS, CUDA_FP32_OPS), "cpu": (CPU_LOWER_OPS, CPU_FP32_OPS)}
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _policy_name(func) -> str | None:
+    """The name autocast lists `func` under; None for an in-place variant (`exp_`), which autocast leaves
+    alone. `__pow__` -> pow, `_max_pool3d` (F.max_pool3d's body) -> max_pool3d."""
+    name = getattr(func, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        return name[2:-2]
+    if name.endswith("_"):
+        return None
+    return name.lstrip("_")
+
+
+class _AutocastOps(TorchFunctionMode):
+    """The listed ops of `AUTOCAST_OPS[device_type]` with their floating inputs cast as autocast casts them
+    (parameters through `_AutocastEmulation`'s cache). Active for the whole traced step: backward and its
+    recomputation of a meta model run in the thread that called backward."""
+
+    def __init__(self, device_type: str, emulation: _AutocastEmulation):
+        super().__init__()
+        self.lower, self.fp32 = AUTOCAST_OPS[device_type]
+        self.emulation = emulation
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _policy_name(func)
+        if name in self.lower:
+            cast = self._to_lower
+        elif name in self.fp32 and kwargs.get("dtype") is None:
+            cast = self._to_fp32
+        else:
+            return func(*args, **kwargs)
+        return func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+
+    def _to_lower(self, value):
+        if isinstance(value, nn.Parameter):
+            return self.emulation._cast_param(value)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != self.emulation.dtype:
+            return value.to(self.emulation.dtype)
+        return value
+
+    @staticmethod
+    def _to_fp32(value):
+        if isinstance(value, torch.Tensor) and value.dtype in _REDUCED:
+            return value.float()
+        return value
 
 
 class _RecordedSlot:
@@ -277,21 +354,25 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def _instrument(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
-                blocks: Sequence[str] | None, dtype: torch.dtype, recompute: RecomputeConfig | None) -> None:
+                blocks: Sequence[str] | None, dtype: torch.dtype, recompute: RecomputeConfig | None,
+                autocast: str) -> _AutocastOps | None:
     """Install on the meta copy what the engine installs on the real model (the front end's module and
-    block hooks, checkpoint wrappers, norm_act recipes) plus the autocast emulation."""
+    block hooks, checkpoint wrappers, norm_act recipes) plus the autocast emulation of `autocast`'s policy
+    ("cuda" or "cpu"); returns the op part of that emulation, to be active while the step runs."""
     if blocks is None:
         block_pairs = discover_blocks(meta_model)
     else:
         names = set(blocks)
         block_pairs = [(name, module) for name, module in meta_model.named_modules() if name in names]
     front.install(meta_model, block_pairs)
-    if dtype in (torch.bfloat16, torch.float16):
-        _AutocastEmulation(meta_model, dtype, recorder)
+    ops = None
+    if dtype in _REDUCED:
+        ops = _AutocastOps(autocast, _AutocastEmulation(meta_model, dtype, recorder))
     if recompute is not None and recompute.modules:
         CheckpointedModules(meta_model, list(recompute.modules), front.checkpoint_called, front.region_done)
     if recompute is not None and recompute.norm_act:
         front.recipes = NormActRecipes(meta_model, front)
+    return ops
 
 
 def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
@@ -303,10 +384,21 @@ def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: Trace
             loss = step(meta_model)
         fwd_end = len(recorder.ops)
         recorder.phase = BACKWARD
-        loss.backward()
+        _backward(loss)
         del loss
         recorder.sweep()
     return fwd_end
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """`loss.backward()` as `torch.autograd.backward` runs it, minus its hand-off to torch function modes: an
+    active mode (the autocast emulation's `_AutocastOps`) would run the whole backward with itself switched
+    off, and the recomputation in backward (checkpointed modules, norm_act recipes) must run under it, as
+    it runs under autocast in training. The engine call is torch's own (`torch.autograd.graph`)."""
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+                         accumulate_grad=True)
 
 
 def first_output(output) -> torch.Tensor:
@@ -326,13 +418,15 @@ def trace_step(
     blocks: Sequence[str] | None = None,
     train: bool = True,
     step: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    autocast: str = "cpu",
 ) -> Trace:
     """Run forward + `loss_fn(output, target)` + backward of `model` on `meta` at `input_shape`
     (B, C, D, H, W) and record it.
 
     The caller passes the training loss: its saved tensors and temporaries are part of the step. A model
     with another calling convention passes `step(model, x) -> loss` instead (x: the meta batch; make any
-    other argument on `x.device`). `dtype` bfloat16 or float16 emulates autocast in that dtype.
+    other argument on `x.device`). `dtype` bfloat16 or float16 emulates autocast in that dtype, with the op
+    policy of the device type `autocast` ("cuda": a GPU's, "cpu"; see `AUTOCAST_OPS`).
     `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
     meta copy. `blocks` overrides the engine's `discover_blocks`. The output may be a tensor or a list,
     tuple or dict of them (deep supervision, full resolution first); the loss gets one target: with
@@ -351,7 +445,7 @@ def trace_step(
     recorder = TraceRecorder(keys)
     front = SavedTensorFrontEnd(MemoryConfig(recompute=recompute or RecomputeConfig()), recorder,
                                 param_storages=lambda: keys)
-    _instrument(meta_model, front, recorder, blocks, dtype, recompute)
+    autocast_ops = _instrument(meta_model, front, recorder, blocks, dtype, recompute, autocast)
 
     # The batch and its target are storages of the step, allocated before it and held by the caller to
     # its end; the input is saved by the first convolution and kept (the caller holds it).
@@ -372,7 +466,8 @@ def trace_step(
                 recorder.storages[recorder.storage_id(held[-1].untyped_storage())].alloc_op = 0
             return loss_fn(output, held[1])
     try:
-        fwd_end = _run_step(meta_model, front, recorder, lambda module: step(module, x))
+        with autocast_ops if autocast_ops is not None else contextlib.nullcontext():
+            fwd_end = _run_step(meta_model, front, recorder, lambda module: step(module, x))
     finally:
         front.remove()
         if front.recipes is not None:

@@ -133,6 +133,13 @@ def _build_nnunet(cfg: ModelConfig, out_channels: int) -> nn.Module:
     network = network_class(**_nnunet_kwargs(cfg, out_channels), **{blocks_key: list(cfg.blocks)})
     network.apply(base.initialize)  # nnU-Net's He initialisation (and zeroed last norm per residual block)
     network.deep_supervision = cfg.deep_supervision
+    if not cfg.deep_supervision:
+        # The decoder builds a segmentation head per stage whatever the setting (so that nnU-Net's checkpoints
+        # always load); without deep supervision only the last one runs. The others are frozen: they get no
+        # gradient either way, and DDP's reducer (find_unused_parameters=False) only waits for parameters that
+        # require one, so every rank's step completes (the others would stall its second step).
+        for head in network.decoder.seg_layers[:-1]:
+            head.requires_grad_(False)
     network.train()
     return network
 

@@ -1,6 +1,14 @@
 """Device and mixed-precision resolution (one answer for training, evaluation and the planner), and the
 process-wide torch settings a run needs: seeds, threads, determinism, CPU convolution weight gradients in
 fp32 under AMP, peak memory.
+
+Determinism (`train.deterministic`, default false, nnU-Net's choice): on a CPU the run is repeatable either
+way (the CPU kernels these networks run have no atomics: the same inputs give the same bits on one machine
+and installation, which the bitwise tests check with the default); on CUDA the default runs cuDNN benchmark
+(the fastest algorithms, some of them atomics-based) and is not repeatable. `deterministic: true` asks for
+torch's deterministic algorithms (warn-only) and no benchmark: ops with no deterministic CUDA kernel still
+run (trilinear upsampling's backward, for one), and the run lists them once, in its log and env.json, since
+such a run is not bitwise repeatable either.
 """
 
 from __future__ import annotations
@@ -8,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import resource
 import sys
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -18,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from brats_swap.config import Config
 from brats_swap.errors import ConfigError
+from brats_swap.memory import cuda_device
 
 # `train.amp` -> the dtype autocast computes in; `none` trains in float32.
 _AMP_DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,6 +74,8 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device: {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"train.device: {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
     return device
 
 
@@ -123,27 +136,72 @@ def computes_in_reduced_precision_on_cpu(amp: str, device: torch.device) -> bool
     return device.type == "cpu" and amp_dtype(amp_on_device(amp, device)[0]) in _REDUCED_PRECISION
 
 
+# torch's warn-only message for an op without a deterministic kernel: "<op> does not have a deterministic
+# implementation, but you set 'torch.use_deterministic_algorithms(True, warn_only=True)'..."
+_NONDETERMINISTIC = re.compile(r"^(\S+) does not have a deterministic implementation")
+
+
+class NondeterministicOps:
+    """While active, the ops torch reports as having no deterministic kernel (warn-only deterministic mode):
+    each is passed to `on_new` once, in order, and kept in `ops`; their repeated warnings are not shown (the
+    autograd engine replays a backward's warnings in the thread that called backward, so one hook sees all).
+    Every other warning goes on as before."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+        self.on_new: Callable[[str], None] | None = None
+        self._catcher: warnings.catch_warnings | None = None
+
+    def __enter__(self) -> NondeterministicOps:
+        self._catcher = warnings.catch_warnings()
+        self._catcher.__enter__()
+        warnings.filterwarnings("always", message=_NONDETERMINISTIC.pattern[1:])
+        show = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            match = _NONDETERMINISTIC.match(str(message))
+            if match is None:
+                show(message, category, filename, lineno, file, line)
+            elif match.group(1) not in self.ops:
+                self.ops.append(match.group(1))
+                if self.on_new is not None:
+                    self.on_new(match.group(1))
+
+        warnings.showwarning = showwarning
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._catcher.__exit__(*exc_info)
+
+
 @contextlib.contextmanager
-def torch_settings(config: Config, device: torch.device) -> Iterator[None]:
+def torch_settings(config: Config, device: torch.device) -> Iterator[NondeterministicOps | None]:
     """Threads, determinism and (AMP on a CPU) fp32 convolution weight gradients for the duration of training,
-    restored afterwards (tests share a process)."""
+    restored afterwards (tests share a process); CUDA: the run's GPU made the current device. Yields the
+    collector of ops without a deterministic kernel when `train.deterministic` is asked for on CUDA (set its
+    `on_new` to report them), else None."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     benchmark = torch.backends.cudnn.benchmark
+    # The DataLoader's pin thread, the arena's host registration and library handles open their context on
+    # the current device: GPU 0 unless told (someone else's card when this run is on cuda:1).
+    cuda_device.use_device(device)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
+    collector = None
     if config.train.deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; must be set before the first cuBLAS call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+        collector = NondeterministicOps() if device.type == "cuda" else None
     elif device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = True  # nnU-Net's setting: the fastest algorithms, not repeatable
     reduced = computes_in_reduced_precision_on_cpu(config.train.amp, device)
     weight_gradients = Fp32ConvolutionWeightGradients() if reduced else contextlib.nullcontext()
     try:
-        with weight_gradients:
-            yield
+        with weight_gradients, collector if collector is not None else contextlib.nullcontext():
+            yield collector
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
@@ -153,7 +211,7 @@ def torch_settings(config: Config, device: torch.device) -> Iterator[None]:
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: the peak of allocated device memory since the last reset; CPU: the process's peak resident set."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return cuda_device.peak_allocated_bytes(device)
     # ru_maxrss is in KiB on Linux (bytes on macOS).
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)

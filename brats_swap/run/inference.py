@@ -26,9 +26,11 @@ from brats_swap.run.device import autocast_context
 
 @torch.no_grad()
 def predict_full(model: nn.Module, images: torch.Tensor, *, device: torch.device, amp: str = "none") -> torch.Tensor:
-    """Whole-cube inference: (B, C_in, D, H, W) -> (B, C, D, H, W) probabilities, float32 on the CPU."""
+    """Whole-cube inference: (B, C_in, D, H, W) -> (B, C, D, H, W) probabilities, float32 on the CPU. Images
+    of another dtype (the cache's float16) are converted to float32 after the copy to the device: half the
+    bytes on the link, and no float32 copy on the host."""
     with autocast_context(device, amp):
-        probs = model(images.to(device, non_blocking=True))
+        probs = model(images.to(device, non_blocking=True).float())
     return probs.float().cpu()
 
 
@@ -48,7 +50,8 @@ def predict_sliding_window(
 
     with autocast_context(device, amp):
         probs = sliding_window_inference(
-            images, roi_size=tuple(roi_size), sw_batch_size=sw_batch_size, predictor=model, overlap=overlap,
+            images.float(),  # MONAI stitches in the input's dtype: float32, never the cache's float16
+            roi_size=tuple(roi_size), sw_batch_size=sw_batch_size, predictor=model, overlap=overlap,
             mode=blend, sw_device=device, device=torch.device("cpu"),
         )
     return torch.as_tensor(probs).float()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 import brats_swap
 from brats_swap.atomic import atomic_write_text
@@ -41,6 +42,13 @@ from brats_swap.ship.time_budget import parse_duration
 
 BASE_IMAGE = "nvidia/cuda:12.8.1-base-ubuntu24.04"
 TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
+# The NVIDIA driver the base image needs on the host: CUDA 12.8 (Linux driver 570 or newer).
+REQUIRED_DRIVER = "570"
+# What `container` can check of the torch wheel without network (nothing is fetched while writing): the cu128
+# index holds releases only, from 2.7.0 (the first torch built for CUDA 12.8) on; these releases are known to
+# be there. A later version is not checked (the table cannot know it): the image build's pip step is the check.
+TORCH_CU128_FIRST = "2.7.0"
+TORCH_CU128_KNOWN = ("2.7.0", "2.7.1", "2.8.0", "2.9.0", "2.9.1")
 # The image's Python is the one requirements.txt was resolved with (this interpreter's major.minor), not the
 # base's own (Ubuntu 24.04: 3.12): a pin may have wheels for one and not the other, and the image has no
 # compiler. uv installs that Python (a standalone build) at build time.
@@ -87,6 +95,24 @@ def _installed(name: str) -> str | None:
         return distributions.version(name)
     except distributions.PackageNotFoundError:
         return None
+
+
+def check_torch_wheel(release: str) -> str | None:
+    """ConfigError when `TORCH_INDEX` cannot hold torch `release` (a pre-release or local build, or older than
+    its first cu128 wheel); a line saying it was not checked when the release is newer than the known table;
+    None when the table knows it."""
+    version = Version(release)
+    if version.is_prerelease or version.is_devrelease or version.local:
+        raise ConfigError(f"torch {release}: a pre-release or local build; {TORCH_INDEX} holds releases only. Write "
+                          "the image from an environment with a torch release, or edit the Dockerfile's torch line")
+    if version < Version(TORCH_CU128_FIRST):
+        raise ConfigError(f"torch {release}: {TORCH_INDEX} has no wheel before {TORCH_CU128_FIRST} (CUDA 12.8); "
+                          f"upgrade torch to {TORCH_CU128_FIRST} or later before writing the image")
+    if release in TORCH_CU128_KNOWN:
+        return None
+    return (f"torch {release}: newer than the releases known to have a cu128 wheel ({TORCH_CU128_KNOWN[0]}-"
+            f"{TORCH_CU128_KNOWN[-1]}); not checked (no network): the image build's pip step fails if "
+            f"{TORCH_INDEX} lacks it")
 
 
 def torch_release() -> str:
@@ -137,6 +163,7 @@ class ContainerFolder:
     image: str
     entry: dict
     task_note: str | None = None  # why the task is not the bundle's own (a 2017-2021 table)
+    wheel_note: str | None = None  # the torch wheel could not be checked (`check_torch_wheel`)
 
 
 def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, image: str | None = None,
@@ -148,6 +175,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     control character; shell words quoted; `time_budget` parsed as serve-challenge will parse it), so nothing
     is written for a value that would break or inject a line."""
     task, task_note = resolve_task(bundle, task)
+    wheel_note = check_torch_wheel(torch_release())
     parse_duration(time_budget)
     image = script_text(image or f"brats-swap-{task}:latest", "--image", "container")
     name = script_text(bundle.metadata.get("name"), "bundle name", f"{bundle.path}: {METADATA}")
@@ -182,7 +210,7 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir, trainable))
     if trainable and bundle.challenge not in MODERN_CHALLENGES:
         task_note = "\n".join(filter(None, [task_note, _legacy_trainable_note(bundle)]))  # a line each
-    return ContainerFolder(out_dir, task, image, entry, task_note)
+    return ContainerFolder(out_dir, task, image, entry, task_note, wheel_note)
 
 
 def _legacy_trainable_note(bundle: Bundle) -> str:
@@ -198,7 +226,7 @@ def _dockerfile(bundle: Bundle, name: str, task: str, no_deps: list[str]) -> str
 # BraTS challenge image: brats-swap bundle {name} ({bundle.challenge} table), task {task}.
 # Written by `brats-swap container`; edit freely. Everything is fetched while building, nothing at run time.
 #
-# CUDA 12.8 base (NVIDIA driver 570 or newer): the cu128 torch build runs on the A10G (sm_86) the 2026
+# CUDA 12.8 base (NVIDIA driver {REQUIRED_DRIVER} or newer): the cu128 torch build runs on the A10G (sm_86) the 2026
 # segmentation tasks give, and on newer cards (Ada, Hopper, Blackwell). torch brings its own CUDA libraries.
 # Both can be changed at build time: --build-arg BASE_IMAGE=... --build-arg TORCH_INDEX=...
 ARG BASE_IMAGE={BASE_IMAGE}

@@ -72,7 +72,7 @@ from brats_swap.distributed import (
     wrap_ddp,
 )
 from brats_swap.errors import BratsSwapError, ConfigError, NumericalError, TrainingInterrupted, user_message
-from brats_swap.memory import MemoryEngine
+from brats_swap.memory import MemoryEngine, cuda_device
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions, targets_from_labels
 from brats_swap.model.upkern import initial_weights
@@ -265,8 +265,11 @@ def train_fold(
     state = run_on_main(ctx, _resume_state, config, folder, resume)
     if state is not None and state["finished"] and not _can_extend(state, config):
         return LoopState.from_checkpoint(state).to_result(folder.fold, folder.root)
-    with torch_settings(config, ctx.device), StopSignals() as signals:
-        return FoldRecipe(config, run, folder, ctx, signals, show_progress=progress).fit(state, stop_requested)
+    with torch_settings(config, ctx.device) as nondeterministic, StopSignals() as signals:
+        recipe = FoldRecipe(config, run, folder, ctx, signals, show_progress=progress)
+        if nondeterministic is not None:
+            nondeterministic.on_new = recipe.note_nondeterministic_op
+        return recipe.fit(state, stop_requested)
 
 
 def _amp_that_runs(config: Config, ctx: DistContext) -> Config:
@@ -359,6 +362,7 @@ class FoldRecipe:
         self.device = ctx.device
         self.show_progress = show_progress and ctx.is_main  # rank 0 draws; the other ranks show nothing
         self.loop = LoopState()
+        self.environment: dict[str, Any] | None = None  # env.json's record (rank 0)
         self.interrupted = False
         self.stop_reason: str | None = None  # the signal that ended this call (SIGTERM/SIGUSR1)
         self.train_seconds = 0.0
@@ -444,10 +448,25 @@ class FoldRecipe:
             remove_stale_temp_files(self.folder.root)
             if not self.run.config.exists():
                 atomic_write_text(self.run.config, config_to_yaml(self.config))
-            atomic_write_json(self.run.env, {**environment_record(self.device), "world_size": self.ctx.world_size,
-                                             "amp": self.config.train.amp})  # what ran (`_amp_that_runs`)
+            self.environment = {**environment_record(self.device), "world_size": self.ctx.world_size,
+                                "amp": self.config.train.amp,  # what ran (`_amp_that_runs`)
+                                "deterministic": self.config.train.deterministic,
+                                "cudnn_benchmark": torch.backends.cudnn.benchmark}
+            atomic_write_json(self.run.env, self.environment)
         splits = run_on_main(self.ctx, load_run_splits, self.config, self.run, case_ids)
         return fold_cases(splits, self.folder.fold)
+
+    def note_nondeterministic_op(self, op: str) -> None:
+        """`train.deterministic` on CUDA ran an op that has no deterministic kernel: said once per op, in the
+        log and env.json (`nondeterministic_ops`), as such a run is not bitwise repeatable."""
+        if not self.ctx.is_main:
+            return
+        message = f"train.deterministic: {op} has no deterministic CUDA kernel; this run is not bitwise repeatable"
+        warn(message)
+        self.log.line(f"warning: {message}")  # ops run in steps, after the log is opened
+        if self.environment is not None:
+            self.environment.setdefault("nondeterministic_ops", []).append(op)
+            atomic_write_json(self.run.env, self.environment)
 
     def _build(self, train_ids: list[str], val_ids: list[str], resumed: bool) -> None:
         """Model, memory engine (mode auto planned once per fold), optimiser, scheduler, scaler, loaders."""
@@ -513,8 +532,7 @@ class FoldRecipe:
         Returns the epoch's record so far (epoch, mean train loss, lr, s/step) and the mean memory stats.
         """
         loop, train_cfg = self.loop, self.config.train
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        cuda_device.reset_peak(self.device)
         self.data.sampler.set_epoch(loop.epoch, start=loop.step_in_epoch * train_cfg.batch_size)
         self.train_model.train()
         memory_sums: dict[str, float] = {}
@@ -737,7 +755,7 @@ def validation_scores(config: Config, model: torch.nn.Module, loader, edition: s
     regions = run_regions(edition, config.model)
     per_case: dict[str, tuple[float, ...]] = {}
     for batch in loader:
-        probs = predict_cube(model, batch.image.float(), config, device)  # the cache's float16 -> float32
+        probs = predict_cube(model, batch.image, config, device)  # float16 as cached: converted on the device
         targets = targets_from_labels(batch.label.long(), edition, config.model.outputs, config.model.regions)
         labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
                                    regions=config.model.regions).numpy()
