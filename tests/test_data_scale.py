@@ -185,3 +185,22 @@ def test_train_with_a_wrong_data_root_is_refused_in_one_line(dataset, tmp_path):
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "nothere is not a folder" in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+def test_cases_the_worker_processes_finish_while_stopping_are_in_the_index(tmp_path, monkeypatch):
+    """Ctrl-C reaches the main process as the first case comes back from a pool of two: the case the other
+    process holds is finished (workers ignore Ctrl-C) and listed; the index lists exactly what is on disk."""
+    root, cache = tmp_path / "raw", tmp_path / "cache"
+    ids = [f"BraTS2021_{k:05d}" for k in range(6)]
+    for k, case_id in enumerate(ids):
+        write_case(root, case_id, "2021", seed=k)
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache_module, "_note_cropped", stop)  # runs as each finished case is recorded
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(root, cache, _config(), workers=2, progress=False)
+    on_disk = sorted(p.name for p in cache.iterdir() if (p / "meta.json").is_file())
+    assert len(on_disk) >= 2 and list_prepared(cache) == on_disk
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
