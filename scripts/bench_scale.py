@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.config import DataConfig
@@ -65,6 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=20, help="loader samples per mode")
     parser.add_argument("--cold", type=int, default=5, help="cases read cold per format")
     parser.add_argument("--out", type=Path, default=None, help="output stem (default docs/benchmarks/scale_N)")
+    parser.add_argument("--phantoms", type=Path, default=None,
+                        help="keep the phantoms in this folder and reuse them when it holds N cases (default: temp)")
     args = parser.parse_args(argv)
     out = args.out or Path(f"docs/benchmarks/scale_{args.cases}")
     torch.set_num_threads(1)
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
     data_cfg = DataConfig(cube=list(args.cube), fit=args.fit, prepare_workers=workers)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
-        root, cache = Path(tmp) / "raw", Path(tmp) / "cache"
-        synth_s = synthesize(root, args.cases, tuple(args.shape), workers)
+        root, cache = args.phantoms or Path(tmp) / "raw", Path(tmp) / "cache"
+        reuse = root.is_dir() and len([p for p in root.iterdir() if p.is_dir()]) == args.cases
+        synth_s = None if reuse else synthesize(root, args.cases, tuple(args.shape), workers)
         check = timed_in_workers(lambda: check_dataset(root, data_cfg.edition, data_cfg.modalities, progress=False,
                                                        workers=workers))
         prepare = timed_in_workers(lambda: prepare_dataset(root, cache, data_cfg, workers=workers, progress=False))

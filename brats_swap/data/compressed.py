@@ -8,17 +8,21 @@ to its patch), so a patch read decompresses only the chunks it touches. Here:
   and of the label (`content_box`). With `data.fit=pad_crop` that is the brain's box inside the zero-padded
   cube; with `resample` the brain box already fills the cube, so the box is (almost) the whole cube and the
   saving comes from compression. Outside the box the cube is zero, which is what a read puts there.
-- Codec ZSTD level 3 with byte shuffle (nnU-Net v2 uses ZSTD too; level 3 compresses the float16 images as
-  well as level 8 within 1% and writes several times faster, scripts/bench_scale.py).
+- Codec ZSTD level 3 with byte shuffle (nnU-Net v2 uses ZSTD too). On a 240×240×155 phantom prepared to
+  192³ float16, level 3 stored 21.8 MB against 22.0 MB at level 8 and wrote 9 times faster; LZ4 decompressed
+  faster but stored 24-28 MB, too close to the 25 MB goal.
 - Chunks: the channel axis 1 (a sample reads every channel, but a channel per chunk keeps chunks small);
   each spatial axis cut into equal parts of at most `CHUNK_EDGE` voxels, so a 128³ patch touches at most 3
   chunks per axis and a whole cube reads each chunk once, with no chunk padded beyond the array.
-  Blocks (blosc2's unit of decompression inside a chunk): the chunk halved along its longest axes until
-  a block is at most `BLOCK_BYTES`, as nnU-Net caps its blocks.
+  One block per chunk (blosc2's unit of decompression; 512 KiB for a float16 64³ chunk, where nnU-Net caps
+  its blocks at 128 KiB): a chunk then decompresses straight to its C-order array, so a read decompresses
+  each chunk it touches once into a small buffer and copies its part into place (`_read_chunks`), which
+  makes a whole cube cost the decompression plus one copy (scripts/bench_scale.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
@@ -26,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 CHUNK_EDGE = 64
-BLOCK_BYTES = 64 * 1024
 CLEVEL = 3
 
 
@@ -43,15 +46,12 @@ def content_box(image: np.ndarray, label: np.ndarray | None) -> list[list[int]]:
     return box
 
 
-def chunk_and_block_shapes(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Chunk and block shapes (see the module docstring) for an array whose last three axes are spatial."""
+def chunk_and_block_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Chunk and block shapes (see the module docstring) for an array whose last three axes are spatial:
+    one channel, each spatial axis cut into equal parts of at most `CHUNK_EDGE`; one block per chunk."""
     lead = (1,) * (len(shape) - 3)
-    chunk = [math.ceil(size / math.ceil(size / CHUNK_EDGE)) for size in shape[-3:]]
-    block = list(chunk)
-    while math.prod(block) * itemsize > BLOCK_BYTES and max(block) > 1:
-        axis = block.index(max(block))
-        block[axis] = math.ceil(block[axis] / 2)
-    return (*lead, *chunk), (*lead, *block)
+    chunk = (*lead, *(math.ceil(size / math.ceil(size / CHUNK_EDGE)) for size in shape[-3:]))
+    return chunk, chunk
 
 
 def write_volume(path: Path, array: np.ndarray) -> None:
@@ -59,7 +59,7 @@ def write_volume(path: Path, array: np.ndarray) -> None:
     import blosc2  # here, not at module level: `data check` and the CLI's start never load it
 
     array = np.ascontiguousarray(array)
-    chunks, blocks = chunk_and_block_shapes(array.shape, array.itemsize)
+    chunks, blocks = chunk_and_block_shapes(array.shape)
     cparams = blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=CLEVEL, filters=[blosc2.Filter.SHUFFLE], nthreads=1)
     blosc2.asarray(array, urlpath=os.fspath(path), mode="w", chunks=chunks, blocks=blocks, cparams=cparams)
 
@@ -109,9 +109,13 @@ class CachedVolume:
                 return
             src.append(slice(start - low, stop - low))
             dst.append(slice(start - s.start, stop - s.start))
-        if not _covers(dst, out.shape):
-            out[...] = 0
-        out[tuple(dst)] = self._stored()[tuple(src)]
+        _zero_outside(out, dst)
+        _read_chunks(self._stored(), tuple(src), out[tuple(dst)])
+
+    def window(self, key) -> CachedWindow:
+        """`self[key]` not read yet: what a loader worker hands to the collate, which decompresses it straight
+        into the batch (`read_into`) instead of into a temporary that is then copied."""
+        return CachedWindow(self, _basic_slices(key, self.shape))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = self[...]
@@ -121,8 +125,50 @@ class CachedVolume:
         return f"CachedVolume({self.path}, shape={self.shape}, dtype={self.dtype}, box={self.box})"
 
 
-def _covers(dst: list[slice], shape: tuple[int, ...]) -> bool:
-    return all(s.start == 0 and s.stop == n for s, n in zip(dst, shape, strict=True))
+class CachedWindow:
+    """A block of a `CachedVolume` (`volume.window(key)`), read when asked: `read_into(out)`, `np.asarray`."""
+
+    def __init__(self, volume: CachedVolume, slices: tuple[slice, ...]) -> None:
+        self.volume, self.slices = volume, slices
+        self.shape, self.dtype = tuple(s.stop - s.start for s in slices), volume.dtype
+
+    def read_into(self, out: np.ndarray) -> None:
+        self.volume.read_into(out, self.slices)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        block = self.volume[self.slices]
+        return block if dtype is None else block.astype(dtype, copy=False)
+
+
+def _read_chunks(stored, src: tuple[slice, ...], out: np.ndarray) -> None:
+    """`stored[src]` decompressed straight into `out`, chunk by chunk: with one block per chunk a chunk
+    decompresses to its C-order array (blosc2 orders blocks inside a chunk), so each touched chunk is
+    decompressed once into a small buffer and its part copied into place, with no whole-array temporary
+    (slicing the NDArray would allocate one and `out` would copy it again: 1.5x the time for a cube)."""
+    chunks = tuple(stored.chunks)
+    if tuple(stored.blocks) != chunks:  # written otherwise: blosc2's own slicing
+        out[...] = stored[src]
+        return
+    grid = [-(-size // edge) for size, edge in zip(stored.shape, chunks, strict=True)]
+    buffer = np.empty(chunks, dtype=stored.dtype)
+    ranges = [range(s.start // edge, (s.stop - 1) // edge + 1) for s, edge in zip(src, chunks, strict=True)]
+    for index in itertools.product(*ranges):
+        stored.schunk.decompress_chunk(int(np.ravel_multi_index(index, grid)), buffer)
+        inside, place = [], []
+        for i, s, edge in zip(index, src, chunks, strict=True):
+            start, stop = max(s.start, i * edge), min(s.stop, (i + 1) * edge)
+            inside.append(slice(start - i * edge, stop - i * edge))
+            place.append(slice(start - s.start, stop - s.start))
+        out[tuple(place)] = buffer[tuple(inside)]
+
+
+def _zero_outside(out: np.ndarray, dst: list[slice]) -> None:
+    """Zeros in `out` outside the box `dst`: the slabs before and after it along each axis (not all of `out`,
+    which would touch every byte of a cube twice)."""
+    for axis, s in enumerate(dst):
+        before = (slice(None),) * axis
+        out[(*before, slice(0, s.start))] = 0
+        out[(*before, slice(s.stop, None))] = 0
 
 
 def _basic_slices(key, shape: tuple[int, ...]) -> tuple[slice, ...]:

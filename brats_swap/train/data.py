@@ -31,7 +31,7 @@ from brats_swap import stop_signals
 from brats_swap.augment import get_recipe
 from brats_swap.config import Config, DataConfig
 from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
-from brats_swap.data.compressed import CachedVolume
+from brats_swap.data.compressed import CachedVolume, CachedWindow
 from brats_swap.data.discovery import resolve_convention
 from brats_swap.data.workers import available_cpus
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
@@ -164,8 +164,9 @@ class CubeDataset(Dataset):
         batch_size, world_size: the per-rank batch and the ranks, where a sample sits in its batch ("nnunet").
         channels: the image channels (the nnU-Net recipes draw per-channel parameters).
 
-    Items are dicts: `image` in the cache's dtype (float16 by default; C, *crop), `label` uint8 (*crop): numpy
-    arrays of the patch, or the whole cube's `CachedVolume`s that `collate_samples` decompresses into the batch, `augment` the sample's parameters
+    Items are dicts: `image` in the cache's dtype (float16 by default; C, *crop), `label` uint8 (*crop): the
+    cube's `CachedVolume`s or the patch's `CachedWindow` (image) and numpy array (label); `collate_samples`
+    decompresses the cached ones straight into the batch, `augment` the sample's parameters
     (None for a plain int key), `pad` the widths that restore an enlarged crop from what was read (None: the
     arrays are the sample, `enlarged_window`), `case_id` str.
     """
@@ -211,7 +212,7 @@ class CubeDataset(Dataset):
         read = recipe.crop_size(self.crop, patch_mode=True) if rng is not None else self.crop
         window, pad = enlarged_window(start, self.crop, read, label.shape)
         params = recipe.draw(rng, self.crop, self.channels) if rng is not None else None
-        return {"image": image[(slice(None), *window)], "label": label[window], "augment": params,
+        return {"image": image.window((slice(None), *window)), "label": label[window], "augment": params,
                 "pad": pad if any(pad) else None, "case_id": case_id}
 
     def patch_start(self, key: SampleKey | int, label: np.ndarray, rng: np.random.Generator | None
@@ -275,9 +276,9 @@ def seed_worker(worker_id: int) -> None:
     stop_signals.ignore(stop_signals.STOP_SIGNALS)
 
 
-def stacked(arrays: Sequence[np.ndarray | CachedVolume]) -> torch.Tensor:
-    """The arrays stacked into one tensor. A whole cube (`CachedVolume`) is decompressed straight into its
-    place; numpy stacks the rest (torch's CPU stack of float16 is several times slower). In a loader worker the
+def stacked(arrays: Sequence[np.ndarray | CachedVolume | CachedWindow]) -> torch.Tensor:
+    """The arrays stacked into one tensor. A cube or a window of one from the cache (`CachedVolume`,
+    `CachedWindow`) is decompressed straight into its place; numpy stacks the rest (torch's CPU stack of float16 is several times slower). In a loader worker the
     tensor is in shared memory, as torch's own collate makes it, so the batch reaches the main process
     without another copy."""
     shape = (len(arrays), *arrays[0].shape)
@@ -287,9 +288,9 @@ def stacked(arrays: Sequence[np.ndarray | CachedVolume]) -> torch.Tensor:
     else:
         storage = template._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
         out = template.new(storage).resize_(shape)
-    if any(isinstance(a, CachedVolume) for a in arrays):
+    if any(isinstance(a, CachedVolume | CachedWindow) for a in arrays):
         for array, place in zip(arrays, out.numpy(), strict=True):
-            array.read_into(place) if isinstance(array, CachedVolume) else np.copyto(place, array)
+            array.read_into(place) if isinstance(array, CachedVolume | CachedWindow) else np.copyto(place, array)
     else:
         np.stack(arrays, out=out.numpy())
     return out
