@@ -45,7 +45,7 @@ from brats_swap.data.cache import list_prepared, load_prepared, prepare_dataset
 from brats_swap.data.check import check_dataset
 from brats_swap.data.phantom import synthesize_dataset
 from brats_swap.data.workers import available_cpus, resolve_workers
-from brats_swap.train.data import CubeDataset, SampleKey, collate_samples
+from brats_swap.train.data import CubeDataset, SampleKey, collate_samples, stacked
 
 GOAL_LOADER_S = 0.10
 GOAL_BYTES_PER_CASE = 25e6
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         "loader_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader.items()},
         "loader_all": loader,
         "cold_read_seconds": {"format2": cold["format2"], "format1": cold["format1"]},
+        "whole_case_into_batch_cpu_seconds": {"format2": cold["batch_format2"], "format1": cold["batch_format1"]},
         "peak_rss_bytes": {"main": _rss(resource.RUSAGE_SELF), "largest_worker": _rss(resource.RUSAGE_CHILDREN)},
         "goals": {"cache_bytes_per_case_at_most": GOAL_BYTES_PER_CASE, "loader_cpu_seconds_at_most": GOAL_LOADER_S},
         "load_average": {"before": load_before, "after": os.getloadavg()},
@@ -150,8 +151,10 @@ def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | Non
 
 def cold_reads(cache: Path, ids: list[str], old: Path) -> dict:
     """Wall seconds of reading a whole case whose files are not in the page cache: format 2 against the
-    format-1 `.npy` of the same cube (written here), and format 1's bytes per case."""
-    format2, format1, old_bytes = [], [], []
+    format-1 `.npy` of the same cube (written here), and format 1's bytes per case. Also, warm, the CPU
+    seconds of what a loader worker does with a whole case of each format: read it into a fresh batch tensor
+    (`stacked`; format 1 was a memory map that `np.stack` copied)."""
+    format2, format1, old_bytes, batch2, batch1 = [], [], [], [], []
     for case_id in ids:
         whole = load_prepared(cache, case_id, mmap=False)
         folder = old / case_id
@@ -168,8 +171,17 @@ def cold_reads(cache: Path, ids: list[str], old: Path) -> dict:
         started = time.perf_counter()
         np.array(np.load(folder / "image.npy", mmap_mode="r")), np.array(np.load(folder / "label.npy", mmap_mode="r"))
         format1.append(time.perf_counter() - started)
+        for _ in range(3):
+            started = time.process_time()
+            prepared = load_prepared(cache, case_id, mmap=True)
+            stacked([prepared.image]), stacked([prepared.label])
+            batch2.append(time.process_time() - started)
+            started = time.process_time()
+            stacked([np.load(folder / "image.npy", mmap_mode="r")]), stacked([np.load(folder / "label.npy", mmap_mode="r")])
+            batch1.append(time.process_time() - started)
     return {"format2": statistics.median(format2), "format1": statistics.median(format1),
-            "format1_bytes": statistics.mean(old_bytes)}
+            "format1_bytes": statistics.mean(old_bytes), "batch_format2": statistics.median(batch2),
+            "batch_format1": statistics.median(batch1)}
 
 
 def _drop_from_page_cache(folder: Path) -> None:
@@ -217,7 +229,10 @@ def markdown_table(result: dict) -> str:
         f"| cache MB per case, format 1 (whole cube `.npy`) | {bytes_['cache_format1'] / 1e6:.1f} |",
         f"| loader CPU s per sample, whole {cube} (goal ≤ 0.10) | {loader['whole']:.3f} |",
         f"| loader CPU s per sample, patch {'×'.join(map(str, result['patch']))} (goal ≤ 0.10) | {loader['patch']:.3f} |",
-        f"| cold read of a whole case: format 2 / format 1 (s) | {cold['format2']:.3f} / {cold['format1']:.3f} |",
+        f"| whole case into a batch tensor, CPU s: format 2 / format 1 | "
+        f"{result['whole_case_into_batch_cpu_seconds']['format2']:.3f} / "
+        f"{result['whole_case_into_batch_cpu_seconds']['format1']:.3f} |",
+        f"| \"cold\" read of a whole case, wall s: format 2 / format 1 | {cold['format2']:.3f} / {cold['format1']:.3f} |",
         f"| peak RSS: main process / largest worker (GB) | {result['peak_rss_bytes']['main'] / 1e9:.2f} / "
         f"{result['peak_rss_bytes']['largest_worker'] / 1e9:.2f} |",
         "",

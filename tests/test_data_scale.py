@@ -204,3 +204,26 @@ def test_cases_the_worker_processes_finish_while_stopping_are_in_the_index(tmp_p
     on_disk = sorted(p.name for p in cache.iterdir() if (p / "meta.json").is_file())
     assert len(on_disk) >= 2 and list_prepared(cache) == on_disk
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_cached_volume_reads_any_window_as_the_padded_cube_does(tmp_path, monkeypatch):
+    """Several chunks per axis (edge 4), a box off the cube's centre: every window, read chunk by chunk, equals
+    the same window of the zero-padded cube, bitwise."""
+    from brats_swap.data import compressed
+
+    monkeypatch.setattr(compressed, "CHUNK_EDGE", 4)
+    rng = np.random.default_rng(0)
+    cube = np.zeros((2, 13, 11, 9), dtype=np.float16)
+    cube[:, 2:12, 1:8, 3:9] = rng.normal(size=(2, 10, 7, 6))
+    box = compressed.content_box(cube, None)
+    assert box == [[2, 12], [1, 8], [3, 9]]
+    compressed.write_volume(tmp_path / "v.b2nd", cube[:, 2:12, 1:8, 3:9])
+    volume = compressed.CachedVolume(tmp_path / "v.b2nd", cube.shape, cube.dtype, box)
+    assert np.array_equal(np.asarray(volume), cube)
+    for _ in range(40):
+        lo = [int(rng.integers(0, n)) for n in cube.shape[1:]]
+        hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, cube.shape[1:], strict=True)]
+        window = (slice(None), *(slice(a, b) for a, b in zip(lo, hi, strict=True)))
+        out = np.full(cube[window].shape, 7, dtype=np.float16)  # stale values must not survive
+        volume.window(window).read_into(out)
+        assert np.array_equal(out, cube[window]) and np.array_equal(volume[window], cube[window])

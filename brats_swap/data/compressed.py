@@ -8,9 +8,10 @@ to its patch), so a patch read decompresses only the chunks it touches. Here:
   and of the label (`content_box`). With `data.fit=pad_crop` that is the brain's box inside the zero-padded
   cube; with `resample` the brain box already fills the cube, so the box is (almost) the whole cube and the
   saving comes from compression. Outside the box the cube is zero, which is what a read puts there.
-- Codec ZSTD level 3 with byte shuffle (nnU-Net v2 uses ZSTD too). On a 240×240×155 phantom prepared to
-  192³ float16, level 3 stored 21.8 MB against 22.0 MB at level 8 and wrote 9 times faster; LZ4 decompressed
-  faster but stored 24-28 MB, too close to the 25 MB goal.
+- Codec ZSTD level 1 with byte shuffle (nnU-Net v2 uses ZSTD too). On a 240×240×155 phantom prepared to
+  192³ float16 (one case, one core), level 1 stored 22.3 MB in 0.44 s, level 3 21.8 MB in 1.27 s, level 8
+  22.0 MB in 3.8 s, all decompressing at the same speed; LZ4 decompressed faster (0.03 s against 0.05 s)
+  but stored 24-28 MB, too close to the 25 MB goal. `prepare` compresses every case once: level 1.
 - Chunks: the channel axis 1 (a sample reads every channel, but a channel per chunk keeps chunks small);
   each spatial axis cut into equal parts of at most `CHUNK_EDGE` voxels, so a 128³ patch touches at most 3
   chunks per axis and a whole cube reads each chunk once, with no chunk padded beyond the array.
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 CHUNK_EDGE = 64
-CLEVEL = 3
+CLEVEL = 1
 
 
 def content_box(image: np.ndarray, label: np.ndarray | None) -> list[list[int]]:
