@@ -51,7 +51,7 @@ from brats_swap.data.compressed import CachedVolume, content_box, write_volume
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
-from brats_swap.data.workers import resolve_workers, run_cases
+from brats_swap.data.workers import log_console, resolve_workers, run_cases
 from brats_swap.errors import DataError
 from brats_swap.names import name_problem, path_inside
 
@@ -482,8 +482,7 @@ def _check_free_space(cache_dir: Path, n_cases: int, settings: dict) -> None:
 
 
 def _say(console: Console | None, line: str) -> None:
-    (console if console is not None else Console(stderr=True, highlight=False, soft_wrap=True)).print(
-        line, markup=False)
+    log_console(console).print(line, markup=False)
 
 
 __all__ = [

@@ -39,6 +39,11 @@ def resolve_workers(value: int | str) -> int:
     return max(1, int(value))
 
 
+def log_console(console: Console | None) -> Console:
+    """`console`, or a plain one on stderr (where the CLI's lines of long work go) when the caller gave none."""
+    return console if console is not None else Console(stderr=True, highlight=False, soft_wrap=True)
+
+
 def run_cases(fn: Callable[..., Any], jobs: Sequence[tuple], workers: int, *, done: Callable[[Any], None],
               failures: Callable[[], int], description: str, progress: bool = True,
               console: Console | None = None) -> None:
@@ -49,7 +54,7 @@ def run_cases(fn: Callable[..., Any], jobs: Sequence[tuple], workers: int, *, do
     prepared finish and the caller records them, while those not started are cancelled.
     Progress: a rich bar on a terminal; otherwise a line at least every `PROGRESS_LINE_SECONDS` with done/total,
     rate, time left and `failures()` so far."""
-    console = console if console is not None else Console(stderr=True, highlight=False, soft_wrap=True)
+    console = log_console(console)
     lines = ProgressLines(description, len(jobs), console=console, unit="case", every_s=PROGRESS_LINE_SECONDS) \
         if progress and not console.is_terminal else None
     show_bar = progress and console.is_terminal and bool(jobs)
