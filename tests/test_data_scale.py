@@ -227,3 +227,33 @@ def test_a_cached_volume_reads_any_window_as_the_padded_cube_does(tmp_path, monk
         out = np.full(cube[window].shape, 7, dtype=np.float16)  # stale values must not survive
         volume.window(window).read_into(out)
         assert np.array_equal(out, cube[window]) and np.array_equal(volume[window], cube[window])
+
+
+def test_ctrl_c_to_a_prepare_in_a_log_leaves_an_index_of_every_complete_entry(tmp_path):
+    """The issue's case, end to end: `data prepare --workers 2` with output to a file, SIGINT to its process
+    group (a Ctrl-C) once some cases are on disk: exit 130, and index.json lists exactly the complete entries."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, cache = tmp_path / "raw", tmp_path / "cache"
+    ids = [f"BraTS2021_{k:05d}" for k in range(40)]
+    for k, case_id in enumerate(ids):
+        write_case(root, case_id, "2021", shape=(96, 96, 64), seed=k)
+    log = (tmp_path / "prepare.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "brats_swap", "data", "prepare", str(root), "--out", str(cache), "--workers", "2",
+         "--set", "data.cube=[64,64,64]"], stdout=log, stderr=log, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if cache.is_dir() and sum((p / "meta.json").is_file() for p in cache.iterdir()) >= 2:
+            break
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=120) == 130
+    on_disk = sorted(p.name for p in cache.iterdir() if (p / "meta.json").is_file())
+    assert 2 <= len(on_disk) < len(ids)  # stopped part-way
+    assert list_prepared(cache) == on_disk
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]

@@ -8,6 +8,7 @@ its workers from the same `available_cpus`.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -50,7 +51,7 @@ def run_cases(fn: Callable[..., Any], jobs: Sequence[tuple], workers: int, *, do
     """Call `fn(*job)` for every job, `done(result)` in this process as each one finishes (in finishing order).
 
     `workers` > 1 runs them in that many spawned processes (spawn, not fork: a forked child of a process that
-    already ran torch/OpenMP threads can hang); the workers ignore stop signals, so on Ctrl-C the cases being
+    already ran torch/OpenMP threads can hang); the workers ignore Ctrl-C, so on Ctrl-C the cases being
     prepared finish and the caller records them, while those not started are cancelled.
     Progress: a rich bar on a terminal; otherwise a line at least every `PROGRESS_LINE_SECONDS` with done/total,
     rate, time left and `failures()` so far."""
@@ -100,6 +101,7 @@ def _init_worker() -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core already; more threads would oversubscribe
-    # Ctrl-C and a scheduler's signals reach the whole process group: the main process decides (it cancels
-    # the cases not started); a worker finishes the case it holds so that it is recorded.
-    stop_signals.ignore(stop_signals.STOP_SIGNALS)
+    # Ctrl-C reaches the whole process group: the main process decides (it cancels the cases not started and
+    # waits for the running ones); a worker finishes the case it holds so that it is recorded. SIGTERM is not
+    # ignored: a worker whose parent was killed would otherwise wait on the pool's queue forever.
+    stop_signals.ignore([signal.SIGINT])
