@@ -32,17 +32,21 @@ class ProgressLines:
     A rich bar draws nothing there, so an epoch would be silent until it ends. `update` prints one line after
     the first step (training started, and at what speed) and then one whenever `every_s` seconds have passed
     since the last line; the last step prints nothing (the caller's end-of-work line follows).
+
+    `unit` names what is counted ("step" for training; "case" for check and prepare, whose lines also give the
+    rate in cases per second).
     """
 
     def __init__(self, description: str, total: int, *, console: Console | None, every_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] | None = None,
-                 scope: str = "", rest: tuple[str, int, float] | None = None) -> None:
+                 scope: str = "", rest: tuple[str, int, float] | None = None, unit: str = "step") -> None:
         """`scope` names what "left" counts ("this epoch"); `rest` = (name, steps, seconds) of the work after
         this bar's (the run's later epochs: their steps, at this bar's pace, plus their other known seconds),
         said as a second estimate ("about 0:40:00 in the run")."""
         self.description, self.total, self.console, self.every_s, self._clock = (
             description, total, console, every_s, clock)
         self.scope, self.rest = scope, rest
+        self.unit = unit  # "step" (training); "case" (check, prepare: their lines also give the rate)
         self.log = log  # also written here (train.log: `tail -f` shows the epoch moving); None: console only
         self._started = clock()
         self._last_line: float | None = None
@@ -50,21 +54,24 @@ class ProgressLines:
 
     def update(self, completed: int, info: str = "") -> None:
         now = self._clock()
-        if self._first_done is None:
+        if self._first_done is None and completed > 0:
             self._first_done = completed - 1  # a resumed epoch starts part-way
         due = self._last_line is None or now - self._last_line >= self.every_s
         if not due or completed >= self.total:
             return
         self._last_line = now
         elapsed = now - self._started
-        done_here = completed - self._first_done
-        per_step = elapsed / done_here
-        remaining = per_step * (self.total - completed)
-        line = (f"{self.description} step {completed}/{self.total}, {_clock_time(elapsed)} elapsed, "
-                f"about {_clock_time(remaining)} left" + (f" in {self.scope}" if self.scope else ""))
-        if self.rest is not None:
+        done_here = completed - self._first_done if self._first_done is not None else 0
+        per_step = elapsed / done_here if done_here else None  # a pool woke up before any case finished
+        left = (f"about {_clock_time(per_step * (self.total - completed))} left" if per_step is not None
+                else "time left not known yet")
+        line = (f"{self.description} {self.unit} {completed}/{self.total}, {_clock_time(elapsed)} elapsed, "
+                f"{left}" + (f" in {self.scope}" if self.scope else ""))
+        if self.rest is not None and per_step is not None:
             name, steps, seconds = self.rest
-            line += f", about {_clock_time(remaining + per_step * steps + seconds)} in {name}"
+            line += f", about {_clock_time(per_step * (self.total - completed + steps) + seconds)} in {name}"
+        if self.unit != "step" and elapsed > 0:
+            line += f"  {done_here / elapsed:.2f} {self.unit}s/s"
         line += f"  {info}" if info else ""
         if self.console is not None:
             self.console.print(line)  # the consoles of run/console.py print plain, unwrapped lines

@@ -13,9 +13,10 @@ import brats_swap.data.cache as cache_module
 from brats_swap.cli.data import app as data_app
 from brats_swap.config import DataConfig
 from brats_swap.data.cache import list_prepared, load_prepared, prepare_dataset
+from brats_swap.data.compressed import CachedVolume
 from brats_swap.data.discovery import discover_cases
 from brats_swap.data.nifti import load_case
-from brats_swap.data.preprocess import to_original_grid
+from brats_swap.data.preprocess import preprocess_case, preprocess_settings, to_original_grid
 from brats_swap.errors import DataError
 
 IDS = ["BraTS2021_00000", "BraTS2021_00001", "BraTS2021_00002"]
@@ -43,8 +44,17 @@ def test_prepare_list_load_and_map_back(dataset):
     assert report.prepared == IDS and not report.failed
     assert list_prepared(cache) == IDS
     prepared = load_prepared(cache, IDS[1])
-    assert isinstance(prepared.image, np.memmap) and prepared.image.dtype == np.float16
+    assert isinstance(prepared.image, CachedVolume) and prepared.image.dtype == np.float16
     assert prepared.image.shape == (4, 20, 20, 20) and prepared.label.shape == (20, 20, 20)
+    # Only the brain's box is stored, compressed; read back it is the preprocessed cube, bitwise, padded.
+    assert not (cache / IDS[1] / "image.npy").exists()
+    assert [b - a for a, b in prepared.meta["stored_box"]] == [16, 14, 10]
+    image, label, _ = preprocess_case(load_case(discover_cases(root)[1]), preprocess_settings(
+        _config(fit="pad_crop", cube=[20, 20, 20])))
+    assert np.array_equal(np.asarray(prepared.image), image) and np.array_equal(np.asarray(prepared.label), label)
+    assert np.array_equal(prepared.image[:, 1:9, 0:20, 12:20], image[:, 1:9, 0:20, 12:20])  # across the box edge
+    whole = load_prepared(cache, IDS[1], mmap=False)
+    assert isinstance(whole.image, np.ndarray) and np.array_equal(whole.image, image)
     meta = prepared.meta
     assert meta["edition"] == "2021" and meta["original_shape"] == [20, 18, 14] and len(meta["affine"]) == 4
     assert set(meta["sources"]) == {"t1", "t1ce", "t2", "flair", "seg"}
@@ -83,16 +93,16 @@ def test_crash_mid_write_leaves_no_half_case(dataset, monkeypatch):
     root, cache, _ = dataset
     prepare_dataset(root, cache, _config(), progress=False)
     old_image = np.array(load_prepared(cache, IDS[0]).image)
-    real_save = cache_module.atomic_save_npy
+    real_save = cache_module.write_volume
     calls = []
 
     def crashing_save(path, array):
         calls.append(path)
-        if len(calls) == 2:  # image.npy written, label.npy not: the worst moment
+        if len(calls) == 2:  # image.b2nd written, label.b2nd not: the worst moment
             raise RuntimeError("simulated crash")
         real_save(path, array)
 
-    monkeypatch.setattr(cache_module, "atomic_save_npy", crashing_save)
+    monkeypatch.setattr(cache_module, "write_volume", crashing_save)
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare_dataset(root, cache, _config(cache_dtype="float32"), progress=False)
     # the old complete entry is untouched, no temp folder remains, nothing new is half there
@@ -101,7 +111,7 @@ def test_crash_mid_write_leaves_no_half_case(dataset, monkeypatch):
     assert load_prepared(cache, IDS[0]).meta["settings"]["cache_dtype"] == "float16"
     # the interrupted run's index only lists entries matching the new settings: none yet
     assert list_prepared(cache) == []
-    monkeypatch.setattr(cache_module, "atomic_save_npy", real_save)
+    monkeypatch.setattr(cache_module, "write_volume", real_save)
     assert prepare_dataset(root, cache, _config(cache_dtype="float32"), progress=False).prepared == IDS
 
 
@@ -186,9 +196,14 @@ def test_prepare_missing_fills_in_what_the_cache_lacks(dataset, tmp_path):
     assert report.prepared == [IDS[2]] and report.up_to_date == IDS[:2] and report.cases == IDS
     assert list_prepared(cache) == IDS and all(_mtimes(cache)[k] == v for k, v in before.items() if k != IDS[2])
     assert prepare_missing(cfg, progress=False).prepared == []  # nothing left to do
-    # Without the raw data the cache is used as it stands; without either there is nothing to train on.
+    # Without the raw data the run is refused, naming both folders, unless the cache alone is the data;
+    # without either there is nothing to train on.
     gone = _config(root=str(tmp_path / "moved-away"), cache=str(cache))
-    assert prepare_missing(gone, progress=False).cases == IDS
+    with pytest.raises(DataError, match=rf"data.root .*moved-away is not a folder, .*{cache} was prepared from "
+                                        rf"{root.resolve()}.*data.cache_only=true"):
+        prepare_missing(gone, progress=False)
+    assert prepare_missing(_config(root=str(tmp_path / "moved-away"), cache=str(cache), cache_only=True),
+                           progress=False).cases == IDS
     with pytest.raises(DataError, match=r"no prepared cases .*data.root .*moved-away"):
         prepare_missing(_config(root=str(tmp_path / "moved-away"), cache=str(tmp_path / "empty")), progress=False)
 

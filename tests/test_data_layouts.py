@@ -160,7 +160,7 @@ def test_cropped_tumour_voxels_are_reported(originals, tmp_path):
     assert report.cropped  # a 16³ cube cuts into a 40x40x28 phantom's tumour
     names = get_challenge("2021").labels
     for case_id in report.cases:  # what is reported is what the cube lacks of the case's labels
-        prepared = load_prepared(tmp_path / "cache", case_id)
+        prepared = load_prepared(tmp_path / "cache", case_id, mmap=False)
         counts, kept = prepared.meta["label_counts"], np.bincount(prepared.label.ravel(), minlength=5)
         lost = {names[int(v)]: counts[v] - int(kept[int(v)]) for v in counts if counts[v] > kept[int(v)]}
         assert prepared.meta["cropped_labels"] == lost

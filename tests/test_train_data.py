@@ -136,7 +136,7 @@ def test_samples_depend_only_on_their_key_not_on_workers(data):
     # the workers only read and crop: the cache's float16 and uint8 labels, the draw travels beside them
     assert first["image"].shape == (4, 16, 16, 16) and first["image"].dtype == np.float16
     assert first["label"].dtype == np.uint8 and isinstance(first["augment"], CubeSymmetry)
-    draws = {(dataset[SampleKey(epoch, 3, 5)]["augment"], float(dataset[SampleKey(epoch, 3, 5)]["image"].sum()))
+    draws = {(dataset[SampleKey(epoch, 3, 5)]["augment"], float(np.asarray(dataset[SampleKey(epoch, 3, 5)]["image"]).sum()))
              for epoch in range(8)}
     assert len(draws) > 4  # the patch and the symmetry change with the key
 

@@ -8,8 +8,16 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from brats_swap.cli.common import ConfigOption, SetOption, console, flag, handle_errors, resolve_config
-from brats_swap.errors import DataError
+from brats_swap.cli.common import (
+    ConfigOption,
+    SetOption,
+    console,
+    err_console,
+    flag,
+    handle_errors,
+    resolve_config,
+)
+from brats_swap.errors import ConfigError, DataError
 
 # `data synth` numbers the cases of seed s from s x SEED_ID_STRIDE (unless --id-offset says otherwise).
 SEED_ID_STRIDE = 1000
@@ -31,6 +39,9 @@ ChallengeOption = Annotated[
     typer.Option("--challenge", help="Force the 2023+ challenge: gli, gli-post, met, men, men-rt, ped, ssa, goat "
                                      "(default: data.challenge, auto-detected from case ids).", show_default=False),
 ]
+WorkersOption = Annotated[str | None, typer.Option(
+    "--workers", "-j", help="Parallel processes: a number, or auto = every CPU this process may use (default: "
+                            "data.prepare_workers, auto).", show_default=False)]
 StrictOption = Annotated[bool, flag("--strict/--no-strict", "Any bad case is an error (exit 1) instead of "
                                                              "being listed and skipped.")]
 
@@ -38,7 +49,8 @@ StrictOption = Annotated[bool, flag("--strict/--no-strict", "Any bad case is an 
 @app.command("check")
 @handle_errors
 def check(root: RootArgument = None, edition: EditionOption = None, challenge: ChallengeOption = None,
-          strict: StrictOption = False, config: ConfigOption = None, set_: SetOption = None) -> None:
+          strict: StrictOption = False, workers: WorkersOption = None, config: ConfigOption = None,
+          set_: SetOption = None) -> None:
     """Find and validate every case: label table, shape, spacing, label counts and problems."""
     from brats_swap.data.check import check_dataset, convention_doubts, summary_line
     from brats_swap.data.preprocess import preprocess_settings
@@ -46,7 +58,8 @@ def check(root: RootArgument = None, edition: EditionOption = None, challenge: C
     cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
     results = check_dataset(folder, cfg.data.edition, cfg.data.modalities, challenge=cfg.data.challenge,
-                            fit_to=preprocess_settings(cfg.data))
+                            fit_to=preprocess_settings(cfg.data), workers=_workers(workers, cfg.data),
+                            console=err_console)
 
     table = Table(title=f"{folder}: {len(results)} cases")
     for column in ("case", "table", "shape", "spacing (mm)"):
@@ -84,8 +97,7 @@ def prepare(
                                              show_default=False)] = None,
     config: ConfigOption = None,
     set_: SetOption = None,
-    workers: Annotated[int | None, typer.Option("--workers", "-j", help="Parallel processes (default: "
-                                                "data.prepare_workers).", show_default=False)] = None,
+    workers: WorkersOption = None,
     edition: EditionOption = None,
     challenge: ChallengeOption = None,
     strict: StrictOption = False,
@@ -97,7 +109,8 @@ def prepare(
     cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
     cache = out if out is not None else Path(cfg.data.cache)
-    report = prepare_dataset(folder, cache, cfg.data, workers=workers, strict=strict)
+    report = prepare_dataset(folder, cache, cfg.data, workers=_workers(workers, cfg.data), strict=strict,
+                             console=err_console)
     for case_id, problem in report.failed.items():
         console.print(f"[yellow]skipped {case_id}:[/] {problem}")
     for line in preparation_warnings(report):
@@ -159,6 +172,14 @@ def synth(
                              id_offset=offset)
     console.print(f"{folder}: wrote {len(ids)} {table} phantom cases "
                   f"({'x'.join(map(str, synth_cfg.shape))}, seed {synth_cfg.seed}): {ids[0]} ... {ids[-1]}")
+
+
+def _workers(option: str | None, data_cfg) -> int | str:
+    """--workers (a number or auto) over data.prepare_workers; a bad value is a one-line error."""
+    value = option if option is not None else data_cfg.prepare_workers
+    if value == "auto" or (str(value).isdigit() and int(value) >= 1):
+        return value if value == "auto" else int(value)
+    raise ConfigError(f"--workers: expected a number of at least 1, or auto, got {value!r}")
 
 
 def _forcing(set_: list[str] | None, edition: str | None, challenge: str | None) -> list[str]:

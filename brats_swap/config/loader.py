@@ -323,7 +323,8 @@ def validate_config(config: Config) -> None:
             f"{len(data.modalities)} modalities but model.in_channels is {model.in_channels}")
     require(len(data.clip_percentiles) == 2 and 0 <= data.clip_percentiles[0] < data.clip_percentiles[1] <= 100,
             "data.clip_percentiles", f"expected [low, high] within 0..100, got {data.clip_percentiles}")
-    require(data.prepare_workers >= 1, "data.prepare_workers", "must be at least 1")
+    require(data.prepare_workers == "auto" or data.prepare_workers >= 1, "data.prepare_workers",
+            "must be at least 1, or auto")
     require(data.loader_workers == "auto" or data.loader_workers >= 0, "data.loader_workers", "must be 0 or more, or auto")
     require(data.synth.cases >= 1, "data.synth.cases", "must be at least 1")
     require(len(data.synth.shape) == 3 and all(s >= 16 for s in data.synth.shape), "data.synth.shape",

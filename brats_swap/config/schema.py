@@ -36,7 +36,11 @@ class DataConfig:
     fit: Literal["resample", "pad_crop"] = "resample"  # resample = Ellis/IBM; pad_crop keeps 1 mm
     cache_dtype: Literal["float16", "float32"] = "float16"
     clip_percentiles: list[float] = field(default_factory=lambda: [0.5, 99.5])  # per modality, in the brain
-    prepare_workers: int = 2
+    # Processes of `data check` / `data prepare` (and the prepare step of train/cv). auto: every CPU this
+    # process may use (its affinity, as data.loader_workers counts them)
+    prepare_workers: int | Literal["auto"] = "auto"
+    # True: the prepared cache is the data; data.root is not read, nor checked against the cache's source
+    cache_only: bool = False
     # DataLoader workers during training (they read, crop and pin; augmentation runs on the device). auto: the
     # CPUs of this process's affinity shared by the GPUs (ranks) on the host, one left for the main process
     loader_workers: int | Literal["auto"] = "auto"

@@ -1,11 +1,18 @@
 """The prepared-case cache: `brats-swap data prepare` writes it, training reads it.
 
-Layout (stable, documented in docs/data.md):
+Layout (stable, documented in docs/data.md), format 2:
 
-    CACHE/index.json                 settings + the prepared cases of the last `prepare` (+ failures)
-    CACHE/<case_id>/image.npy        (C, D, H, W) float16/float32 (`data.cache_dtype`), memory-mappable
-    CACHE/<case_id>/label.npy        (D, H, W) uint8, raw label values of meta["edition"]'s table (absent: no seg)
-    CACHE/<case_id>/meta.json        what `to_original_grid` needs + sources' fingerprints + settings
+    CACHE/index.json                 format, source (data.root resolved + dataset identity), settings, the
+                                     prepared cases of the last `prepare` (+ failures)
+    CACHE/<case_id>/image.b2nd       the cube's content box (C, d, h, w) float16/float32, blosc2 (compressed.py)
+    CACHE/<case_id>/label.b2nd       (d, h, w) uint8, raw label values of meta["edition"]'s table (absent: no seg)
+    CACHE/<case_id>/meta.json        what `to_original_grid` needs + sources' fingerprints + settings + the
+                                     stored box (`stored_box`) and `cache_format`
+
+`load_prepared` is the one reader: every user of the cache (training loader, evaluation, compare, cv, the
+tests) gets the arrays from it, as `CachedVolume`s the size of the cube. Entries of format 1 (uncompressed
+`image.npy` of the whole cube) are recognised by their meta.json and never read: `prepare` rebuilds them
+(one line says so) and `load_prepared` refuses them.
 
 `prepare_missing(data_cfg)` is what train/cv/compare call: it prepares whatever cases of `data.root` the
 cache lacks (or holds stale) before they read it, so one command goes from a download to a run.
@@ -25,37 +32,35 @@ cache did not write is never replaced (CacheWriteError) nor removed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
-import signal
 import time
 import uuid
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.progress import Progress
+from rich.console import Console
 
-from brats_swap import stop_signals
-from brats_swap.atomic import atomic_save_npy, atomic_write_json, remove_stale_temp_files
+from brats_swap.atomic import atomic_write_json, remove_stale_temp_files
+from brats_swap.data.compressed import CachedVolume, content_box, write_volume
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
+from brats_swap.data.workers import log_console, resolve_workers, run_cases
 from brats_swap.errors import DataError, case_problem
 from brats_swap.names import name_problem, path_inside
-from brats_swap.progress import progress_bar
 
 INDEX_FILE = "index.json"
 META_FILE = "meta.json"
-IMAGE_FILE = "image.npy"
-LABEL_FILE = "label.npy"
-CACHE_FORMAT = 1
+IMAGE_FILE = "image.b2nd"
+LABEL_FILE = "label.b2nd"
+CACHE_FORMAT = 2
+OLD_FORMAT_IMAGE = "image.npy"  # format 1 (the whole cube, uncompressed): recognised, rebuilt, never read
 INDEX_WRITE_SECONDS = 2.0
 # What `write_entry` and `_remove_entry` name their temp folders: .tmp-<case id>-<pid>-<nonce> (being
 # written) and .old-<case id>-<pid>-<nonce> (an entry being replaced or removed).
@@ -65,8 +70,8 @@ _TEMP_FOLDER = re.compile(r"\.(?:tmp|old)-(?P<case>.+)-(?P<pid>\d+)-[0-9a-f]{8}"
 @dataclass
 class PreparedCase:
     case_id: str
-    image: np.ndarray  # (C, D, H, W) float16/float32; a read-only memory map when loaded with mmap=True
-    label: np.ndarray | None  # (D, H, W) uint8, raw label values of meta["edition"]
+    image: CachedVolume | np.ndarray  # (C, D, H, W) float16/float32: lazy (mmap=True) or read whole
+    label: CachedVolume | np.ndarray | None  # (D, H, W) uint8, raw label values of meta["edition"]
     meta: dict[str, Any]
 
 
@@ -79,6 +84,7 @@ class PrepareReport:
     cropped: dict[str, str] = field(default_factory=dict)  # case id -> warning: tumour voxels lost to the cube
     editions: dict[str, str] = field(default_factory=dict)  # case id -> label table, every case found
     removed_temp: int = 0  # stale temp folders of interrupted runs that were deleted
+    old_format: int = 0  # entries of an older cache format found (rebuilt by this run)
     seconds: float = 0.0
 
     @property
@@ -90,23 +96,78 @@ class CacheWriteError(DataError):
     """The cache itself cannot be written (disk full, permissions): stops the whole run."""
 
 
-def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg, workers: int | None = None,
-                    strict: bool = False, progress: bool = True) -> PrepareReport:
+def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg, workers: int | str | None = None,
+                    strict: bool = False, progress: bool = True, console: Console | None = None) -> PrepareReport:
     """Preprocess every case under `root` into `cache` (see the module docstring).
 
-    `workers` processes prepare cases in parallel (default `data_cfg.prepare_workers`; 1 = in this process).
-    Bad cases are listed in the report and skipped, or raise DataError with `strict=True`.
+    `workers` processes prepare cases in parallel (default `data_cfg.prepare_workers`; `auto` = every CPU this
+    process may use, 1 = in this process). Each case is read and validated once, as `data check` does
+    (`prepare_one`): bad cases are listed in the report and skipped, or raise DataError with `strict=True`.
+    DataError when the cache was prepared from another dataset (`check_source`).
     """
     started = time.perf_counter()
     cache_dir = Path(cache)
     settings = preprocess_settings(data_cfg)
     cases = discover_cases(root, data_cfg.edition, tuple(data_cfg.modalities), data_cfg.challenge)
+    source = cache_source(root, cases)
+    check_source(cache_dir, source)
     report = PrepareReport(cache=cache_dir)
     _make_cache_dir(cache_dir)
     report.removed_temp = clean_stale_temp(cache_dir)
-
-    todo: list[tuple[Case, dict]] = []
     report.editions = {case.case_id: case.edition for case in cases}
+    todo = _sort_cases(cases, cache_dir, settings, report, strict)
+    if report.old_format:
+        _say(console, f"{cache_dir}: {report.old_format} case(s) are in an older cache format (uncompressed "
+                      f"image.npy); rebuilding them in format {CACHE_FORMAT} (compressed, docs/data.md)")
+    _check_free_space(cache_dir, len(todo), settings)
+
+    index_cases = {}
+    for case_id in report.up_to_date:
+        meta = _read_meta(entry_folder(cache_dir, case_id))
+        index_cases[case_id] = _index_entry(meta)
+        _note_cropped(report, case_id, meta, settings)
+    _write_index(cache_dir, source, settings, index_cases, report.failed)
+    last_index_write = time.monotonic()
+
+    def finished(result: tuple[str, str | None, dict | None]) -> None:
+        nonlocal last_index_write
+        case_id, problem, meta = result
+        if problem is None:
+            report.prepared.append(case_id)
+            index_cases[case_id] = _index_entry(meta)
+            _note_cropped(report, case_id, meta, settings)
+        else:
+            report.failed[case_id] = problem
+            _remove_entry(cache_dir, case_id)  # a stale entry of a case that is now bad must not be used
+        # The index is rewritten every few seconds, not after every case (1000s of fsyncs); on the way out
+        # (`finally`) it is written whole, with the cases that finished while stopping (`_finished_on_disk`).
+        if time.monotonic() - last_index_write > INDEX_WRITE_SECONDS:
+            _write_index(cache_dir, source, settings, index_cases, report.failed)
+            last_index_write = time.monotonic()
+        if problem is not None and strict:
+            raise DataError(problem)
+
+    count = resolve_workers(workers if workers is not None else data_cfg.prepare_workers)
+    try:
+        run_cases(prepare_one, [(case, str(cache_dir), settings, sources) for case, sources in todo], count,
+                  done=finished, failures=lambda: len(report.failed), description="prepare", progress=progress,
+                  console=console)
+    finally:
+        for case_id in _finished_on_disk(cache_dir, todo, settings, index_cases, report.failed):
+            report.prepared.append(case_id)
+            index_cases[case_id] = _index_entry(_read_meta(entry_folder(cache_dir, case_id)))
+        _write_index(cache_dir, source, settings, index_cases, report.failed)
+
+    report.prepared.sort()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _sort_cases(cases: list[Case], cache_dir: Path, settings: dict, report: PrepareReport, strict: bool
+                ) -> list[tuple[Case, dict]]:
+    """The cases to prepare (with their sources' fingerprints); up-to-date ones go to `report.up_to_date`,
+    those whose files cannot be read to `report.failed` (their stale entry removed)."""
+    todo = []
     for case in cases:
         try:
             sources = source_fingerprints(case)
@@ -116,97 +177,85 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
             report.failed[case.case_id] = str(exc)
             _remove_entry(cache_dir, case.case_id)
             continue
-        if _is_up_to_date(entry_folder(cache_dir, case.case_id), sources, settings):
+        folder = entry_folder(cache_dir, case.case_id)
+        if _is_up_to_date(folder, sources, settings):
             report.up_to_date.append(case.case_id)
         else:
+            report.old_format += _is_old_format(folder)
             todo.append((case, sources))
-    _check_free_space(cache_dir, len(todo), settings)
-
-    index_cases = {}
-    for case_id in report.up_to_date:
-        meta = _read_meta(entry_folder(cache_dir, case_id))
-        index_cases[case_id] = _index_entry(meta)
-        _note_cropped(report, case_id, meta, settings)
-    _write_index(cache_dir, root, settings, index_cases, report.failed)
-    last_index_write = time.monotonic()
-
-    def finished(case_id: str, problem: str | None, meta: dict | None) -> None:
-        nonlocal last_index_write
-        if problem is None:
-            report.prepared.append(case_id)
-            index_cases[case_id] = _index_entry(meta)
-            _note_cropped(report, case_id, meta, settings)
-        else:
-            report.failed[case_id] = problem
-            _remove_entry(cache_dir, case_id)  # a stale entry of a case that is now bad must not be used
-        # The index is rewritten every few seconds, not after every case (1000s of fsyncs); entries it
-        # misses after a crash are complete on disk and the next run finds them up to date.
-        if time.monotonic() - last_index_write > INDEX_WRITE_SECONDS:
-            _write_index(cache_dir, root, settings, index_cases, report.failed)
-            last_index_write = time.monotonic()
-        if problem is not None and strict:
-            raise DataError(problem)
-
-    workers = max(1, int(workers if workers is not None else data_cfg.prepare_workers))
-    try:
-        with _progress_bar(progress and bool(todo)) as bar:
-            task = bar.add_task("prepare", total=len(todo))
-            if workers == 1 or len(todo) <= 1:
-                for case, sources in todo:
-                    finished(*prepare_one(case, str(cache_dir), settings, sources))
-                    bar.advance(task)
-            else:
-                _prepare_in_pool(todo, cache_dir, settings, min(workers, len(todo)), finished,
-                                 lambda: bar.advance(task))
-    finally:
-        _write_index(cache_dir, root, settings, index_cases, report.failed)
-
-    report.prepared.sort()
-    report.seconds = time.perf_counter() - started
-    return report
+    return todo
 
 
-def prepare_missing(data_cfg, workers: int | None = None, progress: bool = True) -> PrepareReport:
+def _finished_on_disk(cache_dir: Path, todo, settings: dict, index_cases: dict, failed: dict) -> list[str]:
+    """Cases of `todo` not yet recorded whose complete entry is on disk: those a worker finished while the run
+    was stopping (Ctrl-C, an error), so that the index lists every case that is there."""
+    return [case.case_id for case, sources in todo
+            if case.case_id not in index_cases and case.case_id not in failed
+            and _is_up_to_date(entry_folder(cache_dir, case.case_id), sources, settings)]
+
+
+def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool = True,
+                    console: Console | None = None) -> PrepareReport:
     """Bring `data_cfg.cache` up to date with `data_cfg.root` before a run reads it: new cases, changed
     files and changed settings are prepared (with a progress bar), the rest is left as it is.
 
-    Without a `data.root` folder the cache is used as it stands (a cache copied from elsewhere is enough to
-    train). Bad cases are skipped and listed in `report.failed`; DataError if no case is usable at all.
+    With `data.cache_only` the cache is the data: it is used as it stands and `data.root` is not looked at
+    (a cache copied from elsewhere is enough to train). Otherwise a `data.root` that does not exist, or is
+    another dataset than the one the cache was prepared from, is refused (DataError naming both). Bad cases
+    are skipped and listed in `report.failed`; DataError if no case is usable at all.
     """
     root, cache = Path(data_cfg.root), Path(data_cfg.cache)
-    if not root.is_dir():
+    if data_cfg.cache_only:
         prepared = list_prepared(cache) if cache.is_dir() else []
         if not prepared:
+            raise DataError(f"{cache}: no prepared cases (data.cache), and data.cache_only is set")
+        return PrepareReport(cache=cache, up_to_date=prepared)
+    if not root.is_dir():
+        if not (list_prepared(cache) if cache.is_dir() else []):
             raise DataError(f"{cache}: no prepared cases (data.cache), and data.root {root} is not a folder "
                             "to prepare them from")
-        return PrepareReport(cache=cache, up_to_date=prepared)
-    report = prepare_dataset(root, cache, data_cfg, workers=workers, progress=progress)
+        recorded = recorded_source(cache).get("root", "a folder it does not record")
+        raise DataError(f"data.root {root} is not a folder, and the cache {cache} was prepared from {recorded}: "
+                        "set data.root to that folder, or data.cache_only=true to use the cache alone")
+    report = prepare_dataset(root, cache, data_cfg, workers=workers, progress=progress, console=console)
     if not report.cases:
         first = next(iter(report.failed.values()), "no case found")
         raise DataError(f"{root}: no usable case to prepare into {cache} ({first})")
     return report
 
 
-def _prepare_in_pool(todo, cache_dir: Path, settings: dict, workers: int, finished, advance) -> None:
-    # spawn, not fork: a forked child of a process that already ran torch/OpenMP threads can hang.
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker) as pool:
-        pending: set[Future] = set()
-        try:
-            with stop_signals.held_back():  # the workers start here (see _init_worker)
-                pending = {pool.submit(prepare_one, case, str(cache_dir), settings, sources) for case, sources in todo}
-            while pending:
-                done, pending = wait_futures(pending, return_when="FIRST_COMPLETED")
-                for future in done:
-                    finished(*future.result())
-                    advance()
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
+def cache_source(root: str | os.PathLike, cases: list[Case]) -> dict[str, str]:
+    """What the cache records as its source: `data.root` resolved, and the dataset's identity (a digest of its
+    case ids and file names, so a copy of the same dataset elsewhere is recognised)."""
+    digest = hashlib.sha256()
+    for case in sorted(cases, key=lambda c: c.case_id):
+        digest.update(json.dumps([case.case_id, sorted((role, p.name) for role, p in case.files.items())]).encode())
+    return {"root": os.fspath(Path(root).resolve()), "dataset": f"{len(cases)} cases, {digest.hexdigest()[:16]}"}
+
+
+def recorded_source(cache: str | os.PathLike) -> dict[str, str]:
+    """The source index.json records (format 2), {} when there is none (no index, an older format)."""
+    index = _read_index(Path(cache))
+    source = index.get("source") if index.get("format") == CACHE_FORMAT else None
+    return source if isinstance(source, dict) else {}
+
+
+def check_source(cache_dir: Path, source: dict[str, str]) -> None:
+    """DataError when `cache_dir` holds cases prepared from another dataset than `source`: another folder whose
+    cases differ. The same dataset moved or copied elsewhere (same identity) is accepted and recorded."""
+    recorded = recorded_source(cache_dir) if cache_dir.is_dir() else {}
+    if not recorded or not _read_index(cache_dir).get("cases"):
+        return
+    if recorded.get("root") != source["root"] and recorded.get("dataset") != source["dataset"]:
+        raise DataError(f"data.root {source['root']} ({source['dataset']}) is not the dataset the cache {cache_dir} "
+                        f"was prepared from ({recorded.get('root')}, {recorded.get('dataset')}): use another "
+                        "data.cache for it, set data.root back, or data.cache_only=true to use the cache alone")
 
 
 def prepare_one(case: Case, cache_dir: str, settings: dict, sources: dict) -> tuple[str, str | None, dict | None]:
-    """Load, validate, preprocess and atomically store one case: (case_id, problem or None, meta)."""
+    """Load, validate, preprocess and atomically store one case: (case_id, problem or None, meta).
+
+    The one place a case is read for the cache: a bad case (DataError) becomes its one-line problem."""
     try:
         loaded = load_case(case, tuple(settings["modalities"]))
         image, label, meta = preprocess_case(loaded, settings)
@@ -222,20 +271,24 @@ def prepare_one(case: Case, cache_dir: str, settings: dict, sources: dict) -> tu
 
 
 def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndarray | None, meta: dict) -> None:
-    """Write one case into a temp folder, then swap it into place (old entry removed afterwards).
+    """Write one case into a temp folder, then swap it into place (old entry removed afterwards). Only the
+    cube's content box is stored (compressed.py); `meta` gains `stored_box` and `cache_format`.
 
     CacheWriteError when a folder of that name is there and is not an entry the cache wrote."""
     final = entry_folder(cache_dir, case_id)
     if os.path.lexists(final) and not _written_by_cache(final):
         raise CacheWriteError(f"cache {cache_dir}: {final} is there but was not written by brats-swap (no meta.json "
                               f"of case {case_id}); not replaced: move it away or use another cache folder")
+    box = content_box(image, label)
+    meta.update(stored_box=box, cache_format=CACHE_FORMAT)
+    inside = tuple(slice(a, b) for a, b in box)
     nonce = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp = cache_dir / f".tmp-{case_id}-{nonce}"
     try:
         temp.mkdir(parents=True)
-        atomic_save_npy(temp / IMAGE_FILE, image)
+        write_volume(temp / IMAGE_FILE, image[(slice(None), *inside)])
         if label is not None:
-            atomic_save_npy(temp / LABEL_FILE, label)
+            write_volume(temp / LABEL_FILE, label[inside])
         atomic_write_json(temp / META_FILE, meta)  # written last: its presence marks a complete entry
         old = cache_dir / f".old-{case_id}-{nonce}"
         if final.exists():
@@ -266,24 +319,26 @@ def list_prepared(cache: str | os.PathLike) -> list[str]:
 
 
 def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> PreparedCase:
-    """One prepared case; with `mmap` the arrays are read-only memory maps (copy before writing)."""
+    """One prepared case: the one reader of the cache. With `mmap` the arrays are `CachedVolume`s (read-only,
+    the cube's shape; slicing one decompresses only what the slice needs), without it whole numpy arrays.
+
+    DataError for an entry that is not prepared, of an older format (never misread), or unreadable."""
     folder = entry_folder(Path(cache), case_id)
     meta = _read_meta(folder)
     if meta is None:
         raise DataError(f"cache {Path(cache)}: case {case_id} is not prepared (no {folder / META_FILE})")
-    mode = "r" if mmap else None
-    arrays = {}
-    for name in (IMAGE_FILE, LABEL_FILE):
-        path = folder / name
-        if name == LABEL_FILE and not path.exists():
-            arrays[name] = None
-            continue
+    if meta.get("cache_format") != CACHE_FORMAT:
+        raise DataError(f"cache {Path(cache)}: case {case_id} is in an older cache format ({OLD_FORMAT_IMAGE}); "
+                        "rebuild it with `brats-swap data prepare` (train and cv do it when data.root is set)")
+    cube, box = tuple(meta["cube"]), meta["stored_box"]
+    image = CachedVolume(folder / IMAGE_FILE, (len(meta["modalities"]), *cube), meta["image_dtype"], box)
+    label = CachedVolume(folder / LABEL_FILE, cube, np.uint8, box) if meta.get("has_label") else None
+    if not mmap:
         try:
-            arrays[name] = np.load(path, mmap_mode=mode, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"cache {Path(cache)}: case {case_id}: file {name}: unreadable array ({exc}); "
+            image, label = np.asarray(image), (np.asarray(label) if label is not None else None)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise DataError(f"cache {Path(cache)}: case {case_id}: unreadable arrays ({exc}); "
                             "re-run `brats-swap data prepare`") from exc
-    image, label = arrays[IMAGE_FILE], arrays[LABEL_FILE]
     return PreparedCase(case_id=case_id, image=image, label=label, meta=meta)
 
 
@@ -300,6 +355,8 @@ def source_fingerprints(case: Case) -> dict[str, dict[str, Any]]:
 
 
 def estimate_case_bytes(settings: dict) -> int:
+    """An upper bound of one entry's size: the whole cube uncompressed (compression usually leaves 40% of it,
+    scripts/bench_scale.py; random data would not compress at all)."""
     voxels = int(np.prod(settings["cube"]))
     itemsize = np.dtype(settings["cache_dtype"]).itemsize
     return voxels * (len(settings["modalities"]) * itemsize + 1) + 64 * 1024
@@ -351,8 +408,15 @@ def _process_alive(pid: int) -> bool:
 
 def _is_up_to_date(folder: Path, sources: dict, settings: dict) -> bool:
     meta = _read_meta(folder)
-    return (meta is not None and meta.get("sources") == sources and meta.get("settings") == settings
-            and (folder / IMAGE_FILE).is_file() and ((folder / LABEL_FILE).is_file() or not meta.get("has_label")))
+    return (meta is not None and meta.get("cache_format") == CACHE_FORMAT and meta.get("sources") == sources
+            and meta.get("settings") == settings and (folder / IMAGE_FILE).is_file()
+            and ((folder / LABEL_FILE).is_file() or not meta.get("has_label")))
+
+
+def _is_old_format(folder: Path) -> bool:
+    """An entry the cache wrote in an older format (format 1: meta.json without `cache_format`, image.npy)."""
+    meta = _read_meta(folder)
+    return meta is not None and meta.get("cache_format") != CACHE_FORMAT and (folder / OLD_FORMAT_IMAGE).is_file()
 
 
 def _read_meta(folder: Path) -> dict | None:
@@ -374,10 +438,18 @@ def _index_entry(meta: dict | None) -> dict:
     return {key: meta.get(key) for key in ("edition", "original_shape", "spacing", "bbox", "has_label")}
 
 
-def _write_index(cache_dir: Path, root, settings: dict, cases: dict, failed: dict) -> None:
+def _read_index(cache_dir: Path) -> dict:
+    try:
+        index = json.loads((cache_dir / INDEX_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}
+
+
+def _write_index(cache_dir: Path, source: dict, settings: dict, cases: dict, failed: dict) -> None:
     atomic_write_json(cache_dir / INDEX_FILE, {
         "format": CACHE_FORMAT,
-        "root": os.fspath(root),
+        "source": source,
         "settings": settings,
         "cases": dict(sorted(cases.items())),
         "failed": dict(sorted(failed.items())),
@@ -412,21 +484,12 @@ def _check_free_space(cache_dir: Path, n_cases: int, settings: dict) -> None:
                               f"but only {free / 2**30:.2f} GiB is free")
 
 
-def _init_worker() -> None:
-    import torch
-
-    torch.set_num_threads(1)  # one process per core already; more threads would oversubscribe
-    # A scheduler's SIGTERM to the whole group (`docker stop`, a shell's kill) is the parent's to act on; a worker
-    # it killed would break the pool under the parent's own orderly stop.
-    stop_signals.ignore(stop_signals.SCHEDULER_SIGNALS)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals.SCHEDULER_SIGNALS)  # held back while it started
-
-
-def _progress_bar(enabled: bool) -> Progress:
-    return progress_bar("[bold]{task.description}", disable=not enabled)
+def _say(console: Console | None, line: str) -> None:
+    log_console(console).print(line, markup=False)
 
 
 __all__ = [
-    "CacheWriteError", "INDEX_FILE", "PrepareReport", "PreparedCase", "clean_stale_temp", "estimate_case_bytes",
+    "CacheWriteError", "INDEX_FILE", "PrepareReport", "PreparedCase", "cache_source", "check_source",
+    "clean_stale_temp", "estimate_case_bytes", "recorded_source",
     "list_prepared", "load_prepared", "prepare_dataset", "prepare_missing", "prepare_one", "source_fingerprints", "write_entry",
 ]

@@ -6,12 +6,13 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
-from rich.progress import Progress
+from rich.console import Console
 
 from brats_swap.data.challenges import CANONICAL_MODALITIES, get_challenge
-from brats_swap.data.discovery import discover_cases
+from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import is_foreign_labels, load_case
 from brats_swap.data.preprocess import cropped_label_voxels, describe_cropped
+from brats_swap.data.workers import resolve_workers, run_cases
 from brats_swap.errors import case_problem
 
 UNLABELLED_NOTE = "no segmentation: for prediction only"
@@ -40,40 +41,47 @@ class CaseCheck:
 
 def check_dataset(root: str | os.PathLike, edition: str = "auto",
                   modalities: tuple[str, ...] | list[str] = CANONICAL_MODALITIES,
-                  progress: bool = True, challenge: str = "auto", fit_to: dict | None = None) -> list[CaseCheck]:
-    """One CaseCheck per discovered case. Folder-level problems (missing, empty, duplicates) raise.
+                  progress: bool = True, challenge: str = "auto", fit_to: dict | None = None,
+                  workers: int | str = 1, console: Console | None = None) -> list[CaseCheck]:
+    """One CaseCheck per discovered case (in discovery order). Folder-level problems (missing, empty,
+    duplicates) raise.
 
     `fit_to` ({"cube": [D, H, W], "fit": "pad_crop" | "resample"}, e.g. `preprocess_settings(cfg.data)`):
-    also say, per case, which tumour voxels fitting to that cube would remove."""
+    also say, per case, which tumour voxels fitting to that cube would remove. `workers` processes check
+    cases in parallel (`auto`: every CPU this process may use)."""
     cases = discover_cases(root, edition, tuple(modalities), challenge)
-    results = []
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("check", total=len(cases))
-        for case in cases:
-            result = CaseCheck(case.case_id, case.edition)
-            result.notes.extend(f"ignored {p.name}" for p in case.ignored)
-            try:
-                loaded = load_case(case, tuple(modalities))
-            except Exception as exc:  # one case's files never stop the check of the others (errors.case_problem)
-                result.problem = case_problem(case.case_id, exc)
-                if result.problem is None:
-                    raise
-            else:
-                result.shape = loaded.shape
-                result.spacing = loaded.spacing
-                result.notes.extend(loaded.warnings)
-                if loaded.seg is not None:
-                    spec = get_challenge(case.edition)
-                    counts = np.bincount(loaded.seg.ravel(), minlength=max(spec.label_values) + 1)
-                    result.label_counts = {spec.labels[v]: int(counts[v]) for v in spec.label_values}
-                else:
-                    result.notes.append(UNLABELLED_NOTE)
-                cropped = cropped_label_voxels(loaded, fit_to) if fit_to is not None else {}
-                if cropped:
-                    result.cropped = describe_cropped(case.case_id, cropped, fit_to)
-            results.append(result)
-            bar.advance(task)
-    return results
+    results: dict[str, CaseCheck] = {}
+    run_cases(check_case, [(case, tuple(modalities), fit_to) for case in cases], resolve_workers(workers),
+              done=lambda result: results.__setitem__(result.case_id, result),
+              failures=lambda: sum(not r.ok for r in results.values()), description="check", progress=progress,
+              console=console)
+    return [results[case.case_id] for case in cases]
+
+
+def check_case(case: Case, modalities: tuple[str, ...], fit_to: dict | None) -> CaseCheck:
+    """Read and validate one case: the one place `data check` reads a case (a DataError becomes its problem)."""
+    result = CaseCheck(case.case_id, case.edition)
+    result.notes.extend(f"ignored {p.name}" for p in case.ignored)
+    try:
+        loaded = load_case(case, modalities)
+    except Exception as exc:  # one case's files never stop the check of the others (errors.case_problem)
+        result.problem = case_problem(case.case_id, exc)
+        if result.problem is None:
+            raise
+        return result
+    result.shape = loaded.shape
+    result.spacing = loaded.spacing
+    result.notes.extend(loaded.warnings)
+    if loaded.seg is not None:
+        spec = get_challenge(case.edition)
+        counts = np.bincount(loaded.seg.ravel(), minlength=max(spec.label_values) + 1)
+        result.label_counts = {spec.labels[v]: int(counts[v]) for v in spec.label_values}
+    else:
+        result.notes.append(UNLABELLED_NOTE)
+    cropped = cropped_label_voxels(loaded, fit_to) if fit_to is not None else {}
+    if cropped:
+        result.cropped = describe_cropped(case.case_id, cropped, fit_to)
+    return result
 
 
 def summary_line(results: list[CaseCheck]) -> str:

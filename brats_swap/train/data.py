@@ -1,6 +1,7 @@
 """The training data pipeline on the host: prepared cubes from the cache -> (patches) -> pinned batches.
 
-The workers only read the memory-mapped cache (float16), crop and pin; augmentation and targets are made
+The workers only read the cache (`load_prepared`: compressed, float16; a patch decompresses only the chunks it
+touches), crop and pin; augmentation and targets are made
 on the training device from the batch (`train/device_augment.py`), which keeps a GPU fed with a core or two.
 
 Every random choice (case order, patch position, the augmentation's parameters) is drawn from a generator
@@ -31,7 +32,9 @@ from brats_swap.augment import get_recipe
 from brats_swap.config import Config, DataConfig
 from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
 from brats_swap.data.check import preparation_warnings
+from brats_swap.data.compressed import CachedVolume, CachedWindow
 from brats_swap.data.discovery import resolve_convention
+from brats_swap.data.workers import available_cpus
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
 from brats_swap.run.console import console, warn
@@ -85,7 +88,7 @@ def enlarged_window(start: Sequence[int], patch: Sequence[int], read: Sequence[i
                     ) -> tuple[tuple[slice, ...], tuple[int, ...]]:
     """What a worker reads for the `read`-sized window centred on the patch at `start`, and how the device
     restores that window from it: the slices (a window of at most the volume per axis, moved inside it, so
-    the read is a view of the memory map and no padding travels) and the `torch.nn.functional.pad` widths
+    only that block is decompressed and no padding travels) and the `torch.nn.functional.pad` widths
     (last axis first; negative widths crop) that turn the read block into the centred window, zeros outside.
 
     nnU-Net's enlarged crop of a 160x192x160 patch is 275x289x257, larger than a 192³ cube: read whole, the
@@ -107,7 +110,7 @@ def prepare_run_data(data_cfg: DataConfig, *, progress: bool = True) -> PrepareR
     """Bring `data.cache` up to date with `data.root` before a run reads it (`prepare_missing`: new or changed
     cases only, with a progress bar). `brats-swap train`, `cv` and `compare` call it first, once, on the main
     process, so one command goes from a download to a trained model. Skipped cases get one warning each."""
-    report = prepare_missing(data_cfg, progress=progress)
+    report = prepare_missing(data_cfg, progress=progress, console=console)
     for case_id, problem in report.failed.items():
         warn(f"{data_cfg.cache}: skipped case {case_id} ({problem})")
     said = preparation_warnings(report)  # the warnings `data prepare` prints, said here too (a few, then a count)
@@ -155,7 +158,7 @@ class SampleKey:
 
 
 class CubeDataset(Dataset):
-    """Prepared cases (memory-mapped) as training samples: whole cubes or random patches, read and cropped.
+    """Prepared cases (`load_prepared`) as training samples: whole cubes or random patches, read and cropped.
 
     Args:
         cache: prepared-cache folder.
@@ -171,8 +174,9 @@ class CubeDataset(Dataset):
         batch_size, world_size: the per-rank batch and the ranks, where a sample sits in its batch ("nnunet").
         channels: the image channels (the nnU-Net recipes draw per-channel parameters).
 
-    Items are dicts: `image` a numpy array in the cache's dtype (float16 by default; C, *crop), `label` uint8
-    (*crop), both views of the memory maps (`collate_samples` reads them), `augment` the sample's parameters
+    Items are dicts: `image` in the cache's dtype (float16 by default; C, *crop), `label` uint8 (*crop): the
+    cube's `CachedVolume`s or the patch's `CachedWindow` (image) and numpy array (label); `collate_samples`
+    decompresses the cached ones straight into the batch, `augment` the sample's parameters
     (None for a plain int key), `pad` the widths that restore an enlarged crop from what was read (None: the
     arrays are the sample, `enlarged_window`), `case_id` str.
     """
@@ -209,15 +213,16 @@ class CubeDataset(Dataset):
             raise DataError(f"{self.cache / case_id}: prepared case has no label; it cannot be used for training")
         image, label = prepared.image, prepared.label
         if self.crop is None:
-            # The memory maps themselves, in the cache's dtype: `collate_samples` copies them once into the
-            # batch (in the worker), the device converts them.
+            # The cached volumes themselves, in the cache's dtype: `collate_samples` decompresses them once into
+            # the batch (in the worker), the device converts them.
             params = recipe.draw(rng, label.shape, self.channels) if rng is not None else None
             return {"image": image, "label": label, "augment": params, "pad": None, "case_id": case_id}
+        label = np.asarray(label)  # the patch's corner may look at every tumour voxel: decompressed once, 7 MB
         start = self.patch_start(key, label, rng)
         read = recipe.crop_size(self.crop, patch_mode=True) if rng is not None else self.crop
         window, pad = enlarged_window(start, self.crop, read, label.shape)
         params = recipe.draw(rng, self.crop, self.channels) if rng is not None else None
-        return {"image": image[(slice(None), *window)], "label": label[window], "augment": params,
+        return {"image": image.window((slice(None), *window)), "label": label[window], "augment": params,
                 "pad": pad if any(pad) else None, "case_id": case_id}
 
     def patch_start(self, key: SampleKey | int, label: np.ndarray, rng: np.random.Generator | None
@@ -281,10 +286,11 @@ def seed_worker(worker_id: int) -> None:
     stop_signals.ignore(stop_signals.STOP_SIGNALS)
 
 
-def stacked(arrays: Sequence[np.ndarray]) -> torch.Tensor:
-    """The arrays stacked into one tensor, read once out of the memory maps. numpy stacks (torch's CPU stack of
-    float16 is several times slower); in a loader worker into shared memory, as torch's own collate does,
-    so the batch reaches the main process without another copy."""
+def stacked(arrays: Sequence[np.ndarray | CachedVolume | CachedWindow]) -> torch.Tensor:
+    """The arrays stacked into one tensor. A cube or a window of one from the cache (`CachedVolume`,
+    `CachedWindow`) is decompressed straight into its place; numpy stacks the rest (torch's CPU stack of float16 is several times slower). In a loader worker the
+    tensor is in shared memory, as torch's own collate makes it, so the batch reaches the main process
+    without another copy."""
     shape = (len(arrays), *arrays[0].shape)
     template = torch.from_numpy(np.empty(0, dtype=arrays[0].dtype))
     if get_worker_info() is None:
@@ -292,7 +298,11 @@ def stacked(arrays: Sequence[np.ndarray]) -> torch.Tensor:
     else:
         storage = template._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
         out = template.new(storage).resize_(shape)
-    np.stack(arrays, out=out.numpy())
+    if any(isinstance(a, CachedVolume | CachedWindow) for a in arrays):
+        for array, place in zip(arrays, out.numpy(), strict=True):
+            array.read_into(place) if isinstance(array, CachedVolume | CachedWindow) else np.copyto(place, array)
+    else:
+        np.stack(arrays, out=out.numpy())
     return out
 
 
@@ -367,7 +377,7 @@ def loader_worker_count(data_cfg: DataConfig) -> int:
     (nnU-Net's default); at least 1."""
     if data_cfg.loader_workers != "auto":
         return int(data_cfg.loader_workers)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = available_cpus()
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return max(1, min(AUTO_LOADER_WORKERS_MAX, cpus // ranks - 1))
 

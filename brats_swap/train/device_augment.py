@@ -1,6 +1,6 @@
 """A loader batch on the training device: moved there, augmented by its recipe, turned into targets.
 
-The split (docs/augmentation.md): the loader's workers read the memory-mapped float16 cache, crop (the crop
+The split (docs/augmentation.md): the loader's workers read the compressed float16 cache, crop (the crop
 the recipe asks for: an enlarged crop for the nnU-Net recipes in patch mode, so that a rotated or scaled
 patch has no padded corners) and pin; the batch travels to the device as float16 plus uint8 labels;
 `DeviceBatches.prepare` converts it there, augments it as `train.augment` says (`brats_swap.augment`) and
