@@ -570,14 +570,26 @@ def test_sigterm_to_the_whole_group_while_workers_prepare_the_data_is_exit_130_w
     from brats_swap.data.phantom import synthesize_dataset
 
     synthesize_dataset(tmp_path / "data", 6, seed=0, edition="met", shape=(64, 64, 48))
+    # The real preparation, with a line when its workers start (the card line comes after it, with the plan).
+    script = textwrap.dedent("""
+        import sys
+        import brats_swap.data.cache as cache
+        run_cases = cache.run_cases
+        def announced(*args, **kwargs):
+            print("preparing", flush=True)
+            return run_cases(*args, **kwargs)
+        cache.run_cases = announced
+        from brats_swap.cli.main import app
+        app(sys.argv[1:], prog_name="brats-swap")
+        """)
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "brats_swap", "train-challenge", "--model", str(bundle), "--data",
+    process = subprocess.Popen([sys.executable, "-c", script, "train-challenge", "--model", str(bundle), "--data",
                                 str(tmp_path / "data"), "--output", str(tmp_path / "out"), "--device", "cpu"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not process.stdout.readline().startswith("card:"):
+        while process.stdout.readline().strip() != "preparing":
             assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-3000:]
         time.sleep(1.0)  # the workers are starting (each imports torch) or preparing
         sent = time.monotonic()
@@ -588,6 +600,9 @@ def test_sigterm_to_the_whole_group_while_workers_prepare_the_data_is_exit_130_w
             os.killpg(process.pid, signal.SIGKILL)
     assert time.monotonic() - sent < 15
     assert process.returncode == 130, err[-3000:]
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err and "BrokenProcessPool" not in err, err[-3000:]
-    assert "SIGTERM" in errors[0] and "run the same command again" in errors[0], errors
+    # A planned stop (issue 44): one `stopped:` line, no `error:` line.
+    assert not [line for line in err.splitlines() if line.startswith("error:")], err[-3000:]
+    stops = [line for line in err.splitlines() if line.startswith("stopped:")]
+    assert len(stops) == 1 and "Traceback" not in err and "BrokenProcessPool" not in err, err[-3000:]
+    assert "SIGTERM while the data was prepared" in stops[0] and "run the same command again" in stops[0], stops
+    assert not (tmp_path / "out" / "run" / "fold_0").exists()  # stopped before training
