@@ -31,10 +31,12 @@ from brats_swap.data.discovery import discover_cases
 from brats_swap.data.nifti import from_table_values, save_label_nifti
 from brats_swap.data.preprocess import probabilities_to_original_grid
 from brats_swap.errors import ConfigError, DataError
+from brats_swap.evaluate import nnunet_inference
 from brats_swap.evaluate.failures import CaseFailures
+from brats_swap.evaluate.nnunet_inference import NNUNET
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, describe_label_changes, load_plan
 from brats_swap.evaluate.postprocessing_rules import apply as apply_postprocessing
-from brats_swap.model.targets import labels_from_probs, output_names
+from brats_swap.model.targets import labels_from_probs, output_names, region_tree
 from brats_swap.names import path_inside
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
@@ -64,6 +66,20 @@ def case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = 
     labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
                                regions=config.model.regions)
     return np.asarray(labels, dtype=np.uint8)
+
+def nnunet_case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = "") -> np.ndarray:
+    """`case_labels` under nnU-Net's rules: region heads paint their own label in head order
+    (`nnunet_inference.region_labels`), no nesting enforced, as nnU-Net exports region models."""
+    if config.model.outputs != "regions":
+        raise ConfigError(f"evaluate.inference={NNUNET}: model.outputs is {config.model.outputs}; nnU-Net's rules "
+                          "here are those of region-trained models (model.outputs=regions)")
+    expected = output_names(edition, "regions", config.model.regions)
+    if probs.shape[0] != len(expected):
+        return case_labels(probs, edition, config, case_id)  # its one-line DataError names the mismatch
+    tree = region_tree(edition, config.model.regions)
+    return nnunet_inference.region_labels(probs, [region.own_label for region in tree.values()],
+                                          config.evaluate.threshold)
+
 
 def select_folds(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, checkpoint: str = "best",
                  option: str = "--folds") -> list[int]:
@@ -207,7 +223,8 @@ def predict_with(predictor: Predictor, input_path: Path, out_dir: Path, *, tta: 
         _check_plan_fits(plan, cases, predictor.plan_source)
     say = (lambda line: console.print(line)) if progress else None
     if say is not None:
-        say(f"predict: {predictor.description}{', 8-mirror TTA' if tta else ''}"
+        rules = ", nnU-Net's inference rules" if config.evaluate.inference == NNUNET else ""
+        say(f"predict: {predictor.description}{rules}{', mirroring TTA' if tta else ''}"
             f"; postprocessing: {plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}")
     failed = failures if failures is not None else CaseFailures(say=warn)
     already_failed = len(failed)
@@ -235,10 +252,18 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
 
     first = members[0][1]
     loaded = load_case(case, config.data.modalities)
-    cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
-    cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
-    probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
-    label = case_labels(probs, loaded.edition, first, case.case_id)
+    if first.evaluate.inference == NNUNET:
+        # nnU-Net's rules (an imported nnU-Net run): the loaded float32 image, no cube, no cache.
+        try:
+            probs = nnunet_inference.case_probabilities(members, loaded.image, device, tta=tta)
+        except DataError as exc:
+            raise DataError(f"case {case.case_id}: {exc}") from exc
+        label = nnunet_case_labels(probs, loaded.edition, first, case.case_id)
+    else:
+        cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
+        cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
+        probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
+        label = case_labels(probs, loaded.edition, first, case.case_id)
     if plan is not None:
         processed = apply_postprocessing(plan, label)
         if say is not None:

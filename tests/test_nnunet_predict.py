@@ -1,0 +1,112 @@
+"""The oracle for nnU-Net's inference rules: `brats-swap predict` on an imported nnU-Net run against nnunetv2
+2.8.1's own `nnUNetPredictor` on the same files, with and without mirroring.
+
+The model folder is tests/fixtures/nnunet_results (made by nnU-Net's planner, preprocessing and trainer:
+scripts/make_nnunet_fixture.py; patch (z, y, x) 20 x 28 x 24, 4-16 features, nearly untrained weights). The
+phantoms are 57 x 46 x 35 voxels: non-cubic, and neither they nor their brain crop a multiple of the patch,
+so tiles overlap unevenly and the steps matter; the second case is small enough that one crop axis is
+shorter than the patch (padding).
+
+What remains different, and why: nnU-Net sums the weighted logits and the weights in float16, brats-swap in
+float32 (brats_swap.evaluate.nnunet_inference), and nnU-Net runs the network on its (z, y, x) axis order with
+the kernels as trained where brats-swap runs the permuted kernels on (x, y, z); both are roundings of the
+same sums. They move probabilities by well under 1e-2 and flip only voxels whose probability is within
+that of 0.5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+from layout_helpers import to_nnunet_brats21
+from typer.testing import CliRunner
+
+from brats_swap.cli.main import app
+from brats_swap.data.phantom import synthesize_dataset
+
+pytest.importorskip("dynamic_network_architectures")
+predict_from_raw_data = pytest.importorskip("nnunetv2.inference.predict_from_raw_data")
+
+RESULTS = (Path(__file__).parent / "fixtures" / "nnunet_results" / "Dataset991_BraTSPhantoms"
+           / "nnUNetTrainerTiny__nnUNetPlans__3d_fullres")
+SHAPES = ((57, 46, 35), (41, 33, 30))
+
+
+class _FixtureTrainer:
+    """The fixture's trainer, `nnUNetTrainerTiny`, lives in scripts/make_nnunet_fixture.py and changes only the
+    epoch counts of `nnUNetTrainer`; nnU-Net's predictor asks it for the network, which is nnUNetTrainer's
+    `build_network_architecture`: `get_network_from_plans` with these arguments. (Importing nnUNetTrainer
+    itself needs seaborn, for its training plots, which the test environment does not install.)"""
+
+    @staticmethod
+    def build_network_architecture(plans_manager, configuration_manager, num_input_channels, num_output_channels,
+                                   enable_deep_supervision=True):
+        from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+        return get_network_from_plans(
+            configuration_manager.network_arch_class_name, configuration_manager.network_arch_init_kwargs,
+            configuration_manager.network_arch_init_kwargs_req_import, num_input_channels, num_output_channels,
+            allow_init=True, deep_supervision=enable_deep_supervision)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """The phantoms in nnU-Net's layout (dataset.json values), and the imported run folder."""
+    root = tmp_path_factory.mktemp("oracle")
+    brats = root / "brats"
+    for index, shape in enumerate(SHAPES):
+        synthesize_dataset(brats, 1, seed=5 + index, edition="2021", shape=shape, id_offset=500 + index)
+    data = to_nnunet_brats21(brats, root / "Dataset137_BraTS2021")
+    run = root / "run"
+    imported = CliRunner().invoke(app, ["import-nnunet", str(RESULTS), "--out", str(run)])
+    assert imported.exit_code == 0, imported.output
+    return data, run, root
+
+
+def _nnunet(data: Path, mirroring: bool, monkeypatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """nnUNetPredictor (nnUNetv2_predict's defaults: step 0.5, Gaussian) on the case files: per case id, the
+    labels and probabilities in brats-swap's (x, y, z) axes (nnU-Net's arrays are SimpleITK's (z, y, x))."""
+    import torch
+
+    monkeypatch.setattr(predict_from_raw_data, "recursive_find_trainer_class_by_name", lambda name: _FixtureTrainer)
+    predictor = predict_from_raw_data.nnUNetPredictor(tile_step_size=0.5, use_gaussian=True, use_mirroring=mirroring,
+                                                      device=torch.device("cpu"), allow_tqdm=False)
+    predictor.initialize_from_trained_model_folder(str(RESULTS), use_folds=(0,))
+    images = sorted((data / "imagesTr").glob("*_0000.nii.gz"))
+    ids = [path.name.removesuffix("_0000.nii.gz") for path in images]
+    lists = [[str(data / "imagesTr" / f"{case}_{k:04d}.nii.gz") for k in range(4)] for case in ids]
+    results = predictor.predict_from_files_sequential(lists, None, save_probabilities=True)
+    return {case: (labels.transpose(2, 1, 0), probs.transpose(0, 3, 2, 1))
+            for case, (labels, probs) in zip(ids, results, strict=True)}
+
+
+def _ours(data: Path, run: Path, out: Path, mirroring: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(data), "--out", str(out),
+                                      "--save-probabilities", "--dataset-labels", "--no-postprocessing",
+                                      "--tta" if mirroring else "--no-tta"])
+    assert result.exit_code == 0, result.output
+    found = {}
+    for path in sorted(out.glob("*.nii.gz")):
+        case = path.name.removesuffix(".nii.gz")
+        with np.load(out / f"{case}.npz") as saved:
+            found[case] = (np.asarray(nib.load(str(path)).dataobj), saved["probabilities"])
+    return found
+
+
+@pytest.mark.parametrize("mirroring", [False, True], ids=["no-mirroring", "mirroring"])
+def test_predict_on_an_imported_run_is_nnunets_prediction(cases, mirroring, monkeypatch):
+    data, run, root = cases
+    theirs = _nnunet(data, mirroring, monkeypatch)
+    ours = _ours(data, run, root / f"ours-{mirroring}", mirroring)
+    assert sorted(ours) == sorted(theirs) and len(ours) == len(SHAPES)
+    for case, (labels, probs) in ours.items():
+        their_labels, their_probs = theirs[case]
+        assert labels.shape == their_labels.shape and probs.shape == their_probs.shape
+        difference = np.abs(probs - their_probs.astype(np.float32))
+        agree = float(np.mean(labels == their_labels))
+        assert agree >= 0.999, f"{case}: labels agree in {agree:.5f} of the voxels"
+        assert difference.mean() <= 1e-3 and difference.max() <= 1e-2, (case, difference.mean(), difference.max())
+        assert len(np.unique(their_labels)) > 1  # the comparison is not between two empty maps
