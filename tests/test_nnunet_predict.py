@@ -66,14 +66,16 @@ def cases(tmp_path_factory):
     return data, run, root
 
 
-def _nnunet(data: Path, mirroring: bool, monkeypatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _nnunet(data: Path, mirroring: bool, monkeypatch, step: float = 0.5,
+            gaussian: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """nnUNetPredictor (nnUNetv2_predict's defaults: step 0.5, Gaussian) on the case files: per case id, the
     labels and probabilities in brats-swap's (x, y, z) axes (nnU-Net's arrays are SimpleITK's (z, y, x))."""
     import torch
 
     monkeypatch.setattr(predict_from_raw_data, "recursive_find_trainer_class_by_name", lambda name: _FixtureTrainer)
-    predictor = predict_from_raw_data.nnUNetPredictor(tile_step_size=0.5, use_gaussian=True, use_mirroring=mirroring,
-                                                      device=torch.device("cpu"), allow_tqdm=False)
+    predictor = predict_from_raw_data.nnUNetPredictor(tile_step_size=step, use_gaussian=gaussian,
+                                                      use_mirroring=mirroring, device=torch.device("cpu"),
+                                                      allow_tqdm=False)
     predictor.initialize_from_trained_model_folder(str(RESULTS), use_folds=(0,))
     images = sorted((data / "imagesTr").glob("*_0000.nii.gz"))
     ids = [path.name.removesuffix("_0000.nii.gz") for path in images]
@@ -83,10 +85,11 @@ def _nnunet(data: Path, mirroring: bool, monkeypatch) -> dict[str, tuple[np.ndar
             for case, (labels, probs) in zip(ids, results, strict=True)}
 
 
-def _ours(data: Path, run: Path, out: Path, mirroring: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _ours(data: Path, run: Path, out: Path, mirroring: bool,
+          options: tuple[str, ...] = ()) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(data), "--out", str(out),
                                       "--save-probabilities", "--dataset-labels", "--no-postprocessing",
-                                      "--tta" if mirroring else "--no-tta"])
+                                      "--tta" if mirroring else "--no-tta", *options])
     assert result.exit_code == 0, result.output
     found = {}
     for path in sorted(out.glob("*.nii.gz")):
@@ -96,11 +99,16 @@ def _ours(data: Path, run: Path, out: Path, mirroring: bool) -> dict[str, tuple[
     return found
 
 
-@pytest.mark.parametrize("mirroring", [False, True], ids=["no-mirroring", "mirroring"])
-def test_predict_on_an_imported_run_is_nnunets_prediction(cases, mirroring, monkeypatch):
+@pytest.mark.parametrize(("mirroring", "step", "gaussian", "options"), [
+    (False, 0.5, True, ()),
+    (True, 0.5, True, ()),
+    # predict's options against nnU-Net's own: its step size and constant weights; tiles batched by 3.
+    (False, 0.7, False, ("--step-size", "0.7", "--no-gaussian", "--tile-batch", "3", "--device", "cpu")),
+], ids=["no-mirroring", "mirroring", "step-0.7-no-gaussian-tile-batch-3"])
+def test_predict_on_an_imported_run_is_nnunets_prediction(cases, mirroring, step, gaussian, options, monkeypatch):
     data, run, root = cases
-    theirs = _nnunet(data, mirroring, monkeypatch)
-    ours = _ours(data, run, root / f"ours-{mirroring}", mirroring)
+    theirs = _nnunet(data, mirroring, monkeypatch, step, gaussian)
+    ours = _ours(data, run, root / f"ours-{mirroring}-{step}-{gaussian}", mirroring, options)
     assert sorted(ours) == sorted(theirs) and len(ours) == len(SHAPES)
     for case, (labels, probs) in ours.items():
         their_labels, their_probs = theirs[case]
@@ -110,3 +118,29 @@ def test_predict_on_an_imported_run_is_nnunets_prediction(cases, mirroring, monk
         assert agree >= 0.999, f"{case}: labels agree in {agree:.5f} of the voxels"
         assert difference.mean() <= 1e-3 and difference.max() <= 1e-2, (case, difference.mean(), difference.max())
         assert len(np.unique(their_labels)) > 1  # the comparison is not between two empty maps
+
+
+def test_the_steps_and_the_gaussian_are_nnunets():
+    from nnunetv2.inference.sliding_window_prediction import compute_gaussian, compute_steps_for_sliding_window
+
+    from brats_swap.evaluate.nnunet_inference import compute_steps, importance_map
+
+    for size, patch in (((57, 46, 35), (24, 28, 20)), ((140, 172, 137), (128, 128, 128)), ((30, 31, 128), (30, 16, 7))):
+        for step in (0.3, 0.5, 0.7, 1.0):
+            assert compute_steps(size, patch, step) == compute_steps_for_sliding_window(size, patch, step)
+    for patch in ((24, 28, 20), (128, 128, 128)):
+        import torch
+
+        theirs = compute_gaussian(patch, 1.0 / 8, value_scaling_factor=10, device=torch.device("cpu"))
+        assert torch.equal(importance_map(patch), theirs)
+
+
+def test_predict_set_takes_only_evaluate_keys(cases, tmp_path):
+    data, run, _ = cases
+    for item, message in (("train.lr=1", "predict takes only evaluate.*"), ("evaluate.nope=1", "unknown key"),
+                          ("evaluate.mirror_axes=[0,3]", "evaluate.mirror_axes")):
+        result = CliRunner().invoke(app, ["predict", "--run", str(run), "--input", str(data), "--out",
+                                          str(tmp_path / "out"), "--set", item])
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("error: ") and message in result.output, result.output
+        assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -17,7 +17,7 @@ failed case.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -179,14 +179,46 @@ class Predictor:
 
 
 def run_predictor(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, checkpoint: str = "best",
-                  postprocess: bool = True) -> Predictor:
-    """The run's folds (`select_folds`), each model loaded once, and its postprocessing.json when enabled."""
+                  postprocess: bool = True, device: str | None = None) -> Predictor:
+    """The run's folds (`select_folds`), each model loaded once (on `device`, default the run's
+    train.device), and its postprocessing.json when enabled."""
     run = RunFolder.of(run_dir)
     config = load_run_config(run)
+    if device is not None:
+        config = with_overrides(config, [f"train.device={device}"], ("train.device",), "--device")
     chosen = select_folds(run, folds, checkpoint)
     members, device = _load_ensemble(run, chosen, checkpoint, config)
     return Predictor(config, members, device, _run_postprocessing(run, postprocess), run.postprocessing,
                      f"fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint)")
+
+
+def with_overrides(config: Config, overrides: Sequence[str], allowed: Sequence[str], option: str = "--set") -> Config:
+    """`config` with `key=value` overrides of the keys (or sections, "evaluate.") in `allowed`, checked as the
+    loader checks a config; ConfigError naming `option` for any other key."""
+    from brats_swap.config import config_from_saved, config_to_dict
+    from brats_swap.config.loader import parse_override
+
+    raw = config_to_dict(config)
+    for item in overrides:
+        key, value = parse_override(item)
+        if not any(key == a or (a.endswith(".") and key.startswith(a)) for a in allowed):
+            raise ConfigError(f"{option} {key}: predict takes only {', '.join(a + '*' if a.endswith('.') else a for a in allowed)}"
+                              " (the run's inference settings)")
+        section, _, name = key.partition(".")
+        if "." in name or name not in raw[section]:
+            raise ConfigError(f"{option} {key}: unknown key (known: {', '.join(f'{section}.{k}' for k in raw[section])})")
+        raw[section][name] = value
+    return config_from_saved(raw)
+
+
+def with_evaluate_settings(predictor: Predictor, overrides: Sequence[str]) -> Predictor:
+    """`predictor` predicting with `evaluate.key=value` overrides (--set, --step-size, ...), for the cases'
+    config and every fold's."""
+    if not overrides:
+        return predictor
+    config = with_overrides(predictor.config, overrides, ("evaluate.",))
+    members = [(model, replace(member, evaluate=config.evaluate)) for model, member in predictor.members]
+    return replace(predictor, config=config, members=members)
 
 
 def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: FoldSelection = ALL_FOLDS,
