@@ -112,18 +112,18 @@ def test_predict_on_an_imported_run_is_nnunets_prediction(cases, mirroring, step
 
 
 def test_the_steps_and_the_gaussian_are_nnunets():
-    from nnunetv2.inference.sliding_window_prediction import compute_gaussian, compute_steps_for_sliding_window
+    import torch
+    from nnunetv2.inference import sliding_window_prediction as theirs
 
     from brats_swap.evaluate.nnunet_inference import compute_steps, importance_map
 
-    for size, patch in (((57, 46, 35), (24, 28, 20)), ((140, 172, 137), (128, 128, 128)), ((30, 31, 128), (30, 16, 7))):
+    sizes = (((57, 46, 35), (24, 28, 20)), ((140, 172, 137), (128, 128, 128)), ((30, 31, 128), (30, 16, 7)))
+    for size, patch in sizes:
         for step in (0.3, 0.5, 0.7, 1.0):
-            assert compute_steps(size, patch, step) == compute_steps_for_sliding_window(size, patch, step)
+            assert compute_steps(size, patch, step) == theirs.compute_steps_for_sliding_window(size, patch, step)
     for patch in ((24, 28, 20), (128, 128, 128)):
-        import torch
-
-        theirs = compute_gaussian(patch, 1.0 / 8, value_scaling_factor=10, device=torch.device("cpu"))
-        assert torch.equal(importance_map(patch), theirs)
+        gaussian = theirs.compute_gaussian(patch, 1.0 / 8, value_scaling_factor=10, device=torch.device("cpu"))
+        assert torch.equal(importance_map(patch), gaussian)
 
 
 def test_predict_set_takes_only_evaluate_keys(cases, tmp_path):

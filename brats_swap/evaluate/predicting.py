@@ -4,7 +4,9 @@
   config (no cache), segmented by one fold or the average of several folds' probabilities (each model
   loaded once for the whole folder), optionally with the 8-mirror test-time augmentation, postprocessed
   with the run's `postprocessing.json` when there is one, written as `<out>/<case id>.nii.gz` (and the
-  probabilities as `<out>/<case id>.npz` on request).
+  probabilities as `<out>/<case id>.npz` on request). A run imported from nnU-Net (`evaluate.inference:
+  nnunet`) is segmented with nnU-Net's inference rules instead (`evaluate.nnunet_inference`: the case's
+  non-zero crop as loaded, no cube, logits blended), so that it writes nnU-Net's segmentation.
 - `segment_cube` / `case_labels`: one case's probabilities in the network's cube and its labels in the
   table's values, as `evaluate.scoring` scores them too.
 
