@@ -37,6 +37,7 @@ another order (a difference of float16 rounding, tests/test_nnunet_predict.py bo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -164,7 +165,9 @@ def sliding_window_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], ima
         chunk = starts[first:first + batch_size]
         boxes = [tuple(slice(s, s + p) for s, p in zip(start, patch, strict=True)) for start in chunk]
         tiles = torch.stack([padded[(slice(None), *box)] for box in boxes])
-        logits = mirrored_logits(logits_of, tiles, mirror_axes)
+        # nnU-Net runs the network under autocast on CUDA (float16 convolutions), in float32 elsewhere.
+        with torch.autocast("cuda") if device.type == "cuda" else contextlib.nullcontext():
+            logits = mirrored_logits(logits_of, tiles, mirror_axes)
         if weights is not None:
             logits *= weights  # float32 logits times the float16 weights, in float32 (as nnU-Net)
         for index, box in enumerate(boxes):
