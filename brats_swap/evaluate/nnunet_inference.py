@@ -217,12 +217,17 @@ def step_size_of(sw_overlap: float) -> float:
     return round(1.0 - float(sw_overlap), 10)
 
 
-def case_probabilities(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
-                       *, tta: bool) -> np.ndarray:
-    """(K, X, Y, Z) float32 sigmoid probabilities on the case's grid (0 outside the non-zero crop)."""
+def crop_probabilities(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
+                       *, tta: bool) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(K, ...) float32 sigmoid probabilities inside the case's non-zero crop, and the crop's bounding box."""
     logits, bbox = case_logits(members, image, device, tta=tta)
-    out = np.zeros((logits.shape[0], *image.shape[1:]), dtype=np.float32)
-    out[(slice(None), *(slice(a, b) for a, b in bbox))] = torch.sigmoid(logits.float()).numpy()
+    return torch.sigmoid(logits.float()).numpy(), bbox
+
+
+def on_case_grid(crop: np.ndarray, bbox: Sequence[tuple[int, int]], shape: Sequence[int]) -> np.ndarray:
+    """A crop's array (with leading axes, if any) placed on the case's grid of `shape`, 0 outside the crop."""
+    out = np.zeros((*crop.shape[:crop.ndim - 3], *shape), dtype=crop.dtype)
+    out[(..., *(slice(a, b) for a, b in bbox))] = crop
     return out
 
 

@@ -287,12 +287,15 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
     first = members[0][1]
     loaded = load_case(case, config.data.modalities)
     if first.evaluate.inference == NNUNET:
-        # nnU-Net's rules (an imported nnU-Net run): the loaded float32 image, no cube, no cache.
+        # nnU-Net's rules (an imported nnU-Net run): the loaded float32 image, no cube, no cache; labels made in
+        # the non-zero crop, the case-sized probabilities only when they are written.
         try:
-            probs = nnunet_inference.case_probabilities(members, loaded.image, device, tta=tta)
+            crop, bbox = nnunet_inference.crop_probabilities(members, loaded.image, device, tta=tta)
         except DataError as exc:
             raise DataError(f"case {case.case_id}: {exc}") from exc
-        label = nnunet_case_labels(probs, loaded.edition, first, case.case_id)
+        label = nnunet_inference.on_case_grid(nnunet_case_labels(crop, loaded.edition, first, case.case_id), bbox,
+                                              loaded.shape)
+        probs = nnunet_inference.on_case_grid(crop, bbox, loaded.shape) if probabilities else None
     else:
         cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
         cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
