@@ -14,7 +14,7 @@ weights from nnU-Net's own `get_network_from_plans`; fold_0/checkpoint_final.pth
 real one. The case: a brats-swap phantom of `--shape` (what `data synth --shape 240 240 155` writes).
 
     .venv/bin/python scripts/bench_nnunet_predict.py [--repeats 3] [--features 8] [--threads 2]
-        [--device cpu|cuda] [--out docs/benchmarks/nnunet_predict.json]
+        [--device cpu|cuda] [--out docs/benchmarks/nnunet_predict.json] [--work DIR [--from-records]]
 
 Needs nnunetv2 (installed with --no-deps by `make install`). `--device cuda` is the mode for a first GPU
 run: times with synchronisation and the CUDA peak allocated memory instead of the resident memory.
@@ -152,6 +152,8 @@ def worker(args: argparse.Namespace) -> dict:
               "peak_rss_after_load_gib": rss_after_load}
     if cuda:
         result["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+    # Each measurement also lands next to the outputs, so an interrupted run keeps what it measured.
+    (out / f"record-{time.time_ns()}.json").write_text(json.dumps(result))
     return result
 
 
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--results", type=Path, default=None, help="an nnU-Net results folder to use instead")
     parser.add_argument("--work", type=Path, default=None, help="folder for the case, model and outputs")
+    parser.add_argument("--from-records", action="store_true", help="only summarise the measurements already "
+                        "under --work (those of an interrupted run)")
     parser.add_argument("--worker", choices=TOOLS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
@@ -222,11 +226,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(worker(args)))
         return {}
 
-    from brats_swap.atomic import atomic_write_json
     from brats_swap.data.phantom import synthesize_dataset
     from brats_swap.ship.nnunet_import import import_nnunet
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-nnunet-predict-"))
+    if args.from_records:
+        records = [json.loads(p.read_text()) for p in sorted((work / "out").glob("*/record-*.json"))]
+        return report(args, records, None, {}, str(args.results or work / "results"))
     work.mkdir(parents=True, exist_ok=True)
     case_id = synthesize_dataset(work / "cases", 1, seed=3, edition="2021", shape=tuple(args.shape))[0]
     case = work / "cases" / case_id
@@ -250,12 +256,22 @@ def main(argv: list[str] | None = None) -> dict:
     for tta in (False, True):
         ours, theirs = work / "out" / f"brats-swap-{tta}" / f"{case_id}.nii.gz", work / "out" / f"nnU-Net-{tta}" / f"{case_id}.nii.gz"
         agree[str(tta)] = _agreement_in_dataset_values(ours, theirs)
+    return report(args, records, import_s, agree, str(results))
+
+
+def report(args: argparse.Namespace, records: list[dict], import_s: float | None, agree: dict,
+           results: str) -> dict:
+    """Print the table and write the JSON (medians over the repeats that were measured)."""
+    from brats_swap.atomic import atomic_write_json
+
+    repeats = min(sum(r["tool"] == tool and r["tta"] == tta for r in records) for tool in TOOLS for tta in (False, True))
     rows = summarize(records)
-    text = table(rows, args.repeats)
+    text = table(rows, repeats)
     print(text)
-    print(f"segmentations equal in {agree['False']:.5f} (no TTA) and {agree['True']:.5f} (TTA) of the voxels")
+    if agree:
+        print(f"segmentations equal in {agree['False']:.5f} (no TTA) and {agree['True']:.5f} (TTA) of the voxels")
     result = {"settings": {"shape": args.shape, "features": args.features, "threads": args.threads,
-                           "device": args.device, "repeats": args.repeats, "results": str(results),
+                           "device": args.device, "repeats": repeats, "results": results,
                            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
               "import_s": import_s, "rows": rows, "records": records, "labels_equal_fraction": agree,
               "table": text}
