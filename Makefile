@@ -10,6 +10,10 @@ QUIET_PIP := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory"
 DNA    := dynamic-network-architectures==0.4.4
 # nnU-Net's augmentation library, the reference tests/test_augment_*.py compare brats_swap.augment with.
 BGV2   := batchgeneratorsv2==0.3.6
+# nnU-Net itself, the oracle tests/test_nnunet_predict.py compares predict on imported runs with (tests only),
+# and the two packages its predictor imports (acvl-utils; batchgenerators v1, whose own requirements it never
+# imports): all without their dependencies, which pull torchvision (another torch) and more.
+NNUNET := nnunetv2==2.8.1 acvl-utils==0.2.6 batchgenerators==0.25.5
 # torch's own CPU threads; 2 matches the CI machine.
 export OMP_NUM_THREADS ?= 2
 
@@ -39,6 +43,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# scikit-learn, ...) its transforms never import; the two they do import, pandas and scikit-image, are in
 	@# the dev extra.
 	@$(BIN)/pip install --quiet --no-deps "$(BGV2)" $(QUIET_PIP)
+	@$(BIN)/pip install --quiet --no-deps $(NNUNET) $(QUIET_PIP)
 	@touch $@
 
 # The suite runs one pytest worker per core (pytest-xdist), each test file on one worker so that a module's

@@ -38,3 +38,17 @@ def test_batchgeneratorsv2_imports_its_transforms_with_the_installed_torch():
     recorded = Path(sys.prefix) / "torch-version.txt"
     if recorded.is_file():
         assert torch.__version__ == recorded.read_text(encoding="utf-8").strip()
+
+
+def test_nnunets_predictor_imports_with_the_installed_torch_and_no_torchvision():
+    """nnunetv2 (the oracle of tests/test_nnunet_predict.py) goes in with --no-deps (Makefile)."""
+    pytest.importorskip("nnunetv2")
+    from importlib.metadata import version
+
+    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor  # noqa: F401
+
+    assert version("nnunetv2") == "2.8.1"
+    assert not {"timm", "torchvision"} & set(sys.modules)
+    recorded = Path(sys.prefix) / "torch-version.txt"
+    if recorded.is_file():
+        assert torch.__version__ == recorded.read_text(encoding="utf-8").strip()

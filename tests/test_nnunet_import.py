@@ -103,6 +103,8 @@ def test_predict_evaluate_and_fine_tune_under_memory_auto(tmp_path):
     (lambda plans, dataset: plans.update(image_reader_writer="NibabelIOWithReorient"), "reorients the images"),
     (lambda plans, dataset: plans["configurations"]["3d_fullres"].update(normalization_schemes=["CTNormalization"] * 4),
      "normalization"),
+    # nnU-Net would paint head k with label regions_class_order[k]; brats-swap paints each region's own label.
+    (lambda plans, dataset: dataset.update(regions_class_order=[3, 2, 1]), "regions_class_order"),
 ])
 def test_what_cannot_be_imported_is_a_one_line_error(edit, message, tmp_path):
     results = tmp_path / RESULTS.name
@@ -116,3 +118,17 @@ def test_what_cannot_be_imported_is_a_one_line_error(edit, message, tmp_path):
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and message in result.output
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_the_import_writes_nnunets_inference_rules_and_mirroring_axes(tmp_path):
+    results = tmp_path / RESULTS.name
+    (results / "fold_0").mkdir(parents=True)
+    for name in ("plans.json", "dataset.json"):
+        (results / name).write_text((RESULTS / name).read_text())
+    checkpoint = torch.load(RESULTS / "fold_0" / "checkpoint_final.pth", map_location="cpu", weights_only=False)
+    torch.save({**checkpoint, "inference_allowed_mirroring_axes": (0,)}, results / "fold_0" / "checkpoint_final.pth")
+    evaluate = import_nnunet(results, tmp_path / "run").config.evaluate
+    # nnU-Net's axis 0 is SimpleITK's z, the file's third voxel axis: brats-swap's axis 2.
+    assert (evaluate.inference, evaluate.mirror_axes, evaluate.sw_overlap, evaluate.sw_blend) == ("nnunet", [2], 0.5,
+                                                                                                 "gaussian")
+    assert import_nnunet(RESULTS, tmp_path / "run2").config.evaluate.mirror_axes == [0, 1, 2]

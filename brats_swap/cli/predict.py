@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from brats_swap.cli.common import CheckpointOption, FoldsOption, flag, handle_errors
+from brats_swap.cli.common import CheckpointOption, FoldsOption, SetOption, flag, handle_errors
 from brats_swap.errors import ConfigError
 from brats_swap.run.console import line_console, warn
 
@@ -31,6 +31,17 @@ def predict(
     dataset_labels: Annotated[bool, flag("--dataset-labels/--table-labels", "Cases of an nnU-Net or Decathlon "
                                          "folder: write their dataset.json's own label values (as nnU-Net "
                                          "writes them) instead of the challenge's.")] = False,
+    step_size: Annotated[float | None, typer.Option("--step-size", help="Sliding-window step as a fraction of the "
+                                                   "patch (nnU-Net's -step_size; 0.5 = tiles overlap by half; "
+                                                   "evaluate.sw_overlap = 1 - step).", show_default=False)] = None,
+    device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda or cuda:N (default: the run's "
+                                               "train.device).", show_default=False)] = None,
+    gaussian: Annotated[bool | None, typer.Option("--gaussian/--no-gaussian", help="Weight tiles by the Gaussian "
+                                                  "(default: the run's evaluate.sw_blend) or equally.",
+                                                  show_default=False)] = None,
+    tile_batch: Annotated[int | None, typer.Option("--tile-batch", min=1, help="Tiles per network call "
+                                                   "(evaluate.sw_batch_size).", show_default=False)] = None,
+    overrides: SetOption = None,
 ) -> None:
     """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
     original grid and affine; a fold ensemble (--folds all averages every fold), optional mirroring TTA and
@@ -41,7 +52,7 @@ def predict(
     (or --model model.zip, a bundle of brats-swap export: the same segmentations without the run folder)
     """
     from brats_swap.evaluate.failures import CaseFailures
-    from brats_swap.evaluate.predicting import predict_with, run_predictor
+    from brats_swap.evaluate.predicting import predict_with, run_predictor, with_evaluate_settings
 
     if (run is None) == (model is None):
         raise ConfigError("predict: give either --run DIR (a trained run) or --model FILE (a bundle), one of them")
@@ -50,14 +61,30 @@ def predict(
 
         if checkpoint != "best":
             raise ConfigError("predict --model: --checkpoint is chosen at export (brats-swap export --checkpoint)")
-        predictor = bundle_predictor(open_bundle(model), folds, postprocess=postprocessing)
+        predictor = bundle_predictor(open_bundle(model), folds, postprocess=postprocessing, device=device)
     else:
-        predictor = run_predictor(run, folds, checkpoint, postprocessing)
+        predictor = run_predictor(run, folds, checkpoint, postprocessing, device=device)
+    predictor = with_evaluate_settings(predictor, evaluate_overrides(overrides, step_size, gaussian, tile_batch))
     failures = CaseFailures(say=warn)
     written = predict_with(predictor, input_path, out, tta=tta, probabilities=save_probabilities,
                            postprocess=postprocessing, failures=failures, dataset_labels=dataset_labels)
     line_console.print(f"wrote {len(written)} segmentation(s) to {out}")
     failures.raise_if_any(f"predict {input_path}", len(written) + len(failures))
+
+
+def evaluate_overrides(overrides: list[str] | None, step_size: float | None, gaussian: bool | None,
+                       tile_batch: int | None) -> list[str]:
+    """--set items, then the evaluate.* keys the named options stand for (which win)."""
+    items = list(overrides or [])
+    if step_size is not None:
+        if not 0 < step_size <= 1:
+            raise ConfigError(f"--step-size {step_size}: must be in (0, 1] (a fraction of the patch)")
+        items.append(f"evaluate.sw_overlap={round(1.0 - step_size, 10)}")
+    if gaussian is not None:
+        items.append(f"evaluate.sw_blend={'gaussian' if gaussian else 'constant'}")
+    if tile_batch is not None:
+        items.append(f"evaluate.sw_batch_size={tile_batch}")
+    return items
 
 
 def register(app: typer.Typer) -> None:

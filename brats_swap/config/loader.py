@@ -307,6 +307,11 @@ def validate_memory_config(memory: MemoryConfig) -> None:
             f"must be between 0 and 10 seconds, got {memory.swap.copy_delay_s}")
 
 
+def _validate_mirror_axes(axes: list[int]) -> None:
+    _require(all(a in (0, 1, 2) for a in axes) and len(set(axes)) == len(axes), "evaluate.mirror_axes",
+             f"expected distinct axes among 0, 1, 2, got {axes}")
+
+
 def validate_config(config: Config) -> None:
     """Impossible values, each named by its dotted key."""
     require = _require
@@ -384,6 +389,7 @@ def validate_config(config: Config) -> None:
     require(model.norm_eps > 0, "model.norm_eps", "must be positive")
     require(model.leaky_slope >= 0, "model.leaky_slope", "must be 0 or more")
     require(config.evaluate.sw_batch_size >= 1, "evaluate.sw_batch_size", "must be at least 1")
+    _validate_mirror_axes(config.evaluate.mirror_axes)
     for key, value in (("train.lr", train.lr), ("train.weight_decay", train.weight_decay),
                        ("cv.max_hours", config.cv.max_hours)):
         require(value is None or math.isfinite(value), key, f"must be a finite number, got {value}")

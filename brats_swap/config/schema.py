@@ -172,6 +172,12 @@ class EvaluateConfig:
     sw_overlap: float = 0.5  # sliding-window overlap for patch models
     sw_blend: Literal["gaussian", "constant"] = "gaussian"
     sw_batch_size: int = 1
+    # Which inference rules predict follows: "brats_swap" (MONAI's sliding window over data.cube, probabilities
+    # blended) or "nnunet" (nnU-Net's: tiles over the non-zero crop, logits blended; written by import-nnunet,
+    # brats_swap.evaluate.nnunet_inference). sw_overlap = 1 - nnU-Net's step_size, sw_blend, sw_batch_size apply.
+    inference: Literal["brats_swap", "nnunet"] = "brats_swap"
+    # The spatial axes (0, 1, 2 = the file's x, y, z) test-time mirroring flips (nnU-Net's allowed mirroring axes).
+    mirror_axes: list[int] = field(default_factory=lambda: [0, 1, 2])
     threshold: float = 0.5
     hd95: bool = True
     save_predictions: bool = True

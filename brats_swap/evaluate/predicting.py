@@ -4,7 +4,9 @@
   config (no cache), segmented by one fold or the average of several folds' probabilities (each model
   loaded once for the whole folder), optionally with the 8-mirror test-time augmentation, postprocessed
   with the run's `postprocessing.json` when there is one, written as `<out>/<case id>.nii.gz` (and the
-  probabilities as `<out>/<case id>.npz` on request).
+  probabilities as `<out>/<case id>.npz` on request). A run imported from nnU-Net (`evaluate.inference:
+  nnunet`) is segmented with nnU-Net's inference rules instead (`evaluate.nnunet_inference`: the case's
+  non-zero crop as loaded, no cube, logits blended), so that it writes nnU-Net's segmentation.
 - `segment_cube` / `case_labels`: one case's probabilities in the network's cube and its labels in the
   table's values, as `evaluate.scoring` scores them too.
 
@@ -17,7 +19,7 @@ failed case.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +33,12 @@ from brats_swap.data.discovery import discover_cases
 from brats_swap.data.nifti import from_table_values, save_label_nifti
 from brats_swap.data.preprocess import probabilities_to_original_grid
 from brats_swap.errors import ConfigError, DataError
+from brats_swap.evaluate import nnunet_inference
 from brats_swap.evaluate.failures import CaseFailures
+from brats_swap.evaluate.nnunet_inference import NNUNET
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, describe_label_changes, load_plan
 from brats_swap.evaluate.postprocessing_rules import apply as apply_postprocessing
-from brats_swap.model.targets import labels_from_probs, output_names
+from brats_swap.model.targets import labels_from_probs, output_names, region_tree
 from brats_swap.names import path_inside
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
@@ -64,6 +68,20 @@ def case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = 
     labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
                                regions=config.model.regions)
     return np.asarray(labels, dtype=np.uint8)
+
+def nnunet_case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = "") -> np.ndarray:
+    """`case_labels` under nnU-Net's rules: region heads paint their own label in head order
+    (`nnunet_inference.region_labels`), no nesting enforced, as nnU-Net exports region models."""
+    if config.model.outputs != "regions":
+        raise ConfigError(f"evaluate.inference={NNUNET}: model.outputs is {config.model.outputs}; nnU-Net's rules "
+                          "here are those of region-trained models (model.outputs=regions)")
+    expected = output_names(edition, "regions", config.model.regions)
+    if probs.shape[0] != len(expected):
+        return case_labels(probs, edition, config, case_id)  # its one-line DataError names the mismatch
+    tree = region_tree(edition, config.model.regions)
+    return nnunet_inference.region_labels(probs, [region.own_label for region in tree.values()],
+                                          config.evaluate.threshold)
+
 
 def select_folds(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, checkpoint: str = "best",
                  option: str = "--folds") -> list[int]:
@@ -163,14 +181,46 @@ class Predictor:
 
 
 def run_predictor(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, checkpoint: str = "best",
-                  postprocess: bool = True) -> Predictor:
-    """The run's folds (`select_folds`), each model loaded once, and its postprocessing.json when enabled."""
+                  postprocess: bool = True, device: str | None = None) -> Predictor:
+    """The run's folds (`select_folds`), each model loaded once (on `device`, default the run's
+    train.device), and its postprocessing.json when enabled."""
     run = RunFolder.of(run_dir)
     config = load_run_config(run)
+    if device is not None:
+        config = with_overrides(config, [f"train.device={device}"], ("train.device",), "--device")
     chosen = select_folds(run, folds, checkpoint)
     members, device = _load_ensemble(run, chosen, checkpoint, config)
     return Predictor(config, members, device, _run_postprocessing(run, postprocess), run.postprocessing,
                      f"fold(s) {', '.join(map(str, chosen))} ({checkpoint} checkpoint)")
+
+
+def with_overrides(config: Config, overrides: Sequence[str], allowed: Sequence[str], option: str = "--set") -> Config:
+    """`config` with `key=value` overrides of the keys (or sections, "evaluate.") in `allowed`, checked as the
+    loader checks a config; ConfigError naming `option` for any other key."""
+    from brats_swap.config import config_from_saved, config_to_dict
+    from brats_swap.config.loader import parse_override
+
+    raw = config_to_dict(config)
+    for item in overrides:
+        key, value = parse_override(item)
+        if not any(key == a or (a.endswith(".") and key.startswith(a)) for a in allowed):
+            raise ConfigError(f"{option} {key}: predict takes only {', '.join(a + '*' if a.endswith('.') else a for a in allowed)}"
+                              " (the run's inference settings)")
+        section, _, name = key.partition(".")
+        if "." in name or name not in raw[section]:
+            raise ConfigError(f"{option} {key}: unknown key (known: {', '.join(f'{section}.{k}' for k in raw[section])})")
+        raw[section][name] = value
+    return config_from_saved(raw)
+
+
+def with_evaluate_settings(predictor: Predictor, overrides: Sequence[str]) -> Predictor:
+    """`predictor` predicting with `evaluate.key=value` overrides (--set, --step-size, ...), for the cases'
+    config and every fold's."""
+    if not overrides:
+        return predictor
+    config = with_overrides(predictor.config, overrides, ("evaluate.",))
+    members = [(model, replace(member, evaluate=config.evaluate)) for model, member in predictor.members]
+    return replace(predictor, config=config, members=members)
 
 
 def predict(run_dir: Path | RunFolder, input_path: Path, out_dir: Path, folds: FoldSelection = ALL_FOLDS,
@@ -207,7 +257,8 @@ def predict_with(predictor: Predictor, input_path: Path, out_dir: Path, *, tta: 
         _check_plan_fits(plan, cases, predictor.plan_source)
     say = (lambda line: console.print(line)) if progress else None
     if say is not None:
-        say(f"predict: {predictor.description}{', 8-mirror TTA' if tta else ''}"
+        rules = ", nnU-Net's inference rules" if config.evaluate.inference == NNUNET else ""
+        say(f"predict: {predictor.description}{rules}{', mirroring TTA' if tta else ''}"
             f"; postprocessing: {plan.describe() if plan is not None else 'off' if not postprocess else 'none tuned'}")
     failed = failures if failures is not None else CaseFailures(say=warn)
     already_failed = len(failed)
@@ -235,10 +286,21 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
 
     first = members[0][1]
     loaded = load_case(case, config.data.modalities)
-    cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
-    cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
-    probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
-    label = case_labels(probs, loaded.edition, first, case.case_id)
+    if first.evaluate.inference == NNUNET:
+        # nnU-Net's rules (an imported nnU-Net run): the loaded float32 image, no cube, no cache; labels made in
+        # the non-zero crop, the case-sized probabilities only when they are written.
+        try:
+            crop, bbox = nnunet_inference.crop_probabilities(members, loaded.image, device, tta=tta)
+        except DataError as exc:
+            raise DataError(f"case {case.case_id}: {exc}") from exc
+        label = nnunet_inference.on_case_grid(nnunet_case_labels(crop, loaded.edition, first, case.case_id), bbox,
+                                              loaded.shape)
+        probs = nnunet_inference.on_case_grid(crop, bbox, loaded.shape) if probabilities else None
+    else:
+        cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
+        cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
+        probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
+        label = case_labels(probs, loaded.edition, first, case.case_id)
     if plan is not None and plan.active:  # a plan of no rule: "no postprocessing" is said once, not per case
         processed = apply_postprocessing(plan, label)
         if say is not None:

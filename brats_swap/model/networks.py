@@ -56,6 +56,12 @@ class SigmoidInEval:
             return outputs
         return torch.sigmoid(outputs[0] if isinstance(outputs, list | tuple) else outputs)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The full-resolution logits whatever the mode (nnU-Net's inference blends these, not probabilities)."""
+        self.check_input(x)
+        outputs = super().forward(x)
+        return outputs[0] if isinstance(outputs, list | tuple) else outputs
+
 
 class LeakyReLUOnBase(nn.LeakyReLU):
     """nnU-Net's `LeakyReLU(inplace=True)`, written into the storage under its input when that input is a

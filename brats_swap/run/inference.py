@@ -88,7 +88,7 @@ def predict_mirrored(predict: Callable[[torch.Tensor], torch.Tensor], images: to
 def predict_cube(model: nn.Module, images: torch.Tensor, config: Config, device: torch.device, *,
                  tta: bool = False) -> torch.Tensor:
     """Inference as the config's training mode implies: whole cube for `full`, sliding window for `patch`;
-    with `tta`, averaged over the 8 mirrorings."""
+    with `tta`, averaged over the mirrorings of `evaluate.mirror_axes` (8 for all three)."""
     model.eval()
 
     def once(batch: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,8 @@ def predict_cube(model: nn.Module, images: torch.Tensor, config: Config, device:
             )
         return predict_full(model, batch, device=device, amp=config.train.amp)
 
-    return predict_mirrored(once, images) if tta else once(images)
+    axes = tuple(2 + a for a in config.evaluate.mirror_axes)  # the spatial axes of the (B, C, D, H, W) batch
+    return predict_mirrored(once, images, axes) if tta else once(images)
 
 
 def predict_ensemble(members: Sequence[tuple[nn.Module, Config]], images: torch.Tensor, device: torch.device, *,

@@ -88,8 +88,10 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
     order = _axis_order(results_dir, plans)
     key = _table_key(results_dir / "dataset.json", dataset, edition, challenge)
     notes: list[str] = []
+    first_checkpoint = results_dir / f"fold_{folds[0]}" / checkpoint_name
     overrides = [*_model_overrides(results_dir, configuration, dataset, key, order),
-                 *_data_overrides(results_dir, configuration, dataset, key, order, notes)]
+                 *_data_overrides(results_dir, configuration, dataset, key, order, notes),
+                 *_inference_overrides(first_checkpoint, order)]
     first = load_config(None, [*overrides, f"name={run.root.name}"])
     # Fine-tuning (train --run OUT --fold k) starts from the imported weights of the fold.
     config = load_config(None, [*overrides, f"name={run.root.name}", f"train.init_from={run.fold(folds[0]).imported}",
@@ -266,6 +268,21 @@ def _model_overrides(results_dir: Path, configuration: dict, dataset: dict, key:
             f"model.in_channels={len(dataset.get('channel_names', dataset.get('modality', {})))}"]
 
 
+def _inference_overrides(checkpoint: Path, order: list[int]) -> list[str]:
+    """nnU-Net's inference rules (brats_swap.evaluate.nnunet_inference) with nnUNetv2_predict's defaults (step
+    size 0.5, Gaussian), mirroring the axes the checkpoint allows (`inference_allowed_mirroring_axes`, nnU-Net's
+    network axes, here in brats-swap's axis order; absent: all three, as nnU-Net assumes)."""
+    state = _load_nnunet_checkpoint(checkpoint)
+    allowed = state.get("inference_allowed_mirroring_axes", (0, 1, 2)) if isinstance(state, dict) else (0, 1, 2)
+    allowed = [] if allowed is None else allowed
+    if not isinstance(allowed, list | tuple) or not all(_is_int(a) and 0 <= a <= 2 for a in allowed):
+        raise CheckpointError(f"{checkpoint}: inference_allowed_mirroring_axes is {_shown(allowed)}; expected "
+                              "axes among 0, 1, 2")
+    axes = sorted(order.index(int(a)) for a in set(allowed))
+    return ["evaluate.inference=nnunet", "evaluate.sw_overlap=0.5", "evaluate.sw_blend=gaussian",
+            f"evaluate.mirror_axes=[{','.join(map(str, axes))}]"]
+
+
 def _resenc_preset(folder_name: str) -> str:
     plans_name = folder_name.split("__")[1] if "__" in folder_name else ""
     for size in ("XL", "L", "M"):
@@ -292,7 +309,24 @@ def _regions(description: Path, dataset: dict, key: str) -> list[str]:
             raise ConfigError(f"{description}: region {name!r} is no evaluation group of the {key} table "
                               f"({spec.describe_groups()})")
         regions.append(groups[table_values])
+    _check_class_order(description, dataset.get("regions_class_order"), regions, mapping, spec)
     return regions
+
+
+def _check_class_order(description: Path, class_order: object, regions: list[str], mapping: dict, spec) -> None:
+    """nnU-Net paints head k's `regions_class_order[k]` (a dataset label) where it fires, later heads over earlier
+    ones; brats-swap's nnU-Net rule paints each region's own label (the one no region inside it holds). They
+    agree when each head's class is its region's own label: anything else is refused, not predicted differently."""
+    from brats_swap.model.targets import region_tree
+
+    if not isinstance(class_order, list) or len(class_order) != len(regions):
+        raise ConfigError(f"{description}: regions_class_order is {_shown(class_order)}; expected one label per "
+                          f"region ({len(regions)})")
+    tree = region_tree(spec.key, regions)
+    for value, name in zip(class_order, regions, strict=True):
+        if not _is_int(value) or mapping.get(value) != tree[name].own_label:
+            raise ConfigError(f"{description}: regions_class_order gives region {name} the label {_shown(value)}; "
+                              f"brats-swap paints its own label ({tree[name].own_label} in the {spec.key} table)")
 
 
 def _data_overrides(results_dir: Path, configuration: dict, dataset: dict, key: str, order: list[int],

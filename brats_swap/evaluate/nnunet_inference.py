@@ -1,0 +1,240 @@
+"""nnU-Net v2's inference rules, for runs imported from nnU-Net (`evaluate.inference: nnunet`).
+
+An imported model predicts what `nnUNetv2_predict` predicts for the same files (tests/test_nnunet_predict.py
+compares the two with nnunetv2 2.8.1 itself). The rules, in nnU-Net's order (its `DefaultPreprocessor`,
+`nnUNetPredictor` and `export_prediction`):
+
+1. Crop to the bounding box of the non-zero mask: voxels non-zero in any channel, holes filled
+   (`create_nonzero_mask`: scipy's `binary_fill_holes`), no margin. The image stays float32 throughout.
+2. Z-score each channel inside that mask (`ZScoreNormalization` with `use_mask_for_norm`); outside stays 0.
+3. Pad the crop with zeros to at least the patch, centred with the odd voxel after (acvl_utils' `pad_nd_image`).
+4. Tiles start where `compute_steps_for_sliding_window` says (`steps`): per axis ceil((size - patch) /
+   (patch * step_size)) + 1 tiles, evenly spread from 0 to size - patch and rounded.
+5. Each tile's logits are averaged over the mirrorings of `evaluate.mirror_axes` (the unflipped tile first,
+   then the subsets of 1, 2, 3 axes), weighted by nnU-Net's Gaussian (`importance_map`: sigma = patch/8, peak
+   10, rounded to float16, zeros raised to the smallest non-zero value) or by 1 (`--no-gaussian`), summed over
+   tiles and divided by the summed weights; fold ensembles average these logits.
+6. Only then the sigmoid (regions; nnU-Net's region-trained BraTS models), and the labels: each region head
+   in head order paints its label where its probability is above the threshold (0.5), later heads over
+   earlier ones (nnU-Net's `convert_probabilities_to_segmentation` with `regions_class_order`). Outside the
+   crop: probability 0, label 0.
+
+Why not MONAI's `sliding_window_inference`: it places tiles by its own scan interval (not nnU-Net's step
+rule), builds its Gaussian with another normalisation and clamp, pads differently and blends whatever the
+predictor returns; each changes nnU-Net's output. The pieces that are exact are reused: torch for the
+network, flips and sums, scipy for the hole filling and the Gaussian (nnU-Net's own calls).
+
+The sums are float16, as nnU-Net 2.8.1's (`predicted_logits` and `n_predictions`): a voxel that only
+tile edges reach (tiny weights) gets its logit rounded coarsely, to 0 near the corners of a crop, exactly as
+in nnU-Net; float32 sums would be more precise there but disagree with nnU-Net on those voxels. The input
+is never rounded: the image stays float32 from the file to the network.
+
+What is not reproduced: resampling to the plans' spacing (brats-swap keeps the data's voxels;
+import-nnunet notes plans whose spacing is not 1 mm; BraTS is 1 mm), and the tile order: tiles are
+visited in brats-swap's (x, y, z) order, nnU-Net's in its own (z, y, x), so the float16 sums round in
+another order (a difference of float16 rounding, tests/test_nnunet_predict.py bounds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from brats_swap.errors import ConfigError, DataError
+
+NNUNET = "nnunet"  # the value of evaluate.inference that selects these rules
+SIGMA_SCALE = 1.0 / 8  # nnU-Net's Gaussian: sigma = patch * 1/8
+GAUSSIAN_PEAK = 10.0  # nnU-Net's value_scaling_factor (the map's maximum before the float16 rounding)
+NORM_EPS = 1e-8  # ZScoreNormalization's floor of the standard deviation
+
+
+def nonzero_crop(image: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The bounding box [(start, stop)] per axis of the non-zero mask of a (C, X, Y, Z) image (any channel
+    non-zero, holes filled), and that mask inside the box. DataError when every voxel is zero."""
+    from scipy.ndimage import binary_fill_holes
+
+    mask = np.any(image != 0, axis=0)
+    mask = binary_fill_holes(mask)
+    bbox = []
+    for axis in range(mask.ndim):
+        hits = np.flatnonzero(mask.any(axis=tuple(a for a in range(mask.ndim) if a != axis)))
+        if hits.size == 0:
+            raise DataError("every voxel of every modality is zero")
+        bbox.append((int(hits[0]), int(hits[-1]) + 1))
+    box = tuple(slice(a, b) for a, b in bbox)
+    return bbox, mask[box]
+
+
+def zscore_in_mask(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """(C, X, Y, Z) float32: each channel z-scored inside `mask`, nnU-Net's numpy operations in its order
+    (float32 mean and std of the masked voxels), the voxels outside left as they are."""
+    out = np.array(image, dtype=np.float32)  # a copy: the caller's case stays as loaded
+    for channel in out:
+        values = channel[mask]
+        mean, std = values.mean(), values.std()
+        channel[mask] = (values - mean) / max(std, NORM_EPS)
+    return out
+
+
+def compute_steps(image_size: Sequence[int], patch: Sequence[int], step_size: float) -> list[list[int]]:
+    """Tile starts per axis: nnU-Net's `compute_steps_for_sliding_window` (same float operations)."""
+    if not 0 < step_size <= 1:
+        raise ConfigError(f"step size {step_size}: must be in (0, 1] (evaluate.sw_overlap = 1 - step size)")
+    targets = [p * step_size for p in patch]
+    counts = [int(np.ceil((i - k) / j)) + 1 for i, j, k in zip(image_size, targets, patch, strict=True)]
+    steps = []
+    for size, tile, count in zip(image_size, patch, counts, strict=True):
+        stride = (size - tile) / (count - 1) if count > 1 else 0.0
+        steps.append([int(np.round(stride * i)) for i in range(count)])
+    return steps
+
+
+@functools.lru_cache(maxsize=4)
+def importance_map(patch: tuple[int, ...]) -> torch.Tensor:
+    """nnU-Net's `compute_gaussian(patch, 1/8, value_scaling_factor=10)`: a float16 map, zeros raised to the
+    smallest non-zero weight."""
+    from scipy.ndimage import gaussian_filter
+
+    delta = np.zeros(patch)
+    delta[tuple(p // 2 for p in patch)] = 1
+    weights = gaussian_filter(delta, [p * SIGMA_SCALE for p in patch], 0, mode="constant", cval=0)
+    weights /= np.max(weights) / GAUSSIAN_PEAK
+    half = torch.from_numpy(weights).to(torch.float16)
+    zero = half == 0
+    half[zero] = torch.min(half[~zero])
+    return half
+
+
+def pad_to_patch(image: torch.Tensor, patch: Sequence[int]) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """Zero-pad the spatial axes of (C, X, Y, Z) to at least `patch`, centred (the odd voxel after), as
+    acvl_utils' `pad_nd_image`; returns the padded image and the slices of the original inside it."""
+    below, above, keep = [], [], []
+    for size, tile in zip(image.shape[1:], patch, strict=True):
+        extra = max(int(tile) - int(size), 0)
+        below.append(extra // 2)
+        above.append(extra - extra // 2)
+        keep.append(slice(extra // 2, extra // 2 + int(size)))
+    if not any(below) and not any(above):
+        return image, tuple(keep)
+    pads = [p for axis in reversed(range(len(below))) for p in (below[axis], above[axis])]
+    return torch.nn.functional.pad(image, pads), tuple(keep)
+
+
+def mirror_combinations(axes: Sequence[int]) -> list[tuple[int, ...]]:
+    """nnU-Net's order: no flip, then every subset of 1, 2, ... of `axes` (axes of the (B, C, X, Y, Z) batch)."""
+    return [(), *(c for n in range(1, len(axes) + 1) for c in itertools.combinations(tuple(axes), n))]
+
+
+def mirrored_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], tiles: torch.Tensor,
+                    axes: Sequence[int]) -> torch.Tensor:
+    """nnU-Net's `_internal_maybe_mirror_and_predict`: the mean of flip(net(flip(x))) over the mirrorings,
+    summed in nnU-Net's order. `axes` are spatial (0, 1, 2)."""
+    combos = mirror_combinations([a + 2 for a in axes])
+    total = logits_of(tiles).float()
+    for flip in combos[1:]:
+        total += torch.flip(logits_of(torch.flip(tiles, flip)), flip).float()
+    if len(combos) > 1:
+        total /= len(combos)
+    return total
+
+
+@torch.inference_mode()
+def sliding_window_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor,
+                          patch: Sequence[int], out_channels: int, *, step_size: float = 0.5, gaussian: bool = True,
+                          mirror_axes: Sequence[int] = (), batch_size: int = 1,
+                          device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """(K, X, Y, Z) float16 logits of a (C, X, Y, Z) image, nnU-Net's sliding window (module docstring, 3-5).
+    `batch_size` tiles go through the network at once (each tile's logits are the same as alone: the network
+    normalises per instance). The sums live on `device` and come back to the CPU at the end."""
+    patch = tuple(int(p) for p in patch)
+    padded, keep = pad_to_patch(image.to(torch.float32), patch)
+    padded = padded.to(device)
+    spatial = tuple(padded.shape[1:])
+    starts = list(itertools.product(*compute_steps(spatial, patch, step_size)))
+    weights = importance_map(patch).to(device) if gaussian else None
+    # float16 sums, as nnU-Net's `predicted_logits` and `n_predictions` (module docstring).
+    total = torch.zeros((out_channels, *spatial), dtype=torch.float16, device=device)
+    norm = torch.zeros(spatial, dtype=torch.float16, device=device)
+    for first in range(0, len(starts), batch_size):
+        chunk = starts[first:first + batch_size]
+        boxes = [tuple(slice(s, s + p) for s, p in zip(start, patch, strict=True)) for start in chunk]
+        tiles = torch.stack([padded[(slice(None), *box)] for box in boxes])
+        # nnU-Net runs the network under autocast on CUDA (float16 convolutions), in float32 elsewhere.
+        with torch.autocast("cuda") if device.type == "cuda" else contextlib.nullcontext():
+            logits = mirrored_logits(logits_of, tiles, mirror_axes)
+        if weights is not None:
+            logits *= weights  # float32 logits times the float16 weights, in float32 (as nnU-Net)
+        for index, box in enumerate(boxes):
+            total[(slice(None), *box)] += logits[index]
+            norm[box] += weights if weights is not None else 1
+    torch.div(total, norm, out=total)
+    if torch.isinf(total).any():  # nnU-Net aborts here too: a float16 sum overflowed
+        raise DataError("the blended logits overflow float16 (as nnU-Net's would); predict with "
+                        "--set evaluate.inference=brats_swap")
+    return total[(slice(None), *keep)].cpu()
+
+
+def network_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's full-resolution logits (brats_swap.model.networks' `logits`); ConfigError for a network
+    that ends in a sigmoid (its logits are not there to blend)."""
+    logits = getattr(model, "logits", None)
+    if logits is None:
+        raise ConfigError(f"evaluate.inference={NNUNET}: {type(model).__name__} returns probabilities, not logits; "
+                          "nnU-Net's rules blend logits (use evaluate.inference=brats_swap)")
+    return logits
+
+
+def case_logits(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
+                *, tta: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """One case's logits in its non-zero crop, the mean over the members (a fold ensemble, as nnU-Net averages
+    its folds' logits), and the crop's bounding box. `image`: (C, X, Y, Z) as loaded (float32, unrounded)."""
+    bbox, mask = nonzero_crop(image)
+    box = tuple(slice(a, b) for a, b in bbox)
+    cropped = torch.from_numpy(zscore_in_mask(image[(slice(None), *box)], mask))
+    total = None
+    for model, config in members:
+        evaluate = config.evaluate
+        model.eval()
+        logits = sliding_window_logits(
+            network_logits(model), cropped, config.train.patch, int(model.out_channels),
+            step_size=step_size_of(evaluate.sw_overlap), gaussian=evaluate.sw_blend == "gaussian",
+            mirror_axes=evaluate.mirror_axes if tta else (), batch_size=evaluate.sw_batch_size, device=device)
+        total = logits if total is None else total.add_(logits)  # float16, as nnU-Net sums its folds
+    if len(members) > 1:
+        total /= len(members)
+    return total, bbox
+
+
+def step_size_of(sw_overlap: float) -> float:
+    """nnU-Net's step size (a fraction of the patch) for `evaluate.sw_overlap`: 1 - overlap, rounded to 10
+    decimals so that --step-size 0.3 gives 0.3 back, not 0.30000000000000004 (whose steps could differ)."""
+    return round(1.0 - float(sw_overlap), 10)
+
+
+def crop_probabilities(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
+                       *, tta: bool) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(K, ...) float32 sigmoid probabilities inside the case's non-zero crop, and the crop's bounding box."""
+    logits, bbox = case_logits(members, image, device, tta=tta)
+    return torch.sigmoid(logits.float()).numpy(), bbox
+
+
+def on_case_grid(crop: np.ndarray, bbox: Sequence[tuple[int, int]], shape: Sequence[int]) -> np.ndarray:
+    """A crop's array (with leading axes, if any) placed on the case's grid of `shape`, 0 outside the crop."""
+    out = np.zeros((*crop.shape[:crop.ndim - 3], *shape), dtype=crop.dtype)
+    out[(..., *(slice(a, b) for a, b in bbox))] = crop
+    return out
+
+
+def region_labels(probs: np.ndarray, own_labels: Sequence[int], threshold: float = 0.5) -> np.ndarray:
+    """uint8 labels from (K, X, Y, Z) region probabilities: head k paints `own_labels[k]` where its probability
+    is above `threshold`, in head order (nnU-Net's `convert_probabilities_to_segmentation` for regions)."""
+    labels = np.zeros(probs.shape[1:], dtype=np.uint8)
+    for channel, value in zip(probs, own_labels, strict=True):
+        labels[channel > threshold] = value
+    return labels
