@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from cli_helpers import command_paths
 
 # What makes the CLI slow to start: torch and what comes with it, MONAI, nibabel, scipy, matplotlib.
 TRAINING_STACK = ("torch", "monai", "nibabel", "scipy", "matplotlib", "dynamic_network_architectures")
@@ -48,26 +49,8 @@ def _run(command_lines: list[list[str]]) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _command_paths() -> list[list[str]]:
-    """Every command and subcommand that `brats-swap --help` (and a group's --help) lists."""
-    import typer.main
-
-    from brats_swap.cli.main import app
-
-    paths: list[list[str]] = []
-
-    def walk(command, prefix: list[str]) -> None:
-        for name, sub in getattr(command, "commands", {}).items():
-            if not getattr(sub, "hidden", False):
-                paths.append([*prefix, name])
-                walk(sub, [*prefix, name])
-
-    walk(typer.main.get_command(app), [])
-    return paths
-
-
 def test_help_and_version_import_none_of_the_training_stack():
-    paths = _command_paths()
+    paths = command_paths()
     assert {"train", "plan", "train-challenge", "container", "cv run", "config show"} <= {" ".join(p) for p in paths}
     lines = [["--help"], ["--version"], *([*path, "--help"] for path in paths)]
     results = _run(lines)
