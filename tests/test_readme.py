@@ -23,10 +23,11 @@ def _text() -> str:
 
 
 def _command_cells() -> list[list[str]]:
-    """The code spans of the first cell of each row of the command table, `brats-swap ` dropped: one list per
+    """The code spans of the first cell of each row of the table under "## Commands", `brats-swap ` dropped: one list per
     row (a row may show two commands, `cv status --run DIR` / `cv summary --run DIR`)."""
     rows = []
-    for line in _text().splitlines():
+    commands_section = _text().split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    for line in commands_section.splitlines():
         if line.startswith("| `brats-swap "):
             first_cell = re.split(r"(?<!\\)\|", line)[1]
             rows.append([span.removeprefix("brats-swap ").strip() for span in re.findall(r"`([^`]+)`", first_cell)])
