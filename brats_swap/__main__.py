@@ -1,8 +1,8 @@
 """`python -m brats_swap ...` behaves exactly like the `brats-swap` console script."""
 
 from brats_swap.cli.main import main
-from brats_swap.distributed import restore_forwarded_signals
+from brats_swap.stop_signals import restore_after_torchrun
 
 if __name__ == "__main__":
-    restore_forwarded_signals()  # a torchrun rank of `--nproc` (torchrun runs `-m brats_swap`)
+    restore_after_torchrun()  # a torchrun rank of `--nproc` (torchrun runs `-m brats_swap`)
     main()

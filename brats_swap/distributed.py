@@ -31,7 +31,6 @@ import atexit
 import contextlib
 import datetime
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -335,7 +334,7 @@ def launch_torchrun(nproc: int, argv: Sequence[str]) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # torchrun itself ignores the forwarded signals, also when they reach it directly (the job's process group
     # gets them from `timeout`, SLURM signals every process of the job): see FORWARDED_SIGNALS.
-    env.update({TORCHRUN_SIGNALS_ENV: TORCHRUN_HANDLES, SHIELDED_ENV: "1"})
+    env.update({TORCHRUN_SIGNALS_ENV: TORCHRUN_HANDLES, stop_signals.SHIELDED_ENV: "1"})
     job = subprocess.Popen(torchrun_command(nproc, argv), env=env, preexec_fn=_ignore_forwarded_signals)
     with forward_signals_to_workers(job.pid):
         return job.wait()
@@ -346,25 +345,14 @@ def launch_torchrun(nproc: int, argv: Sequence[str]) -> int:
 # the next step (train/loop.py), and torchrun ignores them, waits for the workers and reports their exit code.
 FORWARDED_SIGNALS = stop_signals.SCHEDULER_SIGNALS
 # The signals torchrun turns into its own shutdown (its `--signals-to-handle`, default less SIGTERM; a torchrun
-# older than 2.6 has no such option and handles SIGTERM as before), and the mark that tells the ranks their
-# inherited SIG_IGN of FORWARDED_SIGNALS was meant for torchrun alone.
+# older than 2.6 has no such option and handles SIGTERM as before). The ranks undo their inherited SIG_IGN
+# (stop_signals.SHIELDED_ENV, restore_after_torchrun).
 TORCHRUN_SIGNALS_ENV, TORCHRUN_HANDLES = "PET_SIGNALS_TO_HANDLE", "SIGINT,SIGHUP,SIGQUIT"
-SHIELDED_ENV = "BRATS_SWAP_TORCHRUN_IGNORES_STOP_SIGNALS"
 
 
 def _ignore_forwarded_signals() -> None:
     """torchrun's pre-exec: SIG_IGN survives exec (a Python handler would not)."""
     stop_signals.ignore(FORWARDED_SIGNALS)
-
-
-def restore_forwarded_signals() -> None:
-    """In a rank started by `launch_torchrun`: SIGTERM/SIGUSR1 back to their default action (torchrun passed
-    on its SIG_IGN), so a rank that is not training yet still ends on them."""
-    if os.environ.get(SHIELDED_ENV) != "1":
-        return
-    for sig in FORWARDED_SIGNALS:
-        if signal.getsignal(sig) is signal.SIG_IGN:
-            signal.signal(sig, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

@@ -69,6 +69,22 @@ def ignore(signals: Iterable[int] = STOP_SIGNALS) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+# The mark `distributed.launch_torchrun` puts in the ranks' environment: the SIG_IGN of SCHEDULER_SIGNALS they
+# inherit was meant for torchrun alone. Here, not in `distributed` (torch), because `python -m brats_swap`
+# reads it before anything else is imported.
+SHIELDED_ENV = "BRATS_SWAP_TORCHRUN_IGNORES_STOP_SIGNALS"
+
+
+def restore_after_torchrun() -> None:
+    """In a rank started by `distributed.launch_torchrun`: SIGTERM/SIGUSR1 back to their default action
+    (torchrun passed on its SIG_IGN), so a rank that is not training yet still ends on them."""
+    if os.environ.get(SHIELDED_ENV) != "1":
+        return
+    for sig in SCHEDULER_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def name(signum: int) -> str:
     """`signal.SIGTERM` -> "SIGTERM"."""
     return signal.Signals(signum).name

@@ -267,3 +267,37 @@ def test_the_cycle_check_sees_function_level_imports_and_skips_type_checking(tmp
     b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from brats_swap.run.console import warn\n",
                  encoding="utf-8")
     assert _runtime_imports("brats_swap.run.folder", b) == set()
+
+
+# --------------------------------------------------------------------------------------------------
+# The CLI's modules are imported by every `--help`: at module level they import Typer, rich and the standard
+# library only (torch, MONAI, nibabel ... load inside a command, after its config is resolved). That the
+# package modules they import stay light too is tested by running them: tests/test_cli_startup.py.
+CLI_MODULE_LEVEL_THIRD_PARTY = {"typer", "rich", "click"}
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The top-level names imported by `path`'s module-level statements (not in a function, not under
+    `if TYPE_CHECKING:`)."""
+    found: set[str] = set()
+    pending = list(ast.parse(path.read_text(encoding="utf-8")).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.If) and not _is_type_checking(node.test):
+            pending.extend([*node.body, *node.orelse])
+        elif isinstance(node, ast.Try):
+            pending.extend([*node.body, *node.orelse, *node.finalbody])
+    return found
+
+
+def test_the_cli_imports_no_heavy_package_at_module_level():
+    import sys
+
+    allowed = set(sys.stdlib_module_names) | CLI_MODULE_LEVEL_THIRD_PARTY | {"brats_swap", "__future__"}
+    found = {name: _module_level_imports(path) - allowed for name, path in MODULES.items()
+             if _area(name) in {"cli", "__main__"}}
+    assert len(found) > 5 and {name: heavy for name, heavy in found.items() if heavy} == {}

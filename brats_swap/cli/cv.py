@@ -276,9 +276,9 @@ def _with_run_subcommand(argv: list[str]) -> list[str]:
 
 
 def _train(config, set_, run, folds, max_hours, parallel_folds: int, nproc: int | None, argv: list[str]) -> None:
-    from brats_swap.cv import run_cv
-
     resolved, run_dir = run_and_config(config, set_, run, _say)
+    from brats_swap.cv import run_cv  # the training stack only once the config is sound
+
     if nproc is not None:
         from brats_swap.distributed import launch_torchrun
         from brats_swap.train.data import prepare_run_data
@@ -294,9 +294,9 @@ def _train(config, set_, run, folds, max_hours, parallel_folds: int, nproc: int 
 
 
 def _summarise(config, set_, run) -> None:
+    resolved, run_dir = run_and_config(config, set_, run, _say)
     from brats_swap.cv.runner import summarise_run
 
-    resolved, run_dir = run_and_config(config, set_, run, _say)
     _report(summarise_run(resolved, run_dir, console=line_console), run_dir)
 
 
@@ -382,11 +382,11 @@ def compare(
     Writes RUN/full/ and RUN/patch/ (two cv runs), RUN/compare.md, RUN/compare.json and RUN/figures/*.png.
     Resumable and locked like `brats-swap cv run`.
     """
-    from brats_swap.cv.compare import run_compare
-
     if not patch:
         raise ConfigError("compare: choose what to compare; the only comparison is --patch (whole volume vs patches)")
     resolved = resolve_config(config, set_)
+    from brats_swap.cv.compare import run_compare  # the training stack only once the config is sound
+
     # Not runs/<name>: that is where `brats-swap cv run` / `train` put the same config's plain run.
     run_dir = run if run is not None else RunFolder.default_for(f"{resolved.name}-compare").root
     selection, notice = compare_fold_selection(folds)

@@ -52,10 +52,10 @@ def check(root: RootArgument = None, edition: EditionOption = None, challenge: C
           strict: StrictOption = False, workers: WorkersOption = None, config: ConfigOption = None,
           set_: SetOption = None) -> None:
     """Find and validate every case: label table, shape, spacing, label counts and problems."""
-    from brats_swap.data.check import check_dataset, convention_doubts, summary_line
+    cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
+    from brats_swap.data.check import check_dataset, convention_doubts, summary_line  # after a config error
     from brats_swap.data.preprocess import preprocess_settings
 
-    cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
     results = check_dataset(folder, cfg.data.edition, cfg.data.modalities, challenge=cfg.data.challenge,
                             fit_to=preprocess_settings(cfg.data), workers=_workers(workers, cfg.data),
@@ -103,10 +103,10 @@ def prepare(
     strict: StrictOption = False,
 ) -> None:
     """Crop, normalize and fit every case to data.cube into an on-disk cache (incremental, atomic)."""
-    from brats_swap.data.cache import prepare_dataset
+    cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
+    from brats_swap.data.cache import prepare_dataset  # after a config error: the data stack loads slowly
     from brats_swap.data.check import preparation_warnings
 
-    cfg = resolve_config(config, _forcing(set_, edition, challenge), data_root=root)
     folder = root if root is not None else Path(cfg.data.root)
     cache = out if out is not None else Path(cfg.data.cache)
     report = prepare_dataset(folder, cache, cfg.data, workers=_workers(workers, cfg.data), strict=strict,

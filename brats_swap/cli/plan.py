@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
@@ -15,11 +15,10 @@ from brats_swap.cli.common import ConfigOption, SetOption, console, handle_error
 from brats_swap.config import Config, MemoryConfig
 from brats_swap.config.loader import diff_configs
 from brats_swap.errors import ConfigError
-from brats_swap.memory.budget import INFLIGHT_SHARE
-from brats_swap.memory.planner import GIB, PlanReport
-from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES
-from brats_swap.run.device import amp_dtype
-from brats_swap.train.planning import HostMemory, host_memory, plan_for_config, write_timeline_png
+
+if TYPE_CHECKING:  # the memory package, the planning and run.device import torch: the functions import them
+    from brats_swap.memory.planner import PlanReport  # when they run, so `--help` stays quick (docs/cli.md)
+    from brats_swap.train.planning import HostMemory
 
 # `--size 160 192 160`: click gives an option one value; the two edges after it arrive as extra arguments.
 CONTEXT = {"allow_extra_args": True}
@@ -55,6 +54,9 @@ def plan(
     # The planned step's input is the cube: the network's stages adapt to it as they do in training.
     sized = [f"data.cube=[{','.join(map(str, edges))}]", "train.mode=full"] if edges else []
     resolved = resolve_config(config, [*(set_ or []), *sized])
+    from brats_swap.memory.budget import GIB  # torch only once the config is sound
+    from brats_swap.train.planning import host_memory, plan_for_config, write_timeline_png
+
     saved_profile = None
     if profile is not None:
         try:
@@ -100,6 +102,8 @@ def priced_recipe(config: Config, config_file: Path | None, overrides: list[str]
                   batch: int | None, dtype: str | None) -> str:
     """One line: which config's batch, dtype and optimizer the plan priced (a `--set model.name=X` alone
     keeps the recipe of the config it is laid over, not that of configs/X.yaml)."""
+    from brats_swap.run.device import amp_dtype
+
     source = str(config_file) if config_file is not None else "the built-in defaults (no --config)"
     batch_text = f"batch {batch} (--batch)" if batch is not None else f"batch {config.train.batch_size} (train.batch_size)"
     dtype_text = f"{dtype} (--dtype)" if dtype is not None else f"{str(amp_dtype(config.train.amp)).split('.')[-1]} " \
@@ -114,6 +118,8 @@ def priced_recipe(config: Config, config_file: Path | None, overrides: list[str]
 
 
 def _print_host_memory(host: HostMemory) -> None:
+    from brats_swap.memory.budget import GIB
+
     _say(host.line())
     if host.exceeds_machine:
         console.print(f"[bold yellow]warning:[/] the run needs {host.total_bytes / GIB:.2f} GiB of host memory, "
@@ -127,6 +133,8 @@ _NOT_POLICY = {"memory.budget_gib", "memory.bandwidth_gbs", "memory.device_overh
 
 def policy_lines(policy: MemoryConfig) -> list[str]:
     """The `memory.*` keys of `policy` that differ from the defaults, whole, as config lines."""
+    from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES
+
     unread = {"swap": policy.mode not in SWAP_MODES, "recompute": policy.mode not in RECOMPUTE_MODES}
     lines = []
     for key in diff_configs(MemoryConfig(), policy, "memory."):
@@ -151,6 +159,8 @@ def selecting_lines(report: PlanReport) -> list[str]:
 
 
 def print_report(report: PlanReport) -> None:
+    from brats_swap.memory.budget import GIB, INFLIGHT_SHARE
+
     shape = "x".join(str(v) for v in report.input_shape[2:])
     budget = f"{report.budget_gib:g} GiB" if report.budget_gib is not None else "none"
     budget += f" (device overhead {report.device_overhead_gib:g} GiB)"

@@ -53,9 +53,6 @@ def train(
 
     Example: brats-swap train --config configs/quickstart.yaml --set train.max_epochs=5
     """
-    from brats_swap.distributed import is_main_process
-    from brats_swap.train.data import prepare_run_data
-
     fold_k = one_fold(fold)
     if run is not None and resume and not run.is_dir():
         raise ConfigError(f"--run {run}: no run folder {run}; --resume continues an existing run (check the path, "
@@ -66,9 +63,13 @@ def train(
         import sys
 
         from brats_swap.distributed import launch_torchrun
+        from brats_swap.train.data import prepare_run_data
 
         prepare_run_data(resolved.data)  # here, before torchrun starts the ranks that read the cache
         raise typer.Exit(launch_torchrun(nproc, sys.argv[1:]))
+    # The training stack (torch, MONAI, nibabel) only now: a config error above is a quick one-line exit.
+    from brats_swap.distributed import is_main_process
+    from brats_swap.train.data import prepare_run_data
     from brats_swap.train.loop import train_fold
     from brats_swap.train.summary import summary_panel
 
