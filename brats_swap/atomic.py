@@ -165,24 +165,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def atomic_save_npy(path: str | os.PathLike, array) -> None:
-    import numpy as np
-
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as handle:
-            # Not np.save(handle): on a real file it writes with ndarray.tofile, whose short write on a full
-            # disk is an OSError without errno. Through a plain `write` numpy writes 16 MiB chunks and the
-            # OSError keeps its errno (ENOSPC), so it is reported as a full disk.
-            np.save(_WriteOnly(handle), array, allow_pickle=False)
-
-
-class _WriteOnly:
-    """A file object reduced to `write`, so numpy does not recognise it as a real file."""
-
-    def __init__(self, handle) -> None:
-        self.write = handle.write
-
-
 def _json_default(value: Any) -> Any:
     # numpy scalars and paths show up in metrics and metadata; everything else is a bug.
     if hasattr(value, "item"):

@@ -46,7 +46,7 @@ def _check_swaps(device: str, policy: dict) -> None:
     reference = copy.deepcopy(net)
     reference(x).square().mean().backward()  # plain PyTorch
     # The no-policy peak, measured by the same counter: the same engine with nothing large enough to swap.
-    none_stats, _, _ = _step(copy.deepcopy(net), x, {"mode": "swap", "swap": {"min_bytes": 1 << 62}}, device)
+    none_stats, _, _ = _step(copy.deepcopy(net), x, {"mode": "swap", "swap": {"min_bytes": 1 << 50}}, device)
     stats, cfg, grads = _step(net, x, policy, device)
     assert cfg.swap.max_inflight_bytes is not None  # the engine runs a concrete window
     assert stats.swapped_out_bytes > 0 and stats.swapped_in_bytes > 0

@@ -363,8 +363,7 @@ def validate_config(config: Config) -> None:
     require(1 <= model.segmentation_levels <= model.depth - 1, "model.segmentation_levels",
             f"must be between 1 and model.depth-1 ({model.depth - 1})")
     validate_memory_config(config.memory)
-    require(0 <= config.evaluate.sw_overlap < 1, "evaluate.sw_overlap", "must be in [0, 1)")
-    require(0 < config.evaluate.threshold < 1, "evaluate.threshold", "must be between 0 and 1")
+    _validate_evaluate(config.evaluate)
     require(config.cv.folds >= 2, "cv.folds", "must be at least 2")
     # Values that otherwise fail late, deep inside torch/numpy, with a traceback instead of the key.
     bad_name = name_problem(config.name)  # it names runs/<name>, SLURM jobs and bundles: brats_swap.names decides
@@ -388,12 +387,17 @@ def validate_config(config: Config) -> None:
     require(train.adam_eps > 0, "train.adam_eps", "must be positive")
     require(model.norm_eps > 0, "model.norm_eps", "must be positive")
     require(model.leaky_slope >= 0, "model.leaky_slope", "must be 0 or more")
-    require(config.evaluate.sw_batch_size >= 1, "evaluate.sw_batch_size", "must be at least 1")
-    _validate_mirror_axes(config.evaluate.mirror_axes)
     for key, value in (("train.lr", train.lr), ("train.weight_decay", train.weight_decay),
                        ("cv.max_hours", config.cv.max_hours)):
         require(value is None or math.isfinite(value), key, f"must be a finite number, got {value}")
     require(config.cv.max_hours is None or config.cv.max_hours > 0, "cv.max_hours", "must be positive")
+
+
+def _validate_evaluate(evaluate) -> None:
+    _require(0 <= evaluate.sw_overlap < 1, "evaluate.sw_overlap", "must be in [0, 1)")
+    _require(0 < evaluate.threshold < 1, "evaluate.threshold", "must be between 0 and 1")
+    _require(evaluate.sw_batch_size >= 1, "evaluate.sw_batch_size", "must be at least 1")
+    _validate_mirror_axes(evaluate.mirror_axes)
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

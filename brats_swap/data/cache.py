@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from brats_swap.atomic import atomic_write_json, remove_stale_temp_files
+from brats_swap.atomic import DISK_PROBLEMS, atomic_write_json, remove_stale_temp_files
 from brats_swap.data.compressed import CachedVolume, content_box, write_volume
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
@@ -296,7 +296,8 @@ def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndar
         os.replace(temp, final)
         shutil.rmtree(old, ignore_errors=True)
     except OSError as exc:
-        raise CacheWriteError(f"cache {cache_dir}: cannot write case {case_id} ({exc.strerror or exc})") from exc
+        problem = DISK_PROBLEMS.get(exc.errno) or exc.strerror or exc
+        raise CacheWriteError(f"cache {cache_dir}: cannot write case {case_id} ({problem})") from exc
     finally:
         if temp.exists():
             shutil.rmtree(temp, ignore_errors=True)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from brats_swap.errors import DataError
+
 CHUNK_EDGE = 64
 CLEVEL = 1
 
@@ -62,7 +64,11 @@ def write_volume(path: Path, array: np.ndarray) -> None:
     array = np.ascontiguousarray(array)
     chunks, blocks = chunk_and_block_shapes(array.shape)
     cparams = blosc2.CParams(codec=blosc2.Codec.ZSTD, clevel=CLEVEL, filters=[blosc2.Filter.SHUFFLE], nthreads=1)
-    blosc2.asarray(array, urlpath=os.fspath(path), mode="w", chunks=chunks, blocks=blocks, cparams=cparams)
+    compressed = blosc2.asarray(array, chunks=chunks, blocks=blocks, cparams=cparams)
+    # Compressed in memory, written by Python: blosc2's own file writer reports a full disk as a RuntimeError
+    # without errno ("Error while creating the NDArray"); Python's write keeps the OSError (ENOSPC, EFBIG), which
+    # the cache reports as a full disk. The frame is the same contiguous format `blosc2.open` reads.
+    Path(path).write_bytes(compressed.to_cframe())
 
 
 class CachedVolume:
@@ -85,7 +91,13 @@ class CachedVolume:
             import blosc2
 
             blosc2.set_nthreads(1)  # a loader worker is one core; blosc2's own threads would oversubscribe
-            self._array = blosc2.open(os.fspath(self.path), mode="r")
+            stored = blosc2.open(os.fspath(self.path), mode="r")
+            lead = len(self.shape) - 3
+            expected = (*self.shape[:lead], *(b - a for a, b in self.box))
+            if tuple(stored.shape) != expected or np.dtype(stored.dtype) != self.dtype:
+                raise ValueError(f"holds {tuple(stored.shape)} {stored.dtype}, its meta.json says {expected} "
+                                 f"{self.dtype}")
+            self._array = stored
         return self._array
 
     def __getstate__(self) -> dict:
@@ -111,7 +123,12 @@ class CachedVolume:
             src.append(slice(start - low, stop - low))
             dst.append(slice(start - s.start, stop - s.start))
         _zero_outside(out, dst)
-        _read_chunks(self._stored(), tuple(src), out[tuple(dst)])
+        try:
+            _read_chunks(self._stored(), tuple(src), out[tuple(dst)])
+        except (OSError, RuntimeError, ValueError) as exc:  # blosc2 says a damaged frame with a RuntimeError
+            raise DataError(f"case {self.path.parent.name}: {self.path} is damaged or unreadable "
+                            f"({' '.join(str(exc).split())[:200]}); prepare the case again (`brats-swap data "
+                            "prepare`, or remove its folder from the cache)") from exc
 
     def window(self, key) -> CachedWindow:
         """`self[key]` not read yet: what a loader worker hands to the collate, which decompresses it straight

@@ -37,6 +37,7 @@ TINY = [
     "train.deterministic=false",  # use_deterministic_algorithms imports torch._inductor: 5 s per process
     "train.augment=none",
     "evaluate.hd95=false",
+    "data.cache_only=true",  # the fixtures' caches are the data (data.root stays the default, never prepared)
 ]
 
 

@@ -193,7 +193,8 @@ def test_train_on_a_missing_cache(tmp_path):
 
     # With no prepared cases, train prepares them from data.root; with no data.root either, one line says so.
     cache, root = tmp_path / "no-cache", tmp_path / "no-data"
-    error_line(invoke("train", "--run", tmp_path / "run", *set_args(cache), "--set", f"data.root={root}"),
+    error_line(invoke("train", "--run", tmp_path / "run", *set_args(cache, "data.cache_only=false"), "--set",
+                      f"data.root={root}"),
                EXIT_BAD_INPUT, str(cache), "data.root", str(root))
 
 

@@ -38,13 +38,13 @@ def test_non_finite_loss_stops_training_and_keeps_the_last_checkpoint(prepared_c
 
 def test_nan_input_is_caught_as_a_bad_loss(writable_cache, tmp_path):
     # A prepared case damaged after `prepare` (e.g. bit rot): NaN voxels reach the network.
-    from brats_swap.data.cache import IMAGE_FILE, list_prepared
+    from brats_swap.data.cache import IMAGE_FILE, list_prepared, load_prepared
+    from brats_swap.data.compressed import write_volume
 
     for case_id in list_prepared(writable_cache):
-        path = writable_cache / case_id / IMAGE_FILE
-        image = np.load(path)
-        image[:] = np.nan
-        np.save(path, image)
+        image = load_prepared(writable_cache, case_id).image  # its stored box, rewritten as NaN
+        write_volume(writable_cache / case_id / IMAGE_FILE,
+                     np.full((*image.shape[:-3], *(b - a for a, b in image.box)), np.nan, image.dtype))
     run = tmp_path / "run"
     result = invoke("train", "--run", run, *set_args(writable_cache, "train.max_epochs=2"))
     error_line(result, EXIT_BAD_INPUT, "loss is nan", "epoch 1 step 1")
