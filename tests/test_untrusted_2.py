@@ -245,6 +245,19 @@ def test_a_bundle_cube_of_1024_cubed_is_priced_and_refused_before_any_case(bundl
     assert not (tmp_path / "out").exists()
 
 
+def test_predict_prices_a_bundle_before_any_case_as_serve_challenge_does(bundle, tmp_path):
+    from ship_helpers import challenge_input
+
+    challenge_input(tmp_path / "in", "met", 1)
+    huge = _bundle_with(bundle, tmp_path / "huge.zip", lambda raw: raw["data"].update(cube=[1024, 1024, 1024]))
+    with memory_limit(2 * GIB):
+        result = CliRunner().invoke(app, ["predict", "--model", str(huge), "--input", str(tmp_path / "in"),
+                                          "--out", str(tmp_path / "out"), "--device", "cpu"])
+    _error_line(result, 2, "huge.zip", "data.cube [1024, 1024, 1024]", "GiB of host memory per case",
+                "refused before any case is read")
+    assert not (tmp_path / "out").exists()
+
+
 def test_windows_that_could_not_finish_a_case_are_refused_before_any_case(bundle, tmp_path):
     """Patch 8^3 at overlap 0.999 on a 64^3 cube: 57^3 = 185,193 windows per pass (x 8 mirrors)."""
     from ship_helpers import challenge_input

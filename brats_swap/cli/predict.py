@@ -65,6 +65,10 @@ def predict(
     else:
         predictor = run_predictor(run, folds, checkpoint, postprocessing, device=device)
     predictor = with_evaluate_settings(predictor, evaluate_overrides(overrides, step_size, gaussian, tile_batch))
+    if model is not None:  # someone else's file: one case priced before any case is read, as serve-challenge does
+        from brats_swap.ship.inference_cost import check_case_cost
+
+        check_case_cost(predictor, tta, str(model))
     failures = CaseFailures(say=warn)
     written = predict_with(predictor, input_path, out, tta=tta, probabilities=save_probabilities,
                            postprocess=postprocessing, failures=failures, dataset_labels=dataset_labels)
