@@ -80,7 +80,10 @@ def test_cpu_bf16_convolution_gradients_are_the_fp32_ones_whatever_the_heap_held
     # or NaN at the first three shapes.
     assert _relative_error(conv.weight.grad, want_weight) < 2e-2
     assert _relative_error(conv.bias.grad, want_bias) < 2e-2
-    assert _relative_error(leaf.grad, want_x) < 2e-2
+    # The input gradient is the bf16 kernel's own: which oneDNN kernel runs depends on the threads and on
+    # torch's deterministic mode (`train.deterministic`, off by default), and one of them sums in bf16 blocks:
+    # 2.7% at the 5³ kernel over a depth of 4 on one thread (2% elsewhere); the broken kernel was off by ~100%.
+    assert _relative_error(leaf.grad, want_x) < 4e-2
     # The input gradient is still the bf16 kernel's, bit for bit: autograd computes only it when the
     # parameters need no gradient, and the mode leaves that call alone.
     input_only = x.clone().requires_grad_()
