@@ -5,14 +5,18 @@ torch's argument rules), so `set_device` is checked too."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from brats_swap.config import load_config
 from brats_swap.memory import cuda_device
-from brats_swap.memory.arena import empty_unfilled
 from brats_swap.run.device import NondeterministicOps, torch_settings
 
 
@@ -50,13 +54,19 @@ def test_asked_for_determinism_runs_deterministic_algorithms_and_lists_ops_once(
 
 
 def test_the_engines_buffers_are_not_filled_under_deterministic_algorithms():
-    # 64 MiB: above glibc's largest mmap threshold, so each allocation gets fresh pages, which are zero;
-    # deterministic mode's fill makes them NaN.
-    n = 1 << 24
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    # In a fresh process: 64 MiB is above glibc's largest mmap threshold, so each allocation gets fresh pages,
+    # which are zero, and deterministic mode's fill makes them NaN. (In a test process, memory that an earlier
+    # test filled with NaN on purpose, test_run_device's heap, may be handed back instead.)
+    script = textwrap.dedent("""
+        import torch
+        from brats_swap.memory.arena import empty_unfilled
+        n = 1 << 24
+        torch.use_deterministic_algorithms(True, warn_only=True)
         assert not empty_unfilled(n).isnan().any()
         assert torch.empty(n).isnan().all()  # what torch does to every tensor in this mode
         assert torch.utils.deterministic.fill_uninitialized_memory  # the global flag is back
-    finally:
-        torch.use_deterministic_algorithms(False)
+        print("ok")
+        """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
