@@ -2,7 +2,7 @@
 stops the others, config and JSON limits, and names that cannot forge a line.
 
 Tests that would hang or exhaust memory on a regression run in a fresh interpreter under a timeout and an
-address-space rlimit (`_run_capped`), or in this process under `memory_limit`.
+address-space rlimit (`run_capped`), or in this process under `memory_limit`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import yaml
 from data_helpers import write_case
 from ship_helpers import task_run
 from typer.testing import CliRunner
-from untrusted_helpers import GIB, members_of, memory_limit, rewrite_bundle
+from untrusted_helpers import GIB, members_of, memory_limit, rewrite_bundle, run_capped
 
 from brats_swap.cli.main import app
 from brats_swap.config import Config, DataConfig, load_config
@@ -44,21 +44,6 @@ TESTS = Path(__file__).resolve().parent
 SHAPE = (16, 16, 16)
 CASES = ("BraTS2021_00000", "BraTS2021_00001")
 _CAP = 2 * GIB
-
-
-def _run_capped(script: str, *args: str, timeout: float = 60, cap: int = _CAP) -> subprocess.CompletedProcess:
-    """`script` in a fresh interpreter (the tests' helpers importable) under RLIMIT_AS and a timeout."""
-    def limit() -> None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]), "OMP_NUM_THREADS": "1"}
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=limit, env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {timeout} s: a read that blocks or never ends")
 
 
 def _one_line(text: str) -> str:
@@ -106,7 +91,7 @@ def test_fifos_devices_folders_and_sockets_named_like_images_are_refused_at_once
     """The issue's hang (a FIFO) and its memory exhaustion (a link to /dev/zero, whose size is 0): each refused
     in one line, in a subprocess that a blocking read would time out and an unbounded one would overrun."""
     kinds = _special_files(tmp_path)
-    result = _run_capped("""
+    result = run_capped("""
         import sys
         from pathlib import Path
         from brats_swap.data.nifti import read_volume
@@ -129,7 +114,7 @@ def test_a_fifo_case_image_skips_its_case_in_data_check_prepare_and_serve(tmp_pa
     fifo = data / CASES[1] / f"{CASES[1]}_t1.nii.gz"
     fifo.unlink()
     os.mkfifo(fifo)
-    result = _run_capped("""
+    result = run_capped("""
         import sys
         from pathlib import Path
         from brats_swap.config import DataConfig
@@ -173,14 +158,13 @@ def test_a_volume_is_priced_with_its_copies_and_refused_before_decoding(tmp_path
     for edge in (512, 1024):
         _honest_uint8(tmp_path / f"cube{edge}.nii.gz", edge)
         assert (tmp_path / f"cube{edge}.nii.gz").stat().st_size < 2**20
-    result = _run_capped("""
-        import resource, sys
+    result = run_capped("""
+        import sys
         from pathlib import Path
         from brats_swap.data.nifti import read_volume
         from brats_swap.errors import DataError
-        with open("/proc/self/status") as status:
-            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-        resource.setrlimit(resource.RLIMIT_AS, (used + 256 * 2**20, used + 256 * 2**20))
+        from untrusted_helpers import memory_limit
+        memory_limit(256 * 2**20).__enter__()  # the rest of the script: 256 MiB above the interpreter's
         for edge in (512, 1024):
             try:
                 read_volume("big", Path(sys.argv[1]) / f"cube{edge}.nii.gz")
@@ -357,7 +341,7 @@ def test_config_limits_are_one_line_each(tmp_path, content, words):
 
 def test_a_config_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "config.yaml")
-    result = _run_capped("""
+    result = run_capped("""
         import sys
         from brats_swap.config import load_config
         from brats_swap.errors import ConfigError
@@ -513,7 +497,7 @@ def test_members_helper_reads_a_rewritten_bundle(bundle, tmp_path):
 
 def test_an_nnunet_checkpoint_that_is_a_fifo_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "checkpoint_final.pth")
-    result = _run_capped("""
+    result = run_capped("""
         import sys
         from pathlib import Path
         from brats_swap.errors import CheckpointError
@@ -556,14 +540,13 @@ def test_a_large_nii_gz_is_refused_from_its_first_mib_without_reading_the_rest(t
     with open(tmp_path / "garbage.nii.gz", "wb") as file:
         file.write(b"not gzip")
         file.truncate(512 * 2**20)
-    result = _run_capped("""
-        import resource, sys
+    result = run_capped("""
+        import sys
         from pathlib import Path
         from brats_swap.data.nifti import read_volume
         from brats_swap.errors import DataError
-        with open("/proc/self/status") as status:
-            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-        resource.setrlimit(resource.RLIMIT_AS, (used + 64 * 2**20, used + 64 * 2**20))
+        from untrusted_helpers import memory_limit
+        memory_limit(64 * 2**20).__enter__()  # the rest of the script: 64 MiB above the interpreter's
         for name in ("padded", "garbage"):
             try:
                 read_volume("c", Path(sys.argv[1]) / f"{name}.nii.gz")

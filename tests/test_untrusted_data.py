@@ -11,8 +11,6 @@ from __future__ import annotations
 import gzip
 import os
 import subprocess
-import sys
-import textwrap
 
 import nibabel as nib
 import numpy as np
@@ -21,6 +19,7 @@ import torch
 from data_helpers import brain_volumes, write_case, write_volume
 from layout_helpers import write_json
 from typer.testing import CliRunner
+from untrusted_helpers import run_capped
 
 from brats_swap.cli.main import app
 from brats_swap.config import Config, DataConfig
@@ -226,21 +225,8 @@ def test_serve_challenge_refuses_a_case_folder_whose_dataset_json_points_outside
 
 # --- walks: each real folder once ----------------------------------------------------------------------------
 
-_MEMORY_CAP = 2 * 2**30  # address space for a walk subprocess: far above what it needs, far below the machine
-
-
 def _run_capped(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`script` in a fresh interpreter under a memory rlimit and a timeout (a regression fails, never hangs)."""
-    def cap() -> None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_CAP, _MEMORY_CAP))
-
-    try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=cap)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {timeout} s (a walk that does not end)")
+    return run_capped(script, *args, timeout=timeout, hang="a walk that does not end")
 
 
 def test_symlink_loops_in_a_dataset_neither_hang_nor_repeat_a_case(tmp_path):
@@ -286,17 +272,12 @@ def test_a_small_nii_gz_that_unpacks_to_a_gibibyte_is_refused_without_allocating
         (tmp_path / f"{name}.nii.gz").write_bytes(content)
         assert len(content) < 2**20
     result = _run_capped("""
-        import resource, sys
+        import sys
         from pathlib import Path
         from brats_swap.data.nifti import read_volume
         from brats_swap.errors import DataError
-
-        def address_space():
-            with open("/proc/self/status") as status:
-                return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-
-        cap = address_space() + 256 * 2**20  # far below the 1 GiB the file inflates to
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        from untrusted_helpers import memory_limit
+        memory_limit(256 * 2**20).__enter__()  # far below the 1 GiB the file inflates to
         for name in ("small", "huge"):
             try:
                 read_volume("bomb", Path(sys.argv[1]) / f"{name}.nii.gz")

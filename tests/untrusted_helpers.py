@@ -7,18 +7,41 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import resource
 import struct
+import subprocess
+import sys
+import textwrap
 import zipfile
 import zlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from brats_swap.ship.bundle import METADATA
 
 GIB = 2**30
+TESTS = Path(__file__).resolve().parent
+
+
+def run_capped(script: str, *args: str, timeout: float = 60, cap: int = 2 * GIB,
+               hang: str = "a read that blocks or never ends") -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter under RLIMIT_AS `cap` and a timeout, so that a regression fails the test
+    instead of hanging or taking the machine; the package and these helpers are importable (`memory_limit`
+    narrows the cap from inside the script)."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]), "OMP_NUM_THREADS": "1"}
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=limit, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s: {hang}")
 
 
 @contextmanager
