@@ -45,6 +45,7 @@ from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from brats_swap import stop_signals
+from brats_swap.data.workers import available_cpus
 from brats_swap.errors import ConfigError
 from brats_swap.memory import cuda_device
 from brats_swap.run.device import resolve_device
@@ -331,7 +332,7 @@ def launch_torchrun(nproc: int, argv: Sequence[str]) -> int:
         raise ConfigError("--nproc: already running under torchrun; drop --nproc (torchrun sets the process count)")
     # The workers inherit our environment; OMP_NUM_THREADS keeps N processes from each taking every core.
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus() // nproc)))
     # torchrun itself ignores the forwarded signals, also when they reach it directly (the job's process group
     # gets them from `timeout`, SLURM signals every process of the job): see FORWARDED_SIGNALS.
     env.update({TORCHRUN_SIGNALS_ENV: TORCHRUN_HANDLES, stop_signals.SHIELDED_ENV: "1"})

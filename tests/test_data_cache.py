@@ -158,9 +158,41 @@ def test_refuses_when_the_disk_is_too_small(dataset, monkeypatch):
     root, cache, _ = dataset
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
-    with pytest.raises(DataError, match=r"preparing 3 cases needs about .* GiB but only 0.00 GiB is free"):
+    with pytest.raises(DataError, match=r"preparing 3 cases needs about .* GiB \(about .* MB each \(compressed; not measured yet\)\) but only 0.00 GiB is free"):
         prepare_dataset(root, cache, _config(), progress=False)
     assert not any(p.is_dir() for p in cache.iterdir())
+
+
+def test_the_disk_budget_is_the_compressed_size_not_the_uncompressed_bound(dataset, monkeypatch):
+    """Room for the compressed cases but not for the uncompressed bound: prepared (1,251 BraTS cases take 28 GB,
+    their bound is 80 GB)."""
+    root, cache, _ = dataset
+    bound = cache_module.estimate_case_bytes(preprocess_settings(_config()))
+    usage = namedtuple("usage", "total used free")
+    free = int(3 * bound * 0.6)  # more than 3 x EXPECTED_SHARE x bound x margin, less than 3 x bound
+    monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - free, free))
+    assert prepare_dataset(root, cache, _config(), workers=1, progress=False).prepared == IDS
+
+
+def test_a_disk_that_fills_during_prepare_stops_it_early_and_keeps_the_cases(dataset, monkeypatch):
+    """The budget is checked again once entries are measured: when the cases left no longer fit, prepare stops
+    with one line, the cases already written are kept and listed in the index."""
+    root, cache, _ = dataset
+    usage = namedtuple("usage", "total used free")
+    calls = []
+
+    def disk_usage(path):  # plenty at the start; then someone else fills the disk
+        calls.append(path)
+        free = 10**12 if len(calls) == 1 else 1000
+        return usage(10**12, 10**12 - free, free)
+
+    monkeypatch.setattr(cache_module.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(cache_module, "MEASURE_AFTER", 2)
+    with pytest.raises(DataError, match=r"preparing 1 cases needs about .* MB each, the mean of the 2 prepared "
+                                        r"so far, which are kept\) but only 0.00 GiB is free"):
+        prepare_dataset(root, cache, _config(), workers=1, progress=False)
+    assert list_prepared(cache) == IDS[:2]
+    assert sorted(json.loads((cache / "index.json").read_text())["cases"]) == IDS[:2]
 
 
 @pytest.mark.slow  # spawns two worker processes (~5-9 s of interpreter + torch start-up)

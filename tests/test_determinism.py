@@ -37,6 +37,20 @@ def test_the_default_on_cuda_is_cudnn_benchmark_without_determinism_and_sets_the
         assert _flags() == before and nondeterministic is None
 
 
+def test_prediction_on_cuda_n_makes_it_the_current_device(monkeypatch):
+    """predict/evaluate on cuda:1 load each fold with that card current (its tiles and library handles
+    would otherwise open a context on GPU 0, someone else's)."""
+    from brats_swap.run import trained
+
+    config = load_config(None, ["train.device=cuda:1"])
+    monkeypatch.setattr(trained, "load_trained_model", lambda run, fold, checkpoint, device: (torch.nn.Identity(),
+                                                                                             config, {}))
+    monkeypatch.setattr(trained, "resolve_device", torch.device)  # the rehearsed card has no CUDA runtime behind it
+    with cuda_device.rehearsal(24 << 30, device_count=2) as card:
+        _, _, device = trained.load_for_inference(None, 0, "best", config)
+    assert device == torch.device("cuda", 1) and ("set_device", 1, None) in card.calls
+
+
 def test_asked_for_determinism_runs_deterministic_algorithms_and_lists_ops_once():
     config = load_config(None, ["train.deterministic=true"])
     seen = []

@@ -11,7 +11,7 @@ fold_<k>/state.json, evaluate), so resume and the per-fold files are identical; 
 
 Devices: on CUDA worker i trains on GPU i (`train.device=cuda:i`, also made its current device, so streams
 and caches land there too); with more workers than GPUs they share GPUs round-robin. On CPU each worker gets
-cpu_count / N threads unless `train.threads` says otherwise.
+the available CPUs (its affinity, a SLURM allocation) / N threads unless `train.threads` says otherwise.
 
 Stopping: the parent turns SIGTERM and the `--max-hours` window into a shared event; every worker checks it
 at each epoch boundary (and before starting or evaluating a fold), saves its checkpoint there and returns,
@@ -44,6 +44,7 @@ from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import fold_locks
 from brats_swap.cv.runner import CVOutcome, FoldRunner, prepared_runner, resolve_folds
 from brats_swap.cv.stop_control import StopControl
+from brats_swap.data.workers import available_cpus
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import CV_WORKER_LOG, RunFolder
 from brats_swap.stop_reasons import StopReason
@@ -105,7 +106,7 @@ def _run_folds(config: Config, run_dir: Path, pending: list[int], stop: StopCont
     n_workers = min(parallel, len(pending))
     for device in worker_devices(config, n_workers):
         devices.put(device)
-    threads = config.train.threads or max(1, (os.cpu_count() or 1) // n_workers)
+    threads = config.train.threads or max(1, available_cpus() // n_workers)
     error: BaseException | None = None
 
     def say(text: str) -> None:

@@ -16,6 +16,7 @@ import yaml
 
 from brats_swap.config import Config, ModelConfig, config_from_saved
 from brats_swap.errors import CheckpointError, ConfigError
+from brats_swap.memory import cuda_device
 from brats_swap.model import build_model
 from brats_swap.model.pricing import priced_network, weights_mismatch
 from brats_swap.model.targets import run_output_count
@@ -101,5 +102,7 @@ def load_for_inference(run: RunFolder | Path, fold: int, checkpoint: str,
     """A trained fold ready to predict: the model on `current`'s device, the config to predict with
     (`inference_config`) and that device."""
     device = resolve_device(current.train.device)
+    # On cuda:N the tiles, the sums and library handles must go to that card, not to GPU 0 (someone else's).
+    cuda_device.use_device(device)
     model, trained_config, _ = load_trained_model(run, fold, checkpoint, device)
     return model, inference_config(trained_config, current), device
