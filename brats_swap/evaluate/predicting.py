@@ -285,7 +285,7 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
     from brats_swap.data.preprocess import preprocess_case, preprocess_settings
 
     first = members[0][1]
-    loaded = load_case(case, config.data.modalities)
+    loaded = load_case(case, config.data.modalities, label=False)  # a ground truth beside the images is not read
     if first.evaluate.inference == NNUNET:
         # nnU-Net's rules (an imported nnU-Net run): the loaded float32 image, no cube, no cache; labels made in
         # the non-zero crop, the case-sized probabilities only when they are written.
