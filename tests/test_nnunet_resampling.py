@@ -196,9 +196,10 @@ def resampled(tmp_path_factory):
         for path in [*sorted((data / "imagesTr").glob(f"{case}_*.nii.gz")), data / "labelsTr" / f"{case}.nii.gz"]:
             _with_voxel_size(path, ZOOMS[index])
         first = data / "imagesTr" / f"{case}_0000.nii.gz"
-        # What each tool reads as the voxel size: nibabel's zooms (x, y, z), SimpleITK's the same.
-        assert np.allclose(nib.load(str(first)).header.get_zooms(), ZOOMS[index])
-        assert np.allclose(SimpleITK.ReadImage(str(first)).GetSpacing(), ZOOMS[index])
+        # What each tool reads as the voxel size: nibabel's zooms (x, y, z, float32 as stored: 0.8 is
+        # 0.800000011920929), SimpleITK's the same numbers (nnU-Net reverses them to its (z, y, x)).
+        zooms = tuple(float(z) for z in nib.load(str(first)).header.get_zooms())
+        assert np.allclose(zooms, ZOOMS[index]) and SimpleITK.ReadImage(str(first)).GetSpacing() == zooms
     results = _model_folder(root)
     run = root / "run"
     imported = CliRunner().invoke(app, ["import-nnunet", str(results), "--out", str(run)])
@@ -230,6 +231,40 @@ def test_predict_resamples_as_nnunet_does(resampled):
         assert agree >= 0.999, f"{case}: labels agree in {agree:.5f} of the voxels"
         assert difference.mean() <= 1e-3 and difference.max() <= 1e-2, (case, difference.mean(), difference.max())
         assert len(np.unique(their_labels)) > 1  # the comparison is not between two empty maps
+
+
+def test_the_network_sees_nnunets_preprocessed_image(resampled):
+    """What the sliding window gets, bit for bit: nnU-Net's DefaultPreprocessor on the case's files (SimpleITK's
+    read, transpose, crop, z-score, resampling to the plans' spacing) against brats-swap's (nibabel's read, the
+    crop and z-score of nnunet_inference, then nnunet_resampling with the run's resample_spacing/nnunet_axes)."""
+    from nnunetv2.preprocessing.preprocessors.default_preprocessor import DefaultPreprocessor
+    from nnunetv2.utilities.plans_handling.plans_handler import PlansManager
+
+    from brats_swap.data.discovery import discover_cases
+    from brats_swap.data.nifti import load_case
+    from brats_swap.evaluate import nnunet_inference, nnunet_resampling
+    from brats_swap.run.trained import load_run_config
+
+    data, results, run, _ = resampled
+    config = load_run_config(run)
+    plans = PlansManager(str(results / "plans.json"))
+    dataset = json.loads((results / "dataset.json").read_text())
+    separate = []
+    for case in discover_cases(data, modalities=config.data.modalities):
+        files = [str(data / "imagesTr" / f"{case.case_id}_{k:04d}.nii.gz") for k in range(4)]
+        theirs, _, _ = DefaultPreprocessor(verbose=False).run_case(files, None, plans,
+                                                                     plans.get_configuration("3d_fullres"), dataset)
+        loaded = load_case(case, config.data.modalities)
+        bbox, mask = nnunet_inference.nonzero_crop(loaded.image)
+        crop = nnunet_inference.zscore_in_mask(loaded.image[(slice(None), *(slice(a, b) for a, b in bbox))], mask,
+                                               config.evaluate.nnunet_axes)
+        plan = nnunet_resampling.case_resampling(crop.shape[1:], loaded.spacing,
+                                                 nnunet_resampling.target_grid([(None, config)]), 4, 3)
+        ours = plan.image(crop)
+        assert ours.dtype == theirs.dtype == np.float32 and ours.shape != crop.shape
+        assert np.array_equal(ours, theirs.transpose(0, 3, 2, 1)), case.case_id
+        separate.append(nnunet_resampling.separate_z_axis(plan.case_spacing, plan.spacing))
+    assert separate == [None, 2]  # 3D for the first case, z apart for the second
 
 
 def test_the_import_writes_the_plans_spacing_on_brats_swaps_axes(resampled, tmp_path):

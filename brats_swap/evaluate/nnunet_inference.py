@@ -74,14 +74,19 @@ def nonzero_crop(image: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
     return bbox, mask[box]
 
 
-def zscore_in_mask(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def zscore_in_mask(image: np.ndarray, mask: np.ndarray, axes: Sequence[int] = (2, 1, 0)) -> np.ndarray:
     """(C, X, Y, Z) float32: each channel z-scored inside `mask`, nnU-Net's numpy operations in its order
-    (float32 mean and std of the masked voxels), the voxels outside left as they are."""
+    (float32 mean and std of the masked voxels), the voxels outside left as they are. The masked voxels are
+    taken in the order of nnU-Net's axes (`axes`: `evaluate.nnunet_axes`), as its `image[mask]` lists them:
+    numpy's float32 sums round by that order (on brats-swap's own order the mean and std can differ in their
+    last bit, and every voxel with them)."""
     out = np.array(image, dtype=np.float32)  # a copy: the caller's case stays as loaded
+    in_order = mask.transpose(axes)
     for channel in out:
-        values = channel[mask]
+        view = channel.transpose(axes)  # writes through to `channel`
+        values = view[in_order]
         mean, std = values.mean(), values.std()
-        channel[mask] = (values - mean) / max(std, NORM_EPS)
+        view[in_order] = (values - mean) / max(std, NORM_EPS)
     return out
 
 
@@ -201,7 +206,7 @@ def case_logits(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, 
     and the logits back (`nnunet_resampling`)."""
     bbox, mask = nonzero_crop(image)
     box = tuple(slice(a, b) for a, b in bbox)
-    normalised = zscore_in_mask(image[(slice(None), *box)], mask)
+    normalised = zscore_in_mask(image[(slice(None), *box)], mask, members[0][1].evaluate.nnunet_axes)
     resampling = nnunet_resampling.case_resampling(normalised.shape[1:], spacing, nnunet_resampling.target_grid(members),
                                                    normalised.shape[0], int(members[0][0].out_channels))
     cropped = torch.from_numpy(normalised if resampling is None else resampling.image(normalised))
