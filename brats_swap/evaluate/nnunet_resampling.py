@@ -22,8 +22,9 @@ force_separate_z None, the only ones import-nnunet accepts). Its rules, reproduc
 skimage is not a dependency of brats-swap: its `resize` is these two scipy calls, written out (and tested
 equal to nnU-Net's own function, tests/test_nnunet_resampling.py). Why not MONAI's `Spacing`/`Resize` or
 torch's `interpolate`: torch has no 3D cubic mode and its 2D bicubic is a cubic convolution, not a B-spline
-with its prefilter; both work in float32 and clip nothing; MONAI's transforms use those, or place the grid
-by the affine (corners aligned) rather than by voxel centres. Each changes nnU-Net's voxels.
+with its prefilter, it interpolates float32 and clips nothing; MONAI's `Resize` is torch's interpolate, and
+its `Spacing` derives the output grid from the affine by its own rule, not nnU-Net's rounding of old spacing /
+new spacing x size. Each changes nnU-Net's voxels.
 
 Axis order: brats-swap keeps the file's (x, y, z), nnU-Net works on SimpleITK's (z, y, x) after the plans'
 `transpose_forward` (`evaluate.nnunet_axes`, written by import-nnunet). Each rule above is per axis, but scipy
