@@ -398,6 +398,11 @@ def _validate_evaluate(evaluate) -> None:
     _require(0 < evaluate.threshold < 1, "evaluate.threshold", "must be between 0 and 1")
     _require(evaluate.sw_batch_size >= 1, "evaluate.sw_batch_size", "must be at least 1")
     _validate_mirror_axes(evaluate.mirror_axes)
+    spacing = evaluate.resample_spacing
+    _require(spacing is None or (len(spacing) == 3 and all(math.isfinite(s) and s > 0 for s in spacing)),
+             "evaluate.resample_spacing", f"expected 3 positive voxel sizes in mm, or null, got {spacing}")
+    _require(sorted(evaluate.nnunet_axes) == [0, 1, 2], "evaluate.nnunet_axes",
+             f"expected an order of the axes 0, 1, 2, got {evaluate.nnunet_axes}")
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

@@ -178,6 +178,14 @@ class EvaluateConfig:
     inference: Literal["brats_swap", "nnunet"] = "brats_swap"
     # The spatial axes (0, 1, 2 = the file's x, y, z) test-time mirroring flips (nnU-Net's allowed mirroring axes).
     mirror_axes: list[int] = field(default_factory=lambda: [0, 1, 2])
+    # nnU-Net's rules only: the voxel size in mm (the file's x, y, z) the network predicts at, the nnU-Net plans'
+    # spacing (written by import-nnunet): each case is resampled to it and the logits back to the case's voxels
+    # (brats_swap.evaluate.nnunet_resampling). null = the case's own voxels.
+    resample_spacing: list[float] | None = None
+    # nnU-Net's rules only: nnU-Net's axis order, for each axis of its arrays the file's axis (0 x, 1 y, 2 z):
+    # SimpleITK's (z, y, x) after the plans' transpose_forward (written by import-nnunet). The resampling runs
+    # on these axes, as nnU-Net's does (its float64 sums round in that order).
+    nnunet_axes: list[int] = field(default_factory=lambda: [2, 1, 0])
     threshold: float = 0.5
     hd95: bool = True
     save_predictions: bool = True

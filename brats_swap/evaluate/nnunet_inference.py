@@ -7,6 +7,8 @@ compares the two with nnunetv2 2.8.1 itself). The rules, in nnU-Net's order (its
 1. Crop to the bounding box of the non-zero mask: voxels non-zero in any channel, holes filled
    (`create_nonzero_mask`: scipy's `binary_fill_holes`), no margin. The image stays float32 throughout.
 2. Z-score each channel inside that mask (`ZScoreNormalization` with `use_mask_for_norm`); outside stays 0.
+   Then, where the case's voxel size (its header's) is not the plans' spacing (`evaluate.resample_spacing`,
+   written by import-nnunet), resample the crop to it (`nnunet_resampling`: order 3, separate z).
 3. Pad the crop with zeros to at least the patch, centred with the odd voxel after (acvl_utils' `pad_nd_image`).
 4. Tiles start where `compute_steps_for_sliding_window` says (`steps`): per axis ceil((size - patch) /
    (patch * step_size)) + 1 tiles, evenly spread from 0 to size - patch and rounded.
@@ -14,10 +16,11 @@ compares the two with nnunetv2 2.8.1 itself). The rules, in nnU-Net's order (its
    then the subsets of 1, 2, 3 axes), weighted by nnU-Net's Gaussian (`importance_map`: sigma = patch/8, peak
    10, rounded to float16, zeros raised to the smallest non-zero value) or by 1 (`--no-gaussian`), summed over
    tiles and divided by the summed weights; fold ensembles average these logits.
-6. Only then the sigmoid (regions; nnU-Net's region-trained BraTS models), and the labels: each region head
-   in head order paints its label where its probability is above the threshold (0.5), later heads over
-   earlier ones (nnU-Net's `convert_probabilities_to_segmentation` with `regions_class_order`). Outside the
-   crop: probability 0, label 0.
+6. Logits predicted at the plans' spacing are resampled back to the crop's voxels (`nnunet_resampling`:
+   order 1, float16 as nnU-Net's). Only then the sigmoid (regions; nnU-Net's region-trained BraTS models),
+   and the labels: each region head in head order paints its label where its probability is above the
+   threshold (0.5), later heads over earlier ones (nnU-Net's `convert_probabilities_to_segmentation` with
+   `regions_class_order`). Outside the crop: probability 0, label 0.
 
 Why not MONAI's `sliding_window_inference`: it places tiles by its own scan interval (not nnU-Net's step
 rule), builds its Gaussian with another normalisation and clamp, pads differently and blends whatever the
@@ -29,10 +32,9 @@ tile edges reach (tiny weights) gets its logit rounded coarsely, to 0 near the c
 in nnU-Net; float32 sums would be more precise there but disagree with nnU-Net on those voxels. The input
 is never rounded: the image stays float32 from the file to the network.
 
-What is not reproduced: resampling to the plans' spacing (brats-swap keeps the data's voxels;
-import-nnunet notes plans whose spacing is not 1 mm; BraTS is 1 mm), and the tile order: tiles are
-visited in brats-swap's (x, y, z) order, nnU-Net's in its own (z, y, x), so the float16 sums round in
-another order (a difference of float16 rounding, tests/test_nnunet_predict.py bounds it).
+What is not reproduced: the tile order: tiles are visited in brats-swap's (x, y, z) order, nnU-Net's in
+its own (z, y, x), so the float16 sums round in another order (a difference of float16 rounding,
+tests/test_nnunet_predict.py and tests/test_nnunet_resampling.py bound it).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 from torch import nn
 
 from brats_swap.errors import ConfigError, DataError
+from brats_swap.evaluate import nnunet_resampling
 
 NNUNET = "nnunet"  # the value of evaluate.inference that selects these rules
 SIGMA_SCALE = 1.0 / 8  # nnU-Net's Gaussian: sigma = patch * 1/8
@@ -71,14 +74,19 @@ def nonzero_crop(image: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
     return bbox, mask[box]
 
 
-def zscore_in_mask(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def zscore_in_mask(image: np.ndarray, mask: np.ndarray, axes: Sequence[int] = (2, 1, 0)) -> np.ndarray:
     """(C, X, Y, Z) float32: each channel z-scored inside `mask`, nnU-Net's numpy operations in its order
-    (float32 mean and std of the masked voxels), the voxels outside left as they are."""
+    (float32 mean and std of the masked voxels), the voxels outside left as they are. The masked voxels are
+    taken in the order of nnU-Net's axes (`axes`: `evaluate.nnunet_axes`), as its `image[mask]` lists them:
+    numpy's float32 sums round by that order (on brats-swap's own order the mean and std can differ in their
+    last bit, and every voxel with them)."""
     out = np.array(image, dtype=np.float32)  # a copy: the caller's case stays as loaded
+    in_order = mask.transpose(axes)
     for channel in out:
-        values = channel[mask]
+        view = channel.transpose(axes)  # writes through to `channel`
+        values = view[in_order]
         mean, std = values.mean(), values.std()
-        channel[mask] = (values - mean) / max(std, NORM_EPS)
+        view[in_order] = (values - mean) / max(std, NORM_EPS)
     return out
 
 
@@ -191,12 +199,17 @@ def network_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def case_logits(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
-                *, tta: bool) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+                *, tta: bool, spacing: Sequence[float] | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """One case's logits in its non-zero crop, the mean over the members (a fold ensemble, as nnU-Net averages
-    its folds' logits), and the crop's bounding box. `image`: (C, X, Y, Z) as loaded (float32, unrounded)."""
+    its folds' logits), and the crop's bounding box. `image`: (C, X, Y, Z) as loaded (float32, unrounded);
+    `spacing`: its voxel size in mm, with which the crop is resampled to the members' `evaluate.resample_spacing`
+    and the logits back (`nnunet_resampling`)."""
     bbox, mask = nonzero_crop(image)
     box = tuple(slice(a, b) for a, b in bbox)
-    cropped = torch.from_numpy(zscore_in_mask(image[(slice(None), *box)], mask))
+    normalised = zscore_in_mask(image[(slice(None), *box)], mask, members[0][1].evaluate.nnunet_axes)
+    resampling = nnunet_resampling.case_resampling(normalised.shape[1:], spacing, nnunet_resampling.target_grid(members),
+                                                   normalised.shape[0], int(members[0][0].out_channels))
+    cropped = torch.from_numpy(normalised if resampling is None else resampling.image(normalised))
     total = None
     for model, config in members:
         evaluate = config.evaluate
@@ -208,6 +221,8 @@ def case_logits(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, 
         total = logits if total is None else total.add_(logits)  # float16, as nnU-Net sums its folds
     if len(members) > 1:
         total /= len(members)
+    if resampling is not None:
+        total = torch.from_numpy(resampling.logits_back(total.numpy()))
     return total, bbox
 
 
@@ -218,9 +233,9 @@ def step_size_of(sw_overlap: float) -> float:
 
 
 def crop_probabilities(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
-                       *, tta: bool) -> tuple[np.ndarray, list[tuple[int, int]]]:
+                       *, tta: bool, spacing: Sequence[float] | None = None) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(K, ...) float32 sigmoid probabilities inside the case's non-zero crop, and the crop's bounding box."""
-    logits, bbox = case_logits(members, image, device, tta=tta)
+    logits, bbox = case_logits(members, image, device, tta=tta, spacing=spacing)
     return torch.sigmoid(logits.float()).numpy(), bbox
 
 

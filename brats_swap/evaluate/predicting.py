@@ -6,7 +6,8 @@
   with the run's `postprocessing.json` when there is one, written as `<out>/<case id>.nii.gz` (and the
   probabilities as `<out>/<case id>.npz` on request). A run imported from nnU-Net (`evaluate.inference:
   nnunet`) is segmented with nnU-Net's inference rules instead (`evaluate.nnunet_inference`: the case's
-  non-zero crop as loaded, no cube, logits blended), so that it writes nnU-Net's segmentation.
+  non-zero crop as loaded, resampled to the plans' spacing and back, no cube, logits blended), so that it
+  writes nnU-Net's segmentation.
 - `segment_cube` / `case_labels`: one case's probabilities in the network's cube and its labels in the
   table's values, as `evaluate.scoring` scores them too.
 
@@ -290,7 +291,8 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
         # nnU-Net's rules (an imported nnU-Net run): the loaded float32 image, no cube, no cache; labels made in
         # the non-zero crop, the case-sized probabilities only when they are written.
         try:
-            crop, bbox = nnunet_inference.crop_probabilities(members, loaded.image, device, tta=tta)
+            crop, bbox = nnunet_inference.crop_probabilities(members, loaded.image, device, tta=tta,
+                                                             spacing=loaded.spacing)
         except DataError as exc:
             raise DataError(f"case {case.case_id}: {exc}") from exc
         label = nnunet_inference.on_case_grid(nnunet_case_labels(crop, loaded.edition, first, case.case_id), bbox,

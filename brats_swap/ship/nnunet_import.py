@@ -12,8 +12,11 @@ nnU-Net's results folder `Dataset<NNN>_<Name>/<Trainer>__<Plans>__<configuration
   softmax models have a background head brats-swap's outputs lack, and are refused);
 - the preprocessing: crop to the non-zero box, z-score per channel inside it without clipping
   (`ZScoreNormalization` with `use_mask_for_norm`, i.e. `data.clip_percentiles: [0, 100]`), the channel
-  order of `channel_names` as `data.modalities`, 1 mm voxels kept (`data.fit: pad_crop`), patch training
-  and sliding-window inference with the plans' patch size (`train.mode: patch`);
+  order of `channel_names` as `data.modalities`, the data's voxels kept in training (`data.fit: pad_crop`),
+  patch training and sliding-window inference with the plans' patch size (`train.mode: patch`);
+- the spacing: the plans' `spacing` on brats-swap's axes (`evaluate.resample_spacing`), to which `predict`
+  resamples each case and from which it resamples the logits back, as nnU-Net does
+  (brats_swap.evaluate.nnunet_resampling; nnU-Net's default resampling functions only, any other is refused);
 - the axis order: nnU-Net reads a NIfTI as SimpleITK does, (z, y, x) of the file's voxel axes, then applies
   the plans' `transpose_forward`; brats-swap keeps the file's (x, y, z). Every convolution kernel (and
   each per-axis stride, patch and size) is permuted to match, which gives exactly the same network on
@@ -62,6 +65,11 @@ EXPECTED_KWARGS = {"conv_op": "torch.nn.modules.conv.Conv3d", "conv_bias": True,
 NNUNET_RECIPE = ("train.optimizer=sgd", "train.lr=0.01", "train.momentum=0.99", "train.weight_decay=3e-5",
                  "train.schedule=poly", "train.poly_exponent=0.9", "train.loss=dice_bce", "train.grad_clip=12",
                  "train.patch_foreground=0.33")
+# The resampling nnU-Net's planner writes (ExperimentPlanner.determine_resampling and
+# determine_segmentation_softmax_export_fn), the only one brats_swap.evaluate.nnunet_resampling reproduces.
+RESAMPLING_FUNCTION = "resample_data_or_seg_to_shape"
+RESAMPLING = {"resampling_fn_data": {"is_seg": False, "order": 3, "order_z": 0, "force_separate_z": None},
+              "resampling_fn_probabilities": {"is_seg": False, "order": 1, "order_z": 0, "force_separate_z": None}}
 CUBE_MARGIN = 1.15  # the cube holds the plans' median image size with this much room, for larger heads
 
 
@@ -90,8 +98,9 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
     notes: list[str] = []
     first_checkpoint = results_dir / f"fold_{folds[0]}" / checkpoint_name
     overrides = [*_model_overrides(results_dir, configuration, dataset, key, order),
-                 *_data_overrides(results_dir, configuration, dataset, key, order, notes),
-                 *_inference_overrides(first_checkpoint, order)]
+                 *_data_overrides(results_dir, configuration, dataset, key, order),
+                 *_inference_overrides(first_checkpoint, order),
+                 *_resampling_overrides(results_dir, plans, configuration, order)]
     first = load_config(None, [*overrides, f"name={run.root.name}"])
     # Fine-tuning (train --run OUT --fold k) starts from the imported weights of the fold.
     config = load_config(None, [*overrides, f"name={run.root.name}", f"train.init_from={run.fold(folds[0]).imported}",
@@ -329,16 +338,12 @@ def _check_class_order(description: Path, class_order: object, regions: list[str
                               f"brats-swap paints its own label ({tree[name].own_label} in the {spec.key} table)")
 
 
-def _data_overrides(results_dir: Path, configuration: dict, dataset: dict, key: str, order: list[int],
-                    notes: list[str]) -> list[str]:
+def _data_overrides(results_dir: Path, configuration: dict, dataset: dict, key: str, order: list[int]) -> list[str]:
     where = f"{results_dir}/plans.json"
     schemes = configuration.get("normalization_schemes", [])
     if any(s != "ZScoreNormalization" for s in schemes) or not all(configuration.get("use_mask_for_norm", [])):
         raise ConfigError(f"{where}: normalization {schemes}; brats-swap's is nnU-Net's ZScoreNormalization inside "
                           "the non-zero mask (use_mask_for_norm), as nnU-Net plans for BraTS")
-    spacing = [float(s) for s in configuration.get("spacing", [1, 1, 1])]
-    if any(abs(s - 1.0) > 1e-3 for s in spacing):
-        notes.append(f"the plans resample to {spacing} mm; brats-swap keeps the data's voxels (BraTS: 1 mm)")
     description = results_dir / "dataset.json"
     modalities = channel_modalities(description, dataset.get("channel_names", dataset.get("modality", {})))
     patch = [int(configuration["patch_size"][order[axis]]) for axis in range(3)]
@@ -346,6 +351,41 @@ def _data_overrides(results_dir: Path, configuration: dict, dataset: dict, key: 
     return [f"data.modalities=[{','.join(modalities[i] for i in sorted(modalities))}]", "data.fit=pad_crop",
             "data.clip_percentiles=[0,100]", table, "train.mode=patch", f"train.patch={_list(patch)}",
             f"train.batch_size={int(configuration.get('batch_size', 2))}", *NNUNET_RECIPE]
+
+
+def _resampling_overrides(results_dir: Path, plans: dict, configuration: dict, order: list[int]) -> list[str]:
+    """The plans' spacing in brats-swap's axes as `evaluate.resample_spacing` (nnU-Net resamples each case to it,
+    brats_swap.evaluate.nnunet_resampling) and nnU-Net's axis order as `evaluate.nnunet_axes` (for each of its
+    axes, brats-swap's), once the plans' resampling is the one reproduced there: nnU-Net's
+    default functions and arguments (any other is refused, never looked up by the name the file gives), and a
+    spacing that resamples the plans' own median image to 1 to MAX_AXIS voxels per axis."""
+    from brats_swap.evaluate.nnunet_resampling import compute_new_shape
+
+    where = f"{results_dir}/plans.json"
+    for name, kwargs in RESAMPLING.items():
+        function, given = configuration.get(name), configuration.get(f"{name}_kwargs")
+        if function != RESAMPLING_FUNCTION:
+            raise ConfigError(f"{where}: {name} is {_shown(function)}; brats-swap reproduces nnU-Net's "
+                              f"{RESAMPLING_FUNCTION} only")
+        expected = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        if not isinstance(given, dict):
+            raise ConfigError(f"{where}: {name}_kwargs is {_shown(given)}; expected {expected}")
+        differing = [f"{k}={_shown(given[k])}" if k in given else f"no {k}" for k in sorted(set(given) | set(kwargs))
+                     if k not in given or k not in kwargs or type(given[k]) is not type(kwargs[k]) or given[k] != kwargs[k]]
+        if differing:
+            raise ConfigError(f"{where}: {name}_kwargs has {', '.join(differing)}; brats-swap reproduces "
+                              f"{RESAMPLING_FUNCTION} with {expected} only")
+    spacing = [float(s) for s in configuration.get("spacing", [1, 1, 1])]
+    keys = ("original_median_shape_after_transp", "original_median_spacing_after_transp")
+    if all(k in plans for k in keys):
+        median, median_spacing = (_positive_numbers(where, k, plans[k], 3) for k in keys)
+        try:
+            compute_new_shape(median, median_spacing, spacing)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: spacing {_shown(spacing)} resampling the plans' median image ({median} "
+                              f"voxels of {median_spacing} mm) {exc}") from None
+    return [f"evaluate.resample_spacing=[{','.join(repr(spacing[order[axis]]) for axis in range(3))}]",
+            f"evaluate.nnunet_axes=[{','.join(str(order.index(axis)) for axis in range(3))}]"]
 
 
 def _cube(configuration: dict, order: list[int], divisor: list[int], config: Config) -> str:
