@@ -14,7 +14,7 @@ somewhere (a random network's argmax would otherwise be nearly one class).
 What remains different from nnU-Net, and why: the float16 sums of the tiles run in another order (see
 tests/test_nnunet_predict.py), which moves probabilities by far less than 1e-2. Exact ties of two channels
 are frequent here (float16 logits: ~0.1% of the voxels); the argmax keeps the first channel on both sides
-because the channels keep nnU-Net's order (with the table's order instead, 0.02-0.03% of the labels
+because the channels keep nnU-Net's order (with the table's order instead, 0.002-0.03% of the labels
 differed, every one at such a tie).
 """
 
@@ -42,7 +42,8 @@ from brats_swap.train.losses import training_loss
 pytest.importorskip("dynamic_network_architectures")
 pytest.importorskip("nnunetv2.inference.predict_from_raw_data")
 
-from test_nnunet_predict import SHAPES, _bench  # noqa: E402 (after the skips: it needs nnunetv2)
+import test_nnunet_predict as oracle  # noqa: E402 (after the skips: it needs nnunetv2)
+from test_nnunet_predict import SHAPES, _bench  # noqa: E402
 
 FIXTURE = (Path(__file__).resolve().parent / "fixtures" / "nnunet_results" / "Dataset991_BraTSPhantoms"
            / "nnUNetTrainerTiny__nnUNetPlans__3d_fullres")
@@ -99,15 +100,11 @@ def label_model(tmp_path_factory):
     return results, data, run, root
 
 
-def _nnunet(results: Path, data: Path, mirroring: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """nnUNetPredictor on the case files (nnUNetv2_predict's settings), in brats-swap's (x, y, z) axes."""
-    predictor = _bench().nnunet_predictor(results, mirroring=mirroring)
-    images = sorted((data / "imagesTr").glob("*_0000.nii.gz"))
-    ids = [path.name.removesuffix("_0000.nii.gz") for path in images]
-    lists = [[str(data / "imagesTr" / f"{case}_{k:04d}.nii.gz") for k in range(4)] for case in ids]
-    results = predictor.predict_from_files_sequential(lists, None, save_probabilities=True)
-    return {case: (labels.transpose(2, 1, 0), probs.transpose(0, 3, 2, 1))
-            for case, (labels, probs) in zip(ids, results, strict=True)}
+def _nnunet(results: Path, data: Path, mirroring: bool, monkeypatch) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """nnUNetPredictor on the case files (nnUNetv2_predict's settings), in brats-swap's (x, y, z) axes: the
+    region oracle's own call (tests/test_nnunet_predict.py), pointed at this model folder."""
+    monkeypatch.setattr(oracle, "RESULTS", results)
+    return oracle._nnunet(data, mirroring)
 
 
 def _ours(data: Path, run: Path, out: Path, *options: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -125,9 +122,9 @@ def _ours(data: Path, run: Path, out: Path, *options: str) -> dict[str, tuple[np
 
 
 @pytest.mark.parametrize("mirroring", [False, True], ids=["no-mirroring", "mirroring"])
-def test_predict_on_an_imported_label_model_is_nnunets_prediction(label_model, mirroring):
+def test_predict_on_an_imported_label_model_is_nnunets_prediction(label_model, mirroring, monkeypatch):
     results, data, run, root = label_model
-    theirs = _nnunet(results, data, mirroring)
+    theirs = _nnunet(results, data, mirroring, monkeypatch)
     ours = _ours(data, run, root / f"ours-{mirroring}", "--tta" if mirroring else "--no-tta")
     assert sorted(ours) == sorted(theirs) and len(ours) == len(SHAPES)
     seen = set()

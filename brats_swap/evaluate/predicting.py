@@ -38,7 +38,13 @@ from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.nnunet_inference import NNUNET
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, describe_label_changes, load_plan
 from brats_swap.evaluate.postprocessing_rules import apply as apply_postprocessing
-from brats_swap.model.targets import SOFTMAX, background_probabilities, labels_from_probs, output_names, region_tree
+from brats_swap.model.targets import (
+    SOFTMAX,
+    background_probabilities,
+    labels_from_probs,
+    output_names,
+    region_tree,
+)
 from brats_swap.names import path_inside
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
