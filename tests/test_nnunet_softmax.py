@@ -189,8 +189,21 @@ def test_every_command_on_a_softmax_run(label_model, tmp_path):
     assert trained.exit_code == 0, trained.output
     start = load_checkpoint(copy / "fold_0" / "checkpoint_nnunet.pt")["model"]
     after = load_checkpoint(copy / "fold_0" / "checkpoint_latest.pt")
-    # A step of lr 1e-12 from nnU-Net's weights (reordered): still those weights.
+    # A step of lr 1e-12 from nnU-Net's weights: still those weights.
     assert after["epoch"] == 1 and all(torch.allclose(start[k], after["model"][k], atol=1e-8) for k in start)
+    # evaluate --run scores the fold's validation case from the prepared cubes with the softmax decoding.
+    scored = CliRunner().invoke(app, ["evaluate", "--run", str(copy)])
+    assert scored.exit_code == 0, scored.output
+    # export -> predict --model (and serve-challenge, which predicts through it) writes what predict --run does.
+    bundle = tmp_path / "model.zip"
+    exported = CliRunner().invoke(app, ["export", "--run", str(run), "--out", str(bundle)])
+    assert exported.exit_code == 0, exported.output
+    from_bundle = CliRunner().invoke(app, ["predict", "--model", str(bundle), "--input", str(data), "--out",
+                                           str(tmp_path / "bundle"), "--dataset-labels", "--no-postprocessing"])
+    assert from_bundle.exit_code == 0, from_bundle.output
+    from_run = _ours(data, run, tmp_path / "run-nnunet")
+    for case, (labels, _) in from_run.items():
+        assert np.array_equal(np.asarray(nib.load(str(tmp_path / "bundle" / f"{case}.nii.gz")).dataobj), labels)
 
 
 def test_the_softmax_loss_is_nnunets_dice_and_ce():
