@@ -5,11 +5,12 @@ S/B/M/L).
 
 One output contract for all: in eval mode the forward returns probabilities (B, C, D, H, W), what
 validation, evaluation and prediction read: sigmoid, or softmax across the channels for `model.outputs:
-softmax` (`brats_swap.model.targets.probabilities_from_logits`; the Isensee U-Net has sigmoid outputs only). In training mode the Isensee U-Net returns the same
-probabilities (the paper's network ends in a sigmoid); the others return logits, with deep supervision a
-list of them, full resolution first (nnU-Net's order), for the losses of `brats_swap.train.losses`
-(`emits_logits` tells them apart). Module names are the libraries' own (`encoder.stages.0`,
-`decoder.stages.0`, ...): the classes below subclass the library networks rather than wrap them.
+softmax` (`brats_swap.model.targets.probabilities_from_logits`; the Isensee U-Net has sigmoid outputs
+only). In training mode the Isensee U-Net returns the same probabilities (the paper's network ends in a
+sigmoid); the others return logits, with deep supervision a list of them, full resolution first (nnU-Net's
+order), for the losses of `brats_swap.train.losses` (`emits_logits` tells them apart). Module names are
+the libraries' own (`encoder.stages.0`, `decoder.stages.0`, ...): the classes below subclass the library
+networks rather than wrap them.
 
 The `model.*` keys each network reads, their defaults (nnU-Net's BraTS plans) and how the stages adapt to
 the cube or patch live in `brats_swap.config.networks`; the loader fills them in, so a checkpoint's config
