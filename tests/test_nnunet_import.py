@@ -99,7 +99,9 @@ def test_predict_evaluate_and_fine_tune_under_memory_auto(tmp_path):
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    (lambda plans, dataset: dataset.pop("regions_class_order"), "trained on labels"),
+    # Regions without their class order: nnU-Net itself cannot train or predict them (label-trained models, one
+    # value per label, import as softmax: tests/test_nnunet_softmax.py).
+    (lambda plans, dataset: dataset.pop("regions_class_order"), "no regions_class_order"),
     (lambda plans, dataset: plans.update(image_reader_writer="NibabelIOWithReorient"), "reorients the images"),
     (lambda plans, dataset: plans["configurations"]["3d_fullres"].update(normalization_schemes=["CTNormalization"] * 4),
      "normalization"),

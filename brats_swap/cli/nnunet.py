@@ -30,9 +30,11 @@ def import_nnunet(
 
     imported = run_import(results, out, checkpoint, edition=edition, challenge=challenge)
     model = imported.config.model
+    outputs = (f"regions {', '.join(model.regions)}" if model.outputs == "regions"
+               else "softmax over background + the table's labels")
     for note in imported.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(f"{imported.run.root}: imported fold(s) {', '.join(map(str, imported.folds))} as model.name="
-                  f"{model.name} ({len(model.features)} stages, regions {', '.join(model.regions)}), patch "
+                  f"{model.name} ({len(model.features)} stages, {outputs}), patch "
                   f"{'x'.join(map(str, imported.config.train.patch))}, cube {'x'.join(map(str, imported.config.data.cube))}",
                   highlight=False)

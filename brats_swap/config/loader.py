@@ -31,6 +31,7 @@ from brats_swap.config.schema import (
     DataConfig,
     MemoryConfig,
     ModelConfig,
+    TrainConfig,
 )
 from brats_swap.errors import ConfigError
 from brats_swap.foreign_files import parse_yaml, read_text
@@ -354,9 +355,7 @@ def validate_config(config: Config) -> None:
     require(0 <= train.momentum < 1, "train.momentum", f"must be in [0, 1), got {train.momentum}")
     require(train.poly_exponent > 0, "train.poly_exponent", "must be positive")
     require(train.grad_clip is None or train.grad_clip > 0, "train.grad_clip", "must be positive or null")
-    require(train.loss != "dice_ce" or (model.outputs == "labels" and model.name != "isensee2017"), "train.loss",
-            "dice_ce (cross-entropy across the channels) needs mutually exclusive label outputs "
-            "(model.outputs=labels) and a network with logits (not isensee2017); use dice_bce for regions")
+    _validate_outputs(model, train)
     require(model.depth >= 2, "model.depth", "must be at least 2")
     require(model.base_filters >= 1, "model.base_filters", "must be at least 1")
     require(0 <= model.dropout < 1, "model.dropout", "must be in [0, 1)")
@@ -391,6 +390,19 @@ def validate_config(config: Config) -> None:
                        ("cv.max_hours", config.cv.max_hours)):
         require(value is None or math.isfinite(value), key, f"must be a finite number, got {value}")
     require(config.cv.max_hours is None or config.cv.max_hours > 0, "cv.max_hours", "must be positive")
+
+
+def _validate_outputs(model: ModelConfig, train: TrainConfig) -> None:
+    """The output kind against the network and the loss (brats_swap.model.targets, brats_swap.train.losses)."""
+    _require(model.outputs != "softmax" or model.name != "isensee2017", "model.outputs",
+             "softmax needs a network that returns logits; isensee2017 ends in a sigmoid")
+    _require(train.loss != "dice_ce" or (model.outputs != "regions" and model.name != "isensee2017"), "train.loss",
+             "dice_ce (cross-entropy across the channels) needs mutually exclusive label outputs "
+             "(model.outputs=labels or softmax) and a network with logits (not isensee2017); use dice_bce for regions")
+    _require(model.outputs != "softmax" or train.loss == "dice_ce", "model.outputs",
+             f"softmax outputs train with train.loss=dice_ce (nnU-Net's Dice + cross-entropy), not {train.loss}")
+    _require(not model.label_order or model.outputs == "softmax", "model.label_order",
+             f"orders softmax outputs only (model.outputs is {model.outputs})")
 
 
 def _validate_evaluate(evaluate) -> None:

@@ -62,8 +62,13 @@ class ModelConfig:
     segmentation_levels: int = 3  # deep-supervision levels summed into the output
     leaky_slope: float = 0.3  # Keras default used by Ellis/IBM; Isensee's own code used 0.01
     seg_layer: Literal["norm_act", "conv"] = "norm_act"  # IBM fork (8,269,579 params) or plain 1³ conv (8,269,561)
-    outputs: Literal["labels", "regions"] = "labels"  # sigmoid channels: BraTS labels (paper) or regions
+    # sigmoid channels: BraTS labels (paper) or regions; softmax: a background channel + the labels, mutually
+    # exclusive (nnU-Net's label-trained models; train.loss dice_ce)
+    outputs: Literal["labels", "regions", "softmax"] = "labels"
     regions: list[str] = field(default_factory=list)  # region outputs (groups of the table); [] = its default
+    # softmax outputs: the table's label values of the channels after the background, in channel order; [] =
+    # value order (an imported nnU-Net model keeps its dataset's order)
+    label_order: list[int] = field(default_factory=list)
     norm_eps: float = 1e-3  # keras_contrib InstanceNormalization adds eps to the std
     # nnU-Net, SegResNet, SwinUNETR: unset = nnU-Net's BraTS plan (or the MONAI network's BraTS setting)
     # adapted to the cube or patch; lists are per stage.

@@ -209,10 +209,12 @@ def pad_crop(volume: np.ndarray, cube, offsets) -> np.ndarray:
     return out
 
 
-def unpad_crop(cube_volume: np.ndarray, box_shape, offsets) -> np.ndarray:
-    """Inverse of `pad_crop`: the box part of a cube; voxels that were cropped away become 0."""
+def unpad_crop(cube_volume: np.ndarray, box_shape, offsets, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of `pad_crop`: the box part of a cube; voxels that were cropped away become 0 (or keep what
+    `out`, the box to write into, holds there)."""
     lead = cube_volume.shape[: cube_volume.ndim - 3]
-    out = np.zeros((*lead, *box_shape), dtype=cube_volume.dtype)
+    if out is None:
+        out = np.zeros((*lead, *box_shape), dtype=cube_volume.dtype)
     src, dst = _overlap(box_shape, cube_volume.shape[-3:], offsets)
     out[(..., *src)] = cube_volume[(..., *dst)]
     return out
@@ -243,20 +245,22 @@ def to_original_grid(cube_label, meta: dict) -> np.ndarray:
     return out
 
 
-def probabilities_to_original_grid(cube_probs, meta: dict) -> np.ndarray:
+def probabilities_to_original_grid(cube_probs, meta: dict, outside=None) -> np.ndarray:
     """(C, D, H, W) probabilities in cube space -> float32 (C, X, Y, Z) on the original grid (trilinear);
-    0 outside the bounding box."""
+    where the cube holds nothing (outside the bounding box, and the parts of the box `pad_crop` cropped away)
+    0, or per channel the values `outside` (a softmax's background channel: 1)."""
     cube_probs = _as_numpy(cube_probs).astype(np.float32, copy=False)
     if cube_probs.ndim != 4:
         raise ValueError(f"expected (C, D, H, W) probabilities, got shape {cube_probs.shape}")
     _check_cube_shape(cube_probs.shape[1:], meta)
-    box_shape = tuple(meta["bbox_shape"])
-    if meta["fit"] == "resample":
-        box_probs = resize_image(cube_probs, box_shape)
-    else:
-        box_probs = unpad_crop(cube_probs, box_shape, meta["pad_crop_offsets"])
     out = np.zeros((cube_probs.shape[0], *meta["original_shape"]), dtype=np.float32)
-    out[(slice(None), *bbox_slices(meta["bbox"]))] = box_probs
+    if outside is not None:
+        out[...] = np.asarray(outside, dtype=np.float32).reshape(-1, 1, 1, 1)
+    box = out[(slice(None), *bbox_slices(meta["bbox"]))]  # a view: written in place
+    if meta["fit"] == "resample":
+        box[...] = resize_image(cube_probs, tuple(meta["bbox_shape"]))
+    else:
+        unpad_crop(cube_probs, tuple(meta["bbox_shape"]), meta["pad_crop_offsets"], out=box)
     return out
 
 

@@ -17,10 +17,16 @@ compares the two with nnunetv2 2.8.1 itself). The rules, in nnU-Net's order (its
    10, rounded to float16, zeros raised to the smallest non-zero value) or by 1 (`--no-gaussian`), summed over
    tiles and divided by the summed weights; fold ensembles average these logits.
 6. Logits predicted at the plans' spacing are resampled back to the crop's voxels (`nnunet_resampling`:
-   order 1, float16 as nnU-Net's). Only then the sigmoid (regions; nnU-Net's region-trained BraTS models),
-   and the labels: each region head in head order paints its label where its probability is above the
-   threshold (0.5), later heads over earlier ones (nnU-Net's `convert_probabilities_to_segmentation` with
-   `regions_class_order`). Outside the crop: probability 0, label 0.
+   order 1, float16 as nnU-Net's). Only then the nonlinearity and the labels, as nnU-Net's `LabelManager`
+   (`apply_inference_nonlin`, then `convert_probabilities_to_segmentation`):
+   - region-trained models (`model.outputs: regions`, nnU-Net's BraTS datasets): the sigmoid, then each region
+     head in head order paints its label where its probability is above the threshold (0.5), later heads
+     over earlier ones (`regions_class_order`). Outside the crop: probability 0, label 0.
+   - label-trained models (`model.outputs: softmax`, nnU-Net's default): the softmax over the channels (in
+     float32), then the argmax channel's label, the first channel on an exact tie (background 0;
+     brats_swap.model.targets decodes it). The channels keep the model's order (`model.label_order`), so
+     ties go where nnU-Net's go. Outside the crop: label 0, probability 1 in the background channel and 0
+     in the others.
 
 Why not MONAI's `sliding_window_inference`: it places tiles by its own scan interval (not nnU-Net's step
 rule), builds its Gaussian with another normalisation and clamp, pads differently and blends whatever the
@@ -50,6 +56,7 @@ from torch import nn
 
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate import nnunet_resampling
+from brats_swap.model.targets import probabilities_from_logits
 
 NNUNET = "nnunet"  # the value of evaluate.inference that selects these rules
 SIGMA_SCALE = 1.0 / 8  # nnU-Net's Gaussian: sigma = patch * 1/8
@@ -234,14 +241,20 @@ def step_size_of(sw_overlap: float) -> float:
 
 def crop_probabilities(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
                        *, tta: bool, spacing: Sequence[float] | None = None) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """(K, ...) float32 sigmoid probabilities inside the case's non-zero crop, and the crop's bounding box."""
+    """(K, ...) float32 probabilities inside the case's non-zero crop (sigmoid, or softmax across the channels
+    for `model.outputs: softmax`, of the float16 logits made float32 first, as nnU-Net), and the crop's
+    bounding box."""
     logits, bbox = case_logits(members, image, device, tta=tta, spacing=spacing)
-    return torch.sigmoid(logits.float()).numpy(), bbox
+    return probabilities_from_logits(logits.float(), members[0][1].model.outputs, channel_dim=0).numpy(), bbox
 
 
-def on_case_grid(crop: np.ndarray, bbox: Sequence[tuple[int, int]], shape: Sequence[int]) -> np.ndarray:
-    """A crop's array (with leading axes, if any) placed on the case's grid of `shape`, 0 outside the crop."""
+def on_case_grid(crop: np.ndarray, bbox: Sequence[tuple[int, int]], shape: Sequence[int],
+                 outside: Sequence[float] | None = None) -> np.ndarray:
+    """A crop's array (with leading axes, if any) placed on the case's grid of `shape`; outside the crop 0, or
+    per channel the values `outside` (a softmax's background: `targets.background_probabilities`)."""
     out = np.zeros((*crop.shape[:crop.ndim - 3], *shape), dtype=crop.dtype)
+    if outside is not None:
+        out[...] = np.asarray(outside, dtype=crop.dtype).reshape(-1, *(1,) * len(shape))
     out[(..., *(slice(a, b) for a, b in bbox))] = crop
     return out
 

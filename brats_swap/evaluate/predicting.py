@@ -39,7 +39,13 @@ from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.nnunet_inference import NNUNET
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan, describe_label_changes, load_plan
 from brats_swap.evaluate.postprocessing_rules import apply as apply_postprocessing
-from brats_swap.model.targets import labels_from_probs, output_names, region_tree
+from brats_swap.model.targets import (
+    SOFTMAX,
+    background_probabilities,
+    labels_from_probs,
+    output_names,
+    region_tree,
+)
 from brats_swap.names import path_inside
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
@@ -61,21 +67,24 @@ def segment_cube(model: torch.nn.Module, image, meta: dict, edition: str, config
 def case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = "") -> np.ndarray:
     """uint8 labels in the edition's values from (C, ...) probabilities, as the model's outputs and the
     evaluation threshold say; DataError when the model's channels do not fit the case's label table."""
-    expected = output_names(edition, config.model.outputs, config.model.regions)
+    expected = output_names(edition, config.model.outputs, config.model.regions, config.model.label_order)
     if probs.shape[0] != len(expected):
         raise DataError(f"case {case_id}: the model predicts {probs.shape[0]} channels, but its {config.model.outputs} "
                         f"for the {edition} label table are {len(expected)} ({', '.join(expected)}); was the run "
                         "trained on another table? (data.challenge / data.edition force one)")
     labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
-                               regions=config.model.regions)
+                               regions=config.model.regions, label_order=config.model.label_order)
     return np.asarray(labels, dtype=np.uint8)
 
 def nnunet_case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = "") -> np.ndarray:
     """`case_labels` under nnU-Net's rules: region heads paint their own label in head order
-    (`nnunet_inference.region_labels`), no nesting enforced, as nnU-Net exports region models."""
+    (`nnunet_inference.region_labels`), no nesting enforced, as nnU-Net exports region models; softmax outputs
+    decode by their argmax (`case_labels`), as nnU-Net exports label models."""
+    if config.model.outputs == SOFTMAX:
+        return case_labels(probs, edition, config, case_id)
     if config.model.outputs != "regions":
         raise ConfigError(f"evaluate.inference={NNUNET}: model.outputs is {config.model.outputs}; nnU-Net's rules "
-                          "here are those of region-trained models (model.outputs=regions)")
+                          "are those of region-trained (regions) and label-trained (softmax) models")
     expected = output_names(edition, "regions", config.model.regions)
     if probs.shape[0] != len(expected):
         return case_labels(probs, edition, config, case_id)  # its one-line DataError names the mismatch
@@ -127,10 +136,10 @@ def _load_ensemble(run: RunFolder, folds: list[int], checkpoint: str,
 def check_one_output_kind(where: Path, folds: Sequence[int], members: Sequence[tuple[torch.nn.Module, Config]]) -> None:
     """ConfigError naming `where` when the folds' models predict different outputs (model.outputs/model.regions):
     their probabilities could not be averaged."""
-    kinds = {(c.model.outputs, tuple(c.model.regions)) for _, c in members}
+    kinds = {(c.model.outputs, tuple(c.model.regions), tuple(c.model.label_order)) for _, c in members}
     if len(kinds) > 1:
         raise ConfigError(f"{where}: folds {', '.join(map(str, folds))} were trained with different model.outputs/"
-                          "model.regions; predict with one of them (--folds K)")
+                          "model.regions/model.label_order; predict with one of them (--folds K)")
 
 
 def _run_postprocessing(run: RunFolder, enabled: bool) -> PostprocessingPlan | None:
@@ -153,7 +162,8 @@ def _describe(groups: dict) -> str:
 
 def save_probabilities(path: Path, probabilities: np.ndarray, channels: Sequence[str], outputs: str) -> Path:
     """Write `<case>.npz` (atomically, compressed): `probabilities` float32 (C, X, Y, Z) on the original grid,
-    `channels` their names (regions, or labels for label outputs) and `outputs` ("regions" or "labels")."""
+    `channels` their names (regions, labels for label outputs, background + labels for softmax) and `outputs`
+    ("regions", "labels" or "softmax")."""
     with atomic_path(path) as tmp, open(tmp, "wb") as handle:
         np.savez_compressed(handle, probabilities=np.asarray(probabilities, dtype=np.float32),
                             channels=np.asarray(list(channels)), outputs=np.asarray(outputs))
@@ -297,11 +307,14 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
             raise DataError(f"case {case.case_id}: {exc}") from exc
         label = nnunet_inference.on_case_grid(nnunet_case_labels(crop, loaded.edition, first, case.case_id), bbox,
                                               loaded.shape)
-        probs = nnunet_inference.on_case_grid(crop, bbox, loaded.shape) if probabilities else None
+        outside = background_probabilities(first.model.outputs, crop.shape[0])
+        probs = nnunet_inference.on_case_grid(crop, bbox, loaded.shape, outside) if probabilities else None
     else:
         cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
         cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]
-        probs = probabilities_to_original_grid(predict_ensemble(members, cube, device, tta=tta)[0].numpy(), meta)
+        cube_probs = predict_ensemble(members, cube, device, tta=tta)[0].numpy()
+        probs = probabilities_to_original_grid(cube_probs, meta, background_probabilities(first.model.outputs,
+                                                                                         cube_probs.shape[0]))
         label = case_labels(probs, loaded.edition, first, case.case_id)
     if plan is not None and plan.active:  # a plan of no rule: "no postprocessing" is said once, not per case
         processed = apply_postprocessing(plan, label)
@@ -315,5 +328,6 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
                             header=loaded.header)
     if probabilities:
         save_probabilities(path_inside(out_dir, case.case_id, "case id", named, ".npz"), probs,
-                           output_names(loaded.edition, first.model.outputs, first.model.regions), first.model.outputs)
+                           output_names(loaded.edition, first.model.outputs, first.model.regions, first.model.label_order),
+                           first.model.outputs)
     return path

@@ -3,12 +3,14 @@ U-Nets (built by dynamic-network-architectures, the package nnU-Net itself build
 SegResNet (Auto3DSeg's deep-supervised SegResNetDS), SwinUNETR and MedNeXt (MONAI's, the MICCAI 2023 paper's
 S/B/M/L).
 
-One output contract for all: in eval mode the forward returns sigmoid probabilities (B, C, D, H, W), what
-validation, evaluation and prediction read. In training mode the Isensee U-Net returns the same
-probabilities (the paper's network ends in a sigmoid); the others return logits, with deep supervision a
-list of them, full resolution first (nnU-Net's order), for the losses of `brats_swap.train.losses`
-(`emits_logits` tells them apart). Module names are the libraries' own (`encoder.stages.0`,
-`decoder.stages.0`, ...): the classes below subclass the library networks rather than wrap them.
+One output contract for all: in eval mode the forward returns probabilities (B, C, D, H, W), what
+validation, evaluation and prediction read: sigmoid, or softmax across the channels for `model.outputs:
+softmax` (`brats_swap.model.targets.probabilities_from_logits`; the Isensee U-Net has sigmoid outputs
+only). In training mode the Isensee U-Net returns the same probabilities (the paper's network ends in a
+sigmoid); the others return logits, with deep supervision a list of them, full resolution first (nnU-Net's
+order), for the losses of `brats_swap.train.losses` (`emits_logits` tells them apart). Module names are
+the libraries' own (`encoder.stages.0`, `decoder.stages.0`, ...): the classes below subclass the library
+networks rather than wrap them.
 
 The `model.*` keys each network reads, their defaults (nnU-Net's BraTS plans) and how the stages adapt to
 the cube or patch live in `brats_swap.config.networks`; the loader fills them in, so a checkpoint's config
@@ -31,14 +33,17 @@ from brats_swap.config.networks import (
     NNUNET_NAMES,
     input_divisor,
 )
+from brats_swap.model.targets import probabilities_from_logits
 from brats_swap.model.unet import Isensee2017UNet, ModelInputError
 
 
 class SigmoidInEval:
     """Mixin over a network that returns logits (or a list of them): probabilities of the full-resolution
-    output in eval mode, the raw outputs in training mode. Checks the input's edges first."""
+    output in eval mode (sigmoid, or softmax when `output_kind` is "softmax"), the raw outputs in training
+    mode. Checks the input's edges first."""
 
     emits_logits = True
+    output_kind = "labels"  # model.outputs, set by build_model
     out_channels: int
     size_divisor: list[int]
 
@@ -54,7 +59,7 @@ class SigmoidInEval:
         outputs = super().forward(x)
         if self.training:
             return outputs
-        return torch.sigmoid(outputs[0] if isinstance(outputs, list | tuple) else outputs)
+        return probabilities_from_logits(outputs[0] if isinstance(outputs, list | tuple) else outputs, self.output_kind)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The full-resolution logits whatever the mode (nnU-Net's inference blends these, not probabilities)."""
@@ -223,6 +228,7 @@ def build_model(model_cfg: ModelConfig, out_channels: int = 3) -> nn.Module:
     else:
         network = _build_swinunetr(model_cfg, out_channels)
     network.out_channels = out_channels
+    network.output_kind = model_cfg.outputs
     network.size_divisor = input_divisor(model_cfg)
     return network
 

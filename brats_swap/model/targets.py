@@ -4,6 +4,14 @@
   (1, 2, 4 for 2017-2021; 1, 2, 3 for GLI 2023; 1 ET, 2 NETC, 3 CC, 4 ED for PED), no background channel.
   Prediction: argmax over the channels mapped back to the label value, 0 where the largest probability is
   below the threshold.
+- "softmax": nnU-Net's label-trained models (its default for a dataset without regions): a background
+  channel, then one channel per label of the table, mutually exclusive (softmax over the channels in eval
+  mode, trained with Dice + cross-entropy on the softmax: `train.loss: dice_ce`). The labels' channel order
+  is `model.label_order` (the table's values; default value order; an imported nnU-Net model keeps its
+  dataset's order, so that its weights and its argmax's tie-breaking stay nnU-Net's). Prediction: the argmax
+  channel's label value, background 0, the first channel on a tie (nnU-Net's `LabelManager` for label
+  models: `softmax_helper_dim0`, then `argmax(0)`; no threshold). A voxel known to be background has probability 1
+  in the background channel (`background_probabilities`), as nnU-Net writes outside its crop.
 - "regions": one channel per region, overlapping masks that are groups of the table (`model.regions`;
   default the challenge's `ChallengeSpec.regions`: WT, TC, ET; + RC for GLI post-treatment and MET; + CC
   for PED; GTV for MEN-RT). Prediction walks the regions from the largest down: where a region is above
@@ -39,8 +47,10 @@ from brats_swap.config import ModelConfig
 from brats_swap.data.challenges import ChallengeSpec, get_challenge, isin
 from brats_swap.errors import ConfigError
 
-Outputs = Literal["labels", "regions"]
-OUTPUT_KINDS: tuple[str, ...] = ("labels", "regions")
+Outputs = Literal["labels", "regions", "softmax"]
+OUTPUT_KINDS: tuple[str, ...] = ("labels", "regions", "softmax")
+SOFTMAX = "softmax"
+BACKGROUND = "background"  # the name of the softmax outputs' first channel
 
 SPATIAL_DIMS = 3
 
@@ -62,7 +72,7 @@ def _spec(challenge: ChallengeSpec | str) -> ChallengeSpec:
 
 def _check_outputs(outputs: str) -> None:
     if outputs not in OUTPUT_KINDS:
-        raise ValueError(f"model.outputs must be 'labels' or 'regions', got {outputs!r}")
+        raise ValueError(f"model.outputs must be one of {', '.join(OUTPUT_KINDS)}, got {outputs!r}")
 
 
 def region_names(challenge: ChallengeSpec | str, regions: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -109,18 +119,23 @@ def region_tree(challenge: ChallengeSpec | str, regions: Sequence[str] | None = 
     return tree
 
 
-def output_names(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequence[str] | None = None) -> list[str]:
-    """Channel names, e.g. ["NCR/NET", "ED", "ET"] for labels of 2021, ["WT", "TC", "ET", "CC"] for PED regions."""
+def output_names(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequence[str] | None = None,
+                 label_order: Sequence[int] | None = None) -> list[str]:
+    """Channel names, e.g. ["NCR/NET", "ED", "ET"] for labels of 2021, ["background", "NCR/NET", "ED", "ET"] for
+    softmax, ["WT", "TC", "ET", "CC"] for PED regions."""
     _check_outputs(outputs)
     spec = _spec(challenge)
     if outputs == "labels":
         return [spec.labels[value] for value in spec.label_values]
+    if outputs == SOFTMAX:
+        return [BACKGROUND, *(spec.labels[value] for value in channel_values(spec, label_order)[1:])]
     return list(region_tree(spec, regions))
 
 
-def num_outputs(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequence[str] | None = None) -> int:
-    """How many sigmoid channels the network needs for this table, output kind (and `model.regions`)."""
-    return len(output_names(challenge, outputs, regions))
+def num_outputs(challenge: ChallengeSpec | str, outputs: Outputs, regions: Sequence[str] | None = None,
+                label_order: Sequence[int] | None = None) -> int:
+    """How many output channels the network needs for this table, output kind (and `model.regions`)."""
+    return len(output_names(challenge, outputs, regions, label_order))
 
 
 def run_regions(challenge: ChallengeSpec | str, model_cfg: ModelConfig) -> tuple[str, ...]:
@@ -134,7 +149,7 @@ def run_regions(challenge: ChallengeSpec | str, model_cfg: ModelConfig) -> tuple
 def run_output_count(challenge: ChallengeSpec | str, model_cfg: ModelConfig) -> int:
     """The network's output channels for a run on `challenge` (`model.outputs`, `model.regions`); ConfigError
     naming `model.regions` when labels could not be recovered from those regions."""
-    return num_outputs(challenge, model_cfg.outputs, model_cfg.regions)
+    return num_outputs(challenge, model_cfg.outputs, model_cfg.regions, model_cfg.label_order)
 
 
 def _stack(masks: list, channel_dim: int):
@@ -144,7 +159,7 @@ def _stack(masks: list, channel_dim: int):
 
 
 def targets_from_labels(label, challenge: ChallengeSpec | str, outputs: Outputs,
-                        regions: Sequence[str] | None = None):
+                        regions: Sequence[str] | None = None, label_order: Sequence[int] | None = None):
     """Binary float32 targets from a label map: (B, D, H, W) -> (B, C, D, H, W), or (D, H, W) -> (C, D, H, W)."""
     _check_outputs(outputs)
     spec = _spec(challenge)
@@ -153,46 +168,80 @@ def targets_from_labels(label, challenge: ChallengeSpec | str, outputs: Outputs,
     channel_dim = label.ndim - SPATIAL_DIMS
     if outputs == "labels":
         masks = [label == value for value in spec.label_values]
+    elif outputs == SOFTMAX:
+        masks = [label == value for value in channel_values(spec, label_order)]
     else:
         masks = [isin(label, region.values) for region in region_tree(spec, regions).values()]
     return _stack(masks, channel_dim)
 
 
 def labels_from_probs(probs, challenge: ChallengeSpec | str, outputs: Outputs, threshold: float = 0.5,
-                      regions: Sequence[str] | None = None):
+                      regions: Sequence[str] | None = None, label_order: Sequence[int] | None = None):
     """A uint8 label map in the table's raw values from (B, C, D, H, W) or (C, D, H, W) probabilities.
 
     "labels": argmax channel -> its label value; 0 where the largest probability is < threshold (Ellis's
-    `get_prediction_labels`). "regions": the region walk of the module docstring.
+    `get_prediction_labels`). "softmax": argmax channel -> its value (background 0), no threshold.
+    "regions": the region walk of the module docstring.
     """
     spec = _spec(challenge)
     if probs.ndim not in (SPATIAL_DIMS + 1, SPATIAL_DIMS + 2):
         raise ValueError(f"probabilities must be (C, D, H, W) or (B, C, D, H, W), got shape {tuple(probs.shape)}")
     channel_dim = probs.ndim - SPATIAL_DIMS - 1
-    expected = num_outputs(spec, outputs, regions)
+    expected = num_outputs(spec, outputs, regions, label_order)
     if probs.shape[channel_dim] != expected:
         raise ValueError(f"probabilities have {probs.shape[channel_dim]} channels, "
                          f"{outputs} of {spec.key} need {expected}")
-    if outputs == "labels":
+    if outputs in ("labels", SOFTMAX):
+        # Softmax: no threshold (the background channel competes in the argmax, as nnU-Net decodes).
+        values, floor = ((spec.label_values, threshold) if outputs == "labels"
+                         else (channel_values(spec, label_order), None))
         if isinstance(probs, np.ndarray):
-            return _argmax_labels_numpy(probs, spec, threshold, channel_dim)
-        return _argmax_labels_torch(probs, spec, threshold, channel_dim)
+            return _argmax_labels_numpy(probs, values, floor, channel_dim)
+        return _argmax_labels_torch(probs, values, floor, channel_dim)
     return _labels_from_regions(probs, region_tree(spec, regions), threshold, channel_dim)
 
 
-def _argmax_labels_numpy(probs: np.ndarray, spec: ChallengeSpec, threshold: float, channel_dim: int) -> np.ndarray:
-    values = np.asarray(spec.label_values, dtype=np.uint8)
-    label = values[np.argmax(probs, axis=channel_dim)]
-    label[np.max(probs, axis=channel_dim) < threshold] = 0
+def channel_values(challenge: ChallengeSpec | str, label_order: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The label value of each softmax channel: 0 (background), then the table's labels in `label_order`
+    (`model.label_order`; empty: value order). ConfigError naming it when it is not an order of the table's
+    labels."""
+    spec = _spec(challenge)
+    if not label_order:
+        return (0, *spec.label_values)
+    if sorted(int(v) for v in label_order) != sorted(spec.label_values):
+        raise ConfigError(f"model.label_order: {list(label_order)} is not an order of the {spec.key} table's labels "
+                          f"({spec.describe_labels()})")
+    return (0, *(int(v) for v in label_order))
+
+
+def probabilities_from_logits(logits: torch.Tensor, outputs: Outputs, channel_dim: int = 1) -> torch.Tensor:
+    """The output kind's probabilities of logits: softmax across the channels for "softmax" (nnU-Net's
+    `softmax_helper`), an elementwise sigmoid otherwise."""
+    _check_outputs(outputs)
+    return torch.softmax(logits, channel_dim) if outputs == SOFTMAX else torch.sigmoid(logits)
+
+
+def background_probabilities(outputs: Outputs, channels: int) -> list[float]:
+    """Per channel, the probability of a voxel known to be background (outside the brain's crop): 1 in the
+    background channel of "softmax" (as nnU-Net's `revert_cropping_on_probabilities`), 0 everywhere else."""
+    _check_outputs(outputs)
+    return [1.0 if outputs == SOFTMAX and channel == 0 else 0.0 for channel in range(channels)]
+
+
+def _argmax_labels_numpy(probs: np.ndarray, values: Sequence[int], threshold: float | None,
+                         channel_dim: int) -> np.ndarray:
+    label = np.asarray(values, dtype=np.uint8)[np.argmax(probs, axis=channel_dim)]
+    if threshold is not None:
+        label[np.max(probs, axis=channel_dim) < threshold] = 0
     return label
 
 
-def _argmax_labels_torch(probs: torch.Tensor, spec: ChallengeSpec, threshold: float,
+def _argmax_labels_torch(probs: torch.Tensor, values: Sequence[int], threshold: float | None,
                          channel_dim: int) -> torch.Tensor:
-    values = torch.tensor(spec.label_values, dtype=torch.uint8, device=probs.device)
     max_prob, index = probs.max(dim=channel_dim)
-    label = values[index]
-    label[max_prob < threshold] = 0
+    label = torch.tensor(values, dtype=torch.uint8, device=probs.device)[index]
+    if threshold is not None:
+        label[max_prob < threshold] = 0
     return label
 
 

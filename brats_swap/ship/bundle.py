@@ -124,7 +124,7 @@ def label_record(challenge: str, config: Config) -> dict:
             "labels": {str(value): name for value, name in sorted(spec.labels.items())},
             "groups": {name: list(values) for name, values in spec.groups.items()},
             "outputs": config.model.outputs,
-            "channels": output_names(spec.key, config.model.outputs, config.model.regions),
+            "channels": output_names(spec.key, config.model.outputs, config.model.regions, config.model.label_order),
             "modalities": list(config.data.modalities),
             "modality_suffixes": {m: spec.modality_suffixes[m] for m in config.data.modalities
                                   if m in spec.modality_suffixes},

@@ -7,9 +7,12 @@ nnU-Net's results folder `Dataset<NNN>_<Name>/<Trainer>__<Plans>__<configuration
   `ResidualEncoderUNet`, 3D, cubic kernels) becomes `model.name: nnunet | resenc_*` with the same stages,
   features, kernels, strides and blocks; brats-swap builds it with the same library and the same norm,
   activation and bias, so the weights load unchanged (apart from the axis order below);
-- the outputs: nnU-Net's BraTS models train regions (`regions_class_order`, sigmoid heads), which are
-  `model.outputs: regions` with `model.regions` the table's groups in the model's head order (label-trained,
-  softmax models have a background head brats-swap's outputs lack, and are refused);
+- the outputs, as nnU-Net's `LabelManager` decides them: a dataset.json whose labels hold regions (lists of
+  values, with `regions_class_order`; nnU-Net's BraTS models) trained sigmoid heads, which are `model.outputs:
+  regions` with `model.regions` the table's groups in the model's head order and nnU-Net's Dice + BCE;
+  one value per label (nnU-Net's default) trained a softmax over a background channel and one channel per
+  label, which is `model.outputs: softmax` with `model.label_order` the table's labels in the model's
+  channel order (`_label_order`) and nnU-Net's Dice + CE;
 - the preprocessing: crop to the non-zero box, z-score per channel inside it without clipping
   (`ZScoreNormalization` with `use_mask_for_norm`, i.e. `data.clip_percentiles: [0, 100]`), the channel
   order of `channel_names` as `data.modalities`, the data's voxels kept in training (`data.fit: pad_crop`),
@@ -61,9 +64,10 @@ EXPECTED_KWARGS = {"conv_op": "torch.nn.modules.conv.Conv3d", "conv_bias": True,
                    "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d",
                    "norm_op_kwargs": {"eps": 1e-05, "affine": True}, "dropout_op": None,
                    "nonlin": "torch.nn.LeakyReLU"}
-# nnU-Net's training recipe (nnUNetTrainer), which fine-tuning continues with (configs/resenc_l.yaml has it too).
+# nnU-Net's training recipe (nnUNetTrainer), which fine-tuning continues with (configs/resenc_l.yaml has it too);
+# the loss follows the outputs (`_outputs`).
 NNUNET_RECIPE = ("train.optimizer=sgd", "train.lr=0.01", "train.momentum=0.99", "train.weight_decay=3e-5",
-                 "train.schedule=poly", "train.poly_exponent=0.9", "train.loss=dice_bce", "train.grad_clip=12",
+                 "train.schedule=poly", "train.poly_exponent=0.9", "train.grad_clip=12",
                  "train.patch_foreground=0.33")
 # The resampling nnU-Net's planner writes (ExperimentPlanner.determine_resampling and
 # determine_segmentation_softmax_export_fn), the only one brats_swap.evaluate.nnunet_resampling reproduces.
@@ -97,7 +101,8 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
     key = _table_key(results_dir / "dataset.json", dataset, edition, challenge)
     notes: list[str] = []
     first_checkpoint = results_dir / f"fold_{folds[0]}" / checkpoint_name
-    overrides = [*_model_overrides(results_dir, configuration, dataset, key, order),
+    outputs = _outputs(results_dir / "dataset.json", dataset, key)
+    overrides = [*_model_overrides(results_dir, configuration, dataset, order), *outputs,
                  *_data_overrides(results_dir, configuration, dataset, key, order),
                  *_inference_overrides(first_checkpoint, order),
                  *_resampling_overrides(results_dir, plans, configuration, order)]
@@ -251,7 +256,7 @@ def _table_key(description: Path, dataset: dict, edition: str, challenge: str) -
     return "gli" if modern_channel_names(dataset.get("channel_names", dataset.get("modality", {}))) else "2021"
 
 
-def _model_overrides(results_dir: Path, configuration: dict, dataset: dict, key: str, order: list[int]) -> list[str]:
+def _model_overrides(results_dir: Path, configuration: dict, dataset: dict, order: list[int]) -> list[str]:
     architecture = configuration.get("architecture", {})
     kwargs = architecture.get("arch_kwargs", {})
     class_name = str(architecture.get("network_class_name", "")).rsplit(".", 1)[-1]
@@ -269,12 +274,10 @@ def _model_overrides(results_dir: Path, configuration: dict, dataset: dict, key:
     plain = class_name == "PlainConvUNet"
     name = "nnunet" if plain else _resenc_preset(results_dir.name)
     blocks = kwargs["n_conv_per_stage"] if plain else kwargs["n_blocks_per_stage"]
-    regions = _regions(results_dir / "dataset.json", dataset, key)
     return [f"model.name={name}", f"model.features={_list(kwargs['features_per_stage'])}",
             f"model.kernels={_list(k[0] for k in kernels)}", f"model.strides={json.dumps(strides)}",
             f"model.blocks={_list(blocks)}", f"model.decoder_convs={_list(kwargs['n_conv_per_stage_decoder'])}",
-            "model.deep_supervision=true", "model.outputs=regions", f"model.regions=[{','.join(regions)}]",
-            f"model.in_channels={len(dataset.get('channel_names', dataset.get('modality', {})))}"]
+            "model.deep_supervision=true", f"model.in_channels={len(dataset.get('channel_names', dataset.get('modality', {})))}"]
 
 
 def _inference_overrides(checkpoint: Path, order: list[int]) -> list[str]:
@@ -300,13 +303,53 @@ def _resenc_preset(folder_name: str) -> str:
     return "resenc_m"  # the presets share one network; they differ only in patch and batch
 
 
-def _regions(description: Path, dataset: dict, key: str) -> list[str]:
+def _outputs(description: Path, dataset: dict, key: str) -> list[str]:
+    """The outputs' overrides (kind, regions or label order, loss): regions or labels as nnU-Net's
+    `LabelManager` decides (regions when a label holds several values)."""
+    declared = declared_labels(description, dataset.get("labels"))
+    if "ignore" in declared:
+        raise ConfigError(f"{description}: the model was trained with an ignore label (partial annotations), "
+                          "which brats-swap's outputs and losses do not have")
+    if any(len(values) > 1 for values in declared.values()):
+        regions = _regions(description, dataset, key, declared)
+        return ["model.outputs=regions", f"model.regions=[{','.join(regions)}]", "train.loss=dice_bce"]
+    return ["model.outputs=softmax", f"model.label_order={_list(_label_order(description, key, declared))}",
+            "train.loss=dice_ce"]
+
+
+def _label_order(description: Path, key: str, declared: dict[str, tuple[int, ...]]) -> list[int]:
+    """The table's label value of each of the model's channels after the background (`model.label_order`).
+    nnU-Net's channel k is the dataset's label value k (its labels are 0..K, and its export writes the argmax
+    channel as the label); each value must name exactly one label of the table, and every label of the table
+    must be one, so that the channels are the table's. The channels keep nnU-Net's order (not the table's):
+    the weights load as they are, and an exact tie of two channels goes to the same label as in nnU-Net."""
+    spec = get_challenge(key)
+    values = sorted(v for entry in declared.values() for v in entry)
+    if values != list(range(len(values))) or len(values) < 2:
+        raise ConfigError(f"{description}: labels {_shown(values)}; a label-trained nnU-Net model has the "
+                          "consecutive values 0 (background), 1, ..., K, one per label")
+    mapping = label_map_from_names(spec, declared, f"{description}: labels")
+    channel_of: dict[int, int] = {}
+    for value in values[1:]:
+        table_value = mapping.get(value)
+        if table_value is None or table_value in channel_of:
+            what = "a tissue" if table_value is None else f"the same label ({spec.labels[table_value]}) as another"
+            raise ConfigError(f"{description}: label value {value} names {what} of the {key} table "
+                              f"({spec.describe_labels()}); each value must be one label of the table")
+        channel_of[table_value] = value
+    missing = [spec.labels[u] for u in spec.label_values if u not in channel_of]
+    if missing:
+        raise ConfigError(f"{description}: the model has no channel for {', '.join(missing)} of the {key} table "
+                          f"({spec.describe_labels()}); brats-swap's softmax outputs are the whole table")
+    return [mapping[value] for value in values[1:]]
+
+
+def _regions(description: Path, dataset: dict, key: str, declared: dict[str, tuple[int, ...]]) -> list[str]:
     """The table groups of nnU-Net's region heads, in head order (the labels' region entries)."""
     if not dataset.get("regions_class_order"):
-        raise ConfigError(f"{description}: the model was trained on labels (softmax with a background head); "
-                          "brats-swap imports region-trained nnU-Net models (regions_class_order) only")
+        raise ConfigError(f"{description}: labels hold regions (lists of values) but there is no "
+                          "regions_class_order, which nnU-Net needs to train or predict them")
     spec = get_challenge(key)
-    declared = declared_labels(description, dataset.get("labels"))
     mapping = label_map_from_names(spec, declared, f"{description}: labels")
     groups = {frozenset(values): name for name, values in spec.groups.items()}
     regions = []

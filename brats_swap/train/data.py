@@ -443,6 +443,7 @@ def build_train_data(
         collate_fn=collate_samples, pin_memory=pin, worker_init_fn=seed_worker,
     )
     device_batches = DeviceBatches(train_cfg.augment, device, edition=edition, outputs=config.model.outputs,
-                                   regions=config.model.regions, sample_size=crop or config.data.cube)
+                                   regions=config.model.regions, label_order=config.model.label_order,
+                                   sample_size=crop or config.data.cube)
     return TrainData(train_dataset, val_dataset, sampler, train_loader, val_loader, generator, batches,
                      device_batches, workers)

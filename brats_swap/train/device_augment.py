@@ -65,9 +65,10 @@ class DeviceBatches:
     images and targets on `device`, augmented as `recipe` says."""
 
     def __init__(self, recipe: str, device: torch.device, *, edition: str, outputs: str, regions: Sequence[str],
-                 sample_size: Sequence[int]) -> None:
+                 sample_size: Sequence[int], label_order: Sequence[int] = ()) -> None:
         self.recipe, self.device = get_recipe(recipe), device
         self.edition, self.outputs, self.regions = edition, outputs, tuple(regions)
+        self.label_order = tuple(label_order)
         self.sample_size = tuple(int(v) for v in sample_size)
         self.label_values = (0, *get_challenge(edition).label_values)  # background included
 
@@ -78,5 +79,5 @@ class DeviceBatches:
         if any(pad is not None for pad in batch.pad):
             images, labels = restore_windows(images, labels, batch.pad)
         images, labels = self.recipe.apply(images, labels, batch.augment, self.sample_size, self.label_values)
-        targets = targets_from_labels(labels, self.edition, self.outputs, self.regions).float()
+        targets = targets_from_labels(labels, self.edition, self.outputs, self.regions, self.label_order).float()
         return images, targets

@@ -756,9 +756,10 @@ def validation_scores(config: Config, model: torch.nn.Module, loader, edition: s
     per_case: dict[str, tuple[float, ...]] = {}
     for batch in loader:
         probs = predict_cube(model, batch.image, config, device)  # float16 as cached: converted on the device
-        targets = targets_from_labels(batch.label.long(), edition, config.model.outputs, config.model.regions)
+        targets = targets_from_labels(batch.label.long(), edition, config.model.outputs, config.model.regions,
+                                      config.model.label_order)
         labels = labels_from_probs(probs, edition, config.model.outputs, config.evaluate.threshold,
-                                   regions=config.model.regions).numpy()
+                                   regions=config.model.regions, label_order=config.model.label_order).numpy()
         for i, (case_id, pred, true) in enumerate(zip(batch.case_id, labels, batch.label.numpy(), strict=True)):
             dice = region_dice(pred, true, edition, regions)
             loss = float(weighted_dice_loss(probs[i:i + 1], targets[i:i + 1].float()))

@@ -1,5 +1,6 @@
 """The training losses: Ellis's weighted multi-label soft Dice (the loss the IBM paper trained with), MONAI's
-Dice + cross-entropy and nnU-Net's region Dice + BCE, over deep-supervision outputs with nnU-Net's weights."""
+Dice + cross-entropy (nnU-Net's label loss for softmax outputs) and nnU-Net's region Dice + BCE, over
+deep-supervision outputs with nnU-Net's weights."""
 
 from __future__ import annotations
 
@@ -76,29 +77,44 @@ def _sigmoid_dice_bce(output: torch.Tensor, target: torch.Tensor, from_logits: b
         return dice + F.binary_cross_entropy(output.clamp(1e-7, 1 - 1e-7), target)
 
 
+def _softmax_dice_ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """nnU-Net's label loss (`DC_and_CE_loss` as nnUNetTrainer builds it: `MemoryEfficientSoftDiceLoss` over the
+    batch, smooth 1e-5, background left out, on the softmax; plus cross-entropy of the logits; weights 1 and
+    1). MONAI's DiceCELoss computes the same terms; its Dice is 1 + nnU-Net's (-Dice): the same gradients
+    (tests/test_nnunet_softmax.py compares both with nnU-Net's own loss). `target`: one-hot, background first."""
+    from monai.losses import DiceCELoss  # imported where used: MONAI takes seconds to import
+
+    return DiceCELoss(softmax=True, include_background=False, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)(output, target)
+
+
 class SegmentationLoss:
     """`train.loss` over a network's training outputs (one tensor, or a deep-supervision list full
     resolution first, each scale against the targets at its resolution with nnU-Net's weights).
 
     `from_logits`: the network's training outputs are logits (else sigmoid probabilities, the Isensee U-Net).
     dice: Ellis's weighted Dice of the probabilities; dice_ce: MONAI's DiceCELoss (sigmoid Dice + cross-entropy
-    across the channels, for mutually exclusive label outputs; needs logits); dice_bce: nnU-Net's region loss.
+    across the channels, for mutually exclusive label outputs; needs logits), and for `softmax` outputs
+    nnU-Net's label loss (`_softmax_dice_ce`); dice_bce: nnU-Net's region loss.
     """
 
     def __init__(self, name: str, from_logits: bool, dice: Callable = weighted_dice_loss,
-                 distributed: bool = False, lowest_on: bool = False) -> None:
+                 distributed: bool = False, lowest_on: bool = False, softmax: bool = False) -> None:
         if name == "dice_ce" and not from_logits:
             raise ValueError("dice_ce needs a network whose training outputs are logits")
+        if softmax and name != "dice_ce":
+            raise ValueError(f"softmax outputs train with dice_ce, not {name}")
         self.name, self.from_logits, self.dice, self.distributed = name, from_logits, dice, distributed
-        self.lowest_on = lowest_on
+        self.lowest_on, self.softmax = lowest_on, softmax
         self.dice_ce = None
-        if name == "dice_ce":
+        if name == "dice_ce" and not softmax:
             from monai.losses import DiceCELoss  # imported where used: MONAI takes seconds to import
 
             self.dice_ce = DiceCELoss(sigmoid=True)
 
     def single(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         output = output.float()  # sums and logs in fp32 under AMP
+        if self.softmax:
+            return _softmax_dice_ce(output, target)
         if self.name == "dice":
             return self.dice(torch.sigmoid(output) if self.from_logits else output, target)
         if self.dice_ce is not None:
@@ -121,4 +137,5 @@ def training_loss(loss: str, model: torch.nn.Module, dice: Callable = weighted_d
     """The loss `train.loss` names, for `model`'s training outputs (logits or probabilities); `dice` is the
     weighted Dice the `dice` loss applies to probabilities; `distributed`: trained under DDP."""
     return SegmentationLoss(loss, from_logits=emits_logits(model), dice=dice, distributed=distributed,
-                            lowest_on=bool(getattr(model, "weighs_lowest_output", False)))
+                            lowest_on=bool(getattr(model, "weighs_lowest_output", False)),
+                            softmax=getattr(model, "output_kind", None) == "softmax")
