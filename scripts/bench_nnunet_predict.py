@@ -115,7 +115,13 @@ def _peak_rss_gib() -> float:
 
 
 def worker(args: argparse.Namespace) -> dict:
-    """Load the tool's model (timed), predict the one case from its files (CPU and wall time), report memory."""
+    """Load the tool's model (timed), predict the one case from its files (CPU and wall time), report memory.
+    Each tool runs as its command would: brats-swap's process set up as its CLI sets it up (huge pages for
+    torch's buffers, brats_swap.process_env), nnU-Net's as nnUNetv2_predict leaves it."""
+    if args.worker == "brats-swap":
+        from brats_swap.process_env import configure_process
+
+        configure_process()
     import torch
 
     torch.set_num_threads(args.threads)

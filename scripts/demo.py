@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    from brats_swap.process_env import configure_process
+
+    configure_process()  # as the CLI sets its process up, before torch is imported
     from rich.console import Console
 
     from brats_swap.config import load_config

@@ -20,6 +20,7 @@ from brats_swap.cli import predict as predict_cmd
 from brats_swap.cli import ship as ship_cmd
 from brats_swap.cli import train as train_cmd
 from brats_swap.cli.common import DEBUG, HonestHelpGroup
+from brats_swap.process_env import configure_process
 
 app = typer.Typer(
     name="brats-swap",
@@ -59,6 +60,7 @@ app.command("import-nnunet")(nnunet_cmd.import_nnunet)
 
 
 def main() -> None:
+    configure_process()  # before anything imports torch (the CLI imports it lazily)
     app()
 
 
