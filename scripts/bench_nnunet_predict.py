@@ -100,6 +100,7 @@ def write_model_folder(out: Path, features: int) -> Path:
     (results / "dataset.json").write_text((FIXTURE / "dataset.json").read_text())
     manager = PlansManager(plans)
     configuration = manager.get_configuration("3d_fullres")
+    torch.manual_seed(features)  # the same weights every time: a kept --work run and a new model folder agree
     network = FixtureTrainer.build_network_architecture(manager, configuration, 4, 3, enable_deep_supervision=True)
     checkpoint = {"network_weights": network.state_dict(), "trainer_name": "nnUNetTrainer",
                   "init_args": {"configuration": "3d_fullres", "fold": 0},
@@ -256,11 +257,13 @@ def main(argv: list[str] | None = None) -> dict:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-nnunet-predict-"))
     if args.from_records:
         records = [json.loads(p.read_text()) for p in sorted((work / "out").glob("*/record-*.json"))]
-        return report(args, records, None, {}, str(args.results or work / "results"))
+        return report(args, records, None, _agreements(work / "out"), str(args.results or work / "results"))
     work.mkdir(parents=True, exist_ok=True)
     case_id = synthesize_dataset(work / "cases", 1, seed=3, edition="2021", shape=tuple(args.shape))[0]
     case = work / "cases" / case_id
-    results = args.results or write_model_folder(work / "results", args.features)
+    kept = work / "results" / "Dataset992_BraTSBench" / FOLDER
+    results = args.results or (kept if (kept / "fold_0" / "checkpoint_final.pth").is_file()
+                               else write_model_folder(work / "results", args.features))
     run = work / "run"
     import_started = time.perf_counter()
     if not (run / "config.yaml").exists():
@@ -275,12 +278,18 @@ def main(argv: list[str] | None = None) -> dict:
                 records.append({**record, "repeat": repeat})
                 print(f"repeat {repeat} tta={tta} {tool}: {record['predict_cpu_s']:.1f} s CPU, "
                       f"{record['peak_rss_gib']:.2f} GiB, load average {record['load_average_before']:.1f}", flush=True)
-    # brats-swap writes the table's values; nnU-Net the dataset's: compare in the dataset's values.
+    return report(args, records, import_s, _agreements(work / "out"), str(results))
+
+
+def _agreements(out: Path) -> dict:
+    """The fraction of voxels where the two tools' segmentations agree, without and with TTA (where both wrote
+    one). brats-swap writes the table's values, nnU-Net the dataset's: compared in the dataset's values."""
     agree = {}
     for tta in (False, True):
-        ours, theirs = work / "out" / f"brats-swap-{tta}" / f"{case_id}.nii.gz", work / "out" / f"nnU-Net-{tta}" / f"{case_id}.nii.gz"
-        agree[str(tta)] = _agreement_in_dataset_values(ours, theirs)
-    return report(args, records, import_s, agree, str(results))
+        ours, theirs = sorted((out / f"brats-swap-{tta}").glob("*.nii.gz")), sorted((out / f"nnU-Net-{tta}").glob("*.nii.gz"))
+        if ours and theirs:
+            agree[str(tta)] = _agreement_in_dataset_values(ours[0], theirs[0])
+    return agree
 
 
 def report(args: argparse.Namespace, records: list[dict], import_s: float | None, agree: dict,
@@ -292,8 +301,8 @@ def report(args: argparse.Namespace, records: list[dict], import_s: float | None
     rows = summarize(records)
     text = table(rows, repeats)
     print(text)
-    if agree:
-        print(f"segmentations equal in {agree['False']:.5f} (no TTA) and {agree['True']:.5f} (TTA) of the voxels")
+    for tta, fraction in agree.items():
+        print(f"segmentations equal in {fraction:.5f} of the voxels ({'TTA' if tta == 'True' else 'no TTA'})")
     result = {"settings": {"shape": args.shape, "features": args.features, "threads": args.threads,
                            "device": args.device, "repeats": repeats, "results": results,
                            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()},

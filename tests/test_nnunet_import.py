@@ -11,6 +11,8 @@ import json
 import pydoc
 from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 from layout_helpers import to_nnunet_brats21
@@ -96,6 +98,15 @@ def test_predict_evaluate_and_fine_tune_under_memory_auto(tmp_path):
     assert resumed.exit_code == 0, resumed.output
     assert load_checkpoint(fold / "checkpoint_latest.pt")["epoch"] == 2
     assert "resume fold 0 at epoch 2" in (fold / "train.log").read_text()
+    # evaluate --run scores what predict writes: nnU-Net's rules on the validation cases' own files (steps of lr
+    # 1e-12 leave nnU-Net's float32 weights as they were), not the cache's float16 cubes.
+    evaluated = runner.invoke(app, ["evaluate", "--run", str(run)])
+    assert evaluated.exit_code == 0, evaluated.output
+    assert "nnU-Net's inference rules" in (fold / "summary.md").read_text()
+    saved = sorted((fold / "predictions").glob("*.nii.gz"))
+    assert saved
+    for path in saved:
+        assert np.array_equal(np.asarray(nib.load(path).dataobj), np.asarray(nib.load(tmp_path / "pred" / path.name).dataobj))
 
 
 @pytest.mark.parametrize(("edit", "message"), [

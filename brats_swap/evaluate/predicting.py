@@ -76,6 +76,25 @@ def case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = 
                                regions=config.model.regions, label_order=config.model.label_order)
     return np.asarray(labels, dtype=np.uint8)
 
+def nnunet_case_prediction(members: list, loaded, device: torch.device, *, tta: bool,
+                           probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """One loaded case (`data.nifti.LoadedCase`) under nnU-Net's rules (an imported nnU-Net run): the labels on
+    the case's grid and, on request, the probabilities there. The loaded float32 image, no cube, no cache;
+    labels made in the non-zero crop, the case-sized probabilities only when asked for."""
+    first = members[0][1]
+    try:
+        crop, bbox = nnunet_inference.crop_probabilities(members, loaded.image, device, tta=tta,
+                                                         spacing=loaded.spacing)
+    except DataError as exc:
+        raise DataError(f"case {loaded.case_id}: {exc}") from exc
+    label = nnunet_inference.on_case_grid(nnunet_case_labels(crop, loaded.edition, first, loaded.case_id), bbox,
+                                          loaded.shape)
+    if not probabilities:
+        return label, None
+    outside = background_probabilities(first.model.outputs, crop.shape[0])
+    return label, nnunet_inference.on_case_grid(crop, bbox, loaded.shape, outside)
+
+
 def nnunet_case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = "") -> np.ndarray:
     """`case_labels` under nnU-Net's rules: region heads paint their own label in head order
     (`nnunet_inference.region_labels`), no nesting enforced, as nnU-Net exports region models; softmax outputs
@@ -298,17 +317,7 @@ def predict_case(case, config: Config, members: list, device: torch.device, out_
     first = members[0][1]
     loaded = load_case(case, config.data.modalities, label=False)  # a ground truth beside the images is not read
     if first.evaluate.inference == NNUNET:
-        # nnU-Net's rules (an imported nnU-Net run): the loaded float32 image, no cube, no cache; labels made in
-        # the non-zero crop, the case-sized probabilities only when they are written.
-        try:
-            crop, bbox = nnunet_inference.crop_probabilities(members, loaded.image, device, tta=tta,
-                                                             spacing=loaded.spacing)
-        except DataError as exc:
-            raise DataError(f"case {case.case_id}: {exc}") from exc
-        label = nnunet_inference.on_case_grid(nnunet_case_labels(crop, loaded.edition, first, case.case_id), bbox,
-                                              loaded.shape)
-        outside = background_probabilities(first.model.outputs, crop.shape[0])
-        probs = nnunet_inference.on_case_grid(crop, bbox, loaded.shape, outside) if probabilities else None
+        label, probs = nnunet_case_prediction(members, loaded, device, tta=tta, probabilities=probabilities)
     else:
         cube_image, _, meta = preprocess_case(loaded, preprocess_settings(config.data))
         cube = torch.from_numpy(np.asarray(cube_image, dtype=np.float32))[None]

@@ -4,7 +4,9 @@
   sliding window for patch models; `evaluate.predicting.segment_cube`) -> probabilities mapped back to the
   original grid -> labels in the edition's convention, saved as `fold_<k>/predictions/<case>.nii.gz` with
   the original affine -> BraTS metrics against the original segmentation file -> `fold_<k>/{metrics.csv,
-  summary.json, ...}`.
+  summary.json, ...}`. A run imported from nnU-Net (`evaluate.inference: nnunet`) is segmented as `predict`
+  segments it instead: nnU-Net's rules on the case's own files (`predicting.nnunet_case_prediction`), scored
+  on the original grid.
 - `evaluate_predictions`: `<case id>.nii.gz` files from any tool (nnU-Net names them so) against every
   reference case of a dataset, one for one as the challenge's submission check demands (a missing
   prediction is an error, or scored as empty on request), with the same metrics and report.
@@ -32,13 +34,14 @@ from brats_swap.config import Config
 from brats_swap.data.cache import load_prepared
 from brats_swap.data.challenges import MODERN_CHALLENGES, evaluation_groups, get_challenge
 from brats_swap.data.discovery import discover_cases
-from brats_swap.data.nifti import read_volume, save_label_nifti, to_table_values
+from brats_swap.data.nifti import load_case, present_values, read_volume, save_label_nifti, to_table_values
 from brats_swap.data.preprocess import header_from_meta
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate.failures import CaseFailures
 from brats_swap.evaluate.metrics import case_metrics, write_metrics_report
+from brats_swap.evaluate.nnunet_inference import NNUNET
 from brats_swap.evaluate.official import case_official_metrics, merge_groups
-from brats_swap.evaluate.predicting import case_labels, segment_cube
+from brats_swap.evaluate.predicting import case_labels, nnunet_case_prediction, segment_cube
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
 from brats_swap.run.folder import RunFolder
@@ -80,7 +83,7 @@ def _read_label(case_id: str, path: Path, edition: str, case=None) -> tuple[np.n
     if case is not None and case.label_map is not None:
         data = to_table_values(f"case {case_id}: file {path.name}", data, case.label_map, get_challenge(edition),
                                case.description)
-    values = np.unique(data)
+    values = present_values(data)
     allowed = {0, *get_challenge(edition).label_values}
     unknown = [v for v in values.tolist() if v not in allowed]
     if unknown:
@@ -131,15 +134,18 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
     failed = failures if failures is not None else CaseFailures(say=warn)
     already_failed = len(failed)
     scores = _Scores(hd95=config.evaluate.hd95, regions=predict_config.model.regions)
+    # An imported nnU-Net run (evaluate.inference: nnunet) is scored as `predict` segments it: nnU-Net's rules on
+    # the case's own files, not the cache's float16 cube.
+    nnunet_rules = predict_config.evaluate.inference == NNUNET
+    evaluate_case = _evaluate_nnunet_case if nnunet_rules else _evaluate_cached_case
     with _progress(progress) as bar:
         task = bar.add_task(f"evaluate fold {fold}", total=len(val_ids))
         for case_id in val_ids:
             with failed.case(case_id):
-                _evaluate_cached_case(case_id, cases[case_id], (model, predict_config, device), config,
-                                      folder, scores, tta)
+                evaluate_case(case_id, cases[case_id], (model, predict_config, device), config, folder, scores, tta)
             bar.advance(task)
-    title = (f"{config.name} fold {fold} ({checkpoint} checkpoint, {config.evaluate.grid} grid"
-             f"{', 8-mirror TTA' if tta else ''})")
+    grid = "nnU-Net's inference rules, original grid" if nnunet_rules else f"{config.evaluate.grid} grid"
+    title = f"{config.name} fold {fold} ({checkpoint} checkpoint, {grid}{', 8-mirror TTA' if tta else ''})"
     fold_failures = list(failed.reasons.values())[already_failed:]
     summary = scores.write(folder.root, title, notes=[f"not scored: {line}" for line in fold_failures]) \
         if scores.rows else {}
@@ -168,6 +174,20 @@ def _evaluate_cached_case(case_id: str, case, predictor: tuple, config: Config, 
         scores.add(case_id, prediction, truth, edition, _spacing(truth_header))
     else:  # in the network's cube, against the cached (resampled) label
         scores.add(case_id, case_labels(probs, edition, predict_config, case_id), np.asarray(prepared.label), edition)
+
+
+def _evaluate_nnunet_case(case_id: str, case, predictor: tuple, config: Config, folder, scores: _Scores,
+                          tta: bool) -> None:
+    """One validation case of `evaluate_fold` for an imported nnU-Net run: read from its files, segmented with
+    nnU-Net's rules (`predict`'s `nnunet_case_prediction`), saved and scored on its own grid."""
+    model, predict_config, device = predictor
+    loaded = load_case(case, config.data.modalities)
+    if loaded.seg is None:
+        raise DataError(f"case {case_id}: no segmentation file to score against")
+    prediction, _ = nnunet_case_prediction([(model, predict_config)], loaded, device, tta=tta)
+    if config.evaluate.save_predictions:
+        save_label_nifti(prediction, loaded.affine, folder.prediction(case_id), header=loaded.header)
+    scores.add(case_id, prediction, loaded.seg, loaded.edition, _spacing(loaded.header))
 
 
 def _forced_convention(edition: str, challenge: str) -> tuple[str, str]:
