@@ -56,6 +56,17 @@ def to_nnunet_brats21(brats: Path, out: Path) -> Path:
     return out
 
 
+def nnunet_phantoms(root: Path, shapes, seed: int, id_offset: int) -> Path:
+    """One phantom per shape (seeds and case ids counted from `seed` and `id_offset`), written in nnU-Net's
+    BraTS 2021 layout under `root` (`to_nnunet_brats21`); returns that dataset folder."""
+    from brats_swap.data.phantom import synthesize_dataset
+
+    brats = root / "brats"
+    for index, shape in enumerate(shapes):
+        synthesize_dataset(brats, 1, seed=seed + index, edition="2021", shape=shape, id_offset=id_offset + index)
+    return to_nnunet_brats21(brats, root / "Dataset137_BraTS2021")
+
+
 def to_nnunet_kept(brats: Path, out: Path) -> Path:
     cases = discover_cases(brats)
     for case in cases:

@@ -23,11 +23,10 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from layout_helpers import to_nnunet_brats21
+from layout_helpers import nnunet_phantoms
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
-from brats_swap.data.phantom import synthesize_dataset
 
 pytest.importorskip("dynamic_network_architectures")
 pytest.importorskip("nnunetv2.inference.predict_from_raw_data")
@@ -50,10 +49,7 @@ def _bench():
 def cases(tmp_path_factory):
     """The phantoms in nnU-Net's layout (dataset.json values), and the imported run folder."""
     root = tmp_path_factory.mktemp("oracle")
-    brats = root / "brats"
-    for index, shape in enumerate(SHAPES):
-        synthesize_dataset(brats, 1, seed=5 + index, edition="2021", shape=shape, id_offset=500 + index)
-    data = to_nnunet_brats21(brats, root / "Dataset137_BraTS2021")
+    data = nnunet_phantoms(root, SHAPES, seed=5, id_offset=500)
     run = root / "run"
     imported = CliRunner().invoke(app, ["import-nnunet", str(RESULTS), "--out", str(run)])
     assert imported.exit_code == 0, imported.output

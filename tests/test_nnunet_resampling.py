@@ -27,12 +27,11 @@ import nibabel as nib
 import numpy as np
 import pytest
 import yaml
-from layout_helpers import to_nnunet_brats21
+from layout_helpers import nnunet_phantoms
 from test_nnunet_predict import RESULTS, _bench, _ours
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
-from brats_swap.data.phantom import synthesize_dataset
 
 pytest.importorskip("dynamic_network_architectures")
 pytest.importorskip("nnunetv2.preprocessing.resampling.default_resampling")
@@ -187,10 +186,7 @@ def resampled(tmp_path_factory):
     import SimpleITK
 
     root = tmp_path_factory.mktemp("resampling")
-    brats = root / "brats"
-    for index, shape in enumerate(SHAPES):
-        synthesize_dataset(brats, 1, seed=11 + index, edition="2021", shape=shape, id_offset=600 + index)
-    data = to_nnunet_brats21(brats, root / "Dataset137_BraTS2021")
+    data = nnunet_phantoms(root, SHAPES, seed=11, id_offset=600)
     cases = sorted(p.name.removesuffix(".nii.gz") for p in (data / "labelsTr").glob("*.nii.gz"))
     for index, case in enumerate(cases):
         for path in [*sorted((data / "imagesTr").glob(f"{case}_*.nii.gz")), data / "labelsTr" / f"{case}.nii.gz"]:

@@ -27,7 +27,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from layout_helpers import to_nnunet_brats21
+from layout_helpers import nnunet_phantoms, to_nnunet_brats21
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -90,10 +90,7 @@ def label_model(tmp_path_factory):
     """The label-trained model folder, the phantoms in nnU-Net's layout and the imported run."""
     root = tmp_path_factory.mktemp("softmax")
     results = write_label_model(root / "results")
-    brats = root / "brats"
-    for index, shape in enumerate(SHAPES):
-        synthesize_dataset(brats, 1, seed=5 + index, edition="2021", shape=shape, id_offset=500 + index)
-    data = to_nnunet_brats21(brats, root / "Dataset137_BraTS2021")  # its labels: 1 edema, 2 necrosis, 3 ET
+    data = nnunet_phantoms(root, SHAPES, seed=5, id_offset=500)  # its labels: 1 edema, 2 necrosis, 3 ET
     run = root / "run"
     imported = CliRunner().invoke(app, ["import-nnunet", str(results), "--out", str(run)])
     assert imported.exit_code == 0, imported.output
