@@ -9,6 +9,7 @@ from train_helpers import prepared_dataset
 
 from brats_swap.augment.cube import CUBE_SYMMETRIES, CubeSymmetry, allowed_symmetries, apply_symmetry
 from brats_swap.data.cache import list_prepared
+from brats_swap.data.class_locations import sample_locations
 from brats_swap.train.data import (
     CubeDataset,
     EpochSampler,
@@ -18,7 +19,7 @@ from brats_swap.train.data import (
     enlarged_window,
     loader_worker_count,
     nnunet_forced_foreground,
-    random_patch_start,
+    tumour_patch_start,
 )
 
 
@@ -50,11 +51,21 @@ def test_a_symmetry_moves_image_channels_and_label_together():
 def test_foreground_patches_contain_tumour():
     label = np.zeros((32, 32, 32), np.uint8)
     label[28:30, 2:4, 20:22] = 2
+    locations = sample_locations(label)
     rng = np.random.default_rng(0)
     for _ in range(20):
-        start = random_patch_start(label.shape, (8, 8, 8), label, rng, foreground_fraction=1.0)
+        start = tumour_patch_start(label.shape, (8, 8, 8), locations, rng)
         window = tuple(slice(s, s + 8) for s in start)
         assert label[window].any() and all(0 <= s <= 24 for s in start)
+    # every tumour voxel as likely: a class is drawn by its share of the tumour (1:8 here)
+    label[:, :, :] = 0
+    label[0:4, 0:4, 0:4], label[16:24, 16:24, 16:24] = 1, 2  # 64 and 512 voxels
+    locations = sample_locations(label)
+    drawn = [tumour_patch_start(label.shape, (4, 4, 4), locations, rng) for _ in range(800)]
+    share = np.mean([1 in label[tuple(slice(s, s + 4) for s in start)] for start in drawn])
+    assert 0.07 < share < 0.16  # class 1 is 1/9 of the tumour (±4 standard deviations of 800 draws)
+    empty = np.zeros((16, 16, 16), np.uint8)
+    assert all(0 <= s <= 8 for s in tumour_patch_start(empty.shape, (8, 8, 8), sample_locations(empty), rng))
 
 
 def test_nnunet_forces_foreground_in_the_last_third_of_every_batch():
@@ -63,16 +74,17 @@ def test_nnunet_forces_foreground_in_the_last_third_of_every_batch():
     label = np.zeros((32, 32, 32), np.uint8)
     label[2:4, 2:4, 2:4] = 1  # a small class far from a large one: drawn as often (class first, then a voxel)
     label[16:32, 16:32, 16:32] = 2
+    locations = sample_locations(label)
     rng = np.random.default_rng(0)
     held = []
     for _ in range(200):
-        start = class_patch_start(label.shape, (8, 8, 8), label, rng)
+        start = class_patch_start(label.shape, (8, 8, 8), locations, rng)
         window = label[tuple(slice(s, s + 8) for s in start)]
         held.append(1 in window)
         assert window.any()
     assert 0.35 < np.mean(held) < 0.65
     empty = np.zeros((16, 16, 16), np.uint8)
-    assert all(0 <= s <= 8 for s in class_patch_start(empty.shape, (8, 8, 8), empty, rng))
+    assert all(0 <= s <= 8 for s in class_patch_start(empty.shape, (8, 8, 8), sample_locations(empty), rng))
 
 
 def test_an_enlarged_crop_is_read_inside_the_volume_and_restored_on_the_device():
