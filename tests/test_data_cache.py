@@ -353,3 +353,16 @@ def test_a_damaged_class_locations_file_is_one_line_and_never_read_past_its_boun
     with pytest.raises(DataError, match=rf"{IDS[0]}.*{expected}.*prepare the case again") as error:
         load_prepared(cache, IDS[0]).class_locations()
     assert "\n" not in str(error.value)
+
+
+def test_an_entry_whose_label_cannot_be_read_is_prepared_again_instead(dataset):
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    expected = (cache / IDS[1] / "class_locations.npy").read_bytes()
+    _without_locations(cache, IDS[1])
+    label = cache / IDS[1] / "label.b2nd"
+    label.write_bytes(label.read_bytes()[:100])
+    report = prepare_dataset(root, cache, _config(), progress=False, console=_console())
+    assert report.prepared == [IDS[1]] and report.located == [] and report.up_to_date == [IDS[0], IDS[2]]
+    assert (cache / IDS[1] / "class_locations.npy").read_bytes() == expected
+    assert list_prepared(cache) == IDS

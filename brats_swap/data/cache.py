@@ -219,6 +219,7 @@ def _sort_cases(cases: list[Case], cache_dir: Path, settings: dict, report: Prep
     return todo
 
 
+LOCATIONS_PER_WORKER = 100  # entries given their class locations per worker process, at least
 LOCATIONS_HINT = ("run `brats-swap data prepare` (or a run with data.root, or with data.cache_only on a writable "
                   "cache) to add them from the cached labels")
 
@@ -241,6 +242,8 @@ def add_locations(cache_dir: Path, case_ids: list[str], workers: int, report: Pr
         else:
             broken[case_id] = problem
 
+    # A case takes ~0.07 s here and a spawned worker ~5 s to start (it imports torch): processes only for many.
+    workers = min(workers, max(1, len(case_ids) // LOCATIONS_PER_WORKER))
     run_cases(add_locations_one, [(str(cache_dir), case_id) for case_id in case_ids], workers, done=finished,
               failures=lambda: len(broken), description="class locations", progress=progress, console=console)
     report.located.sort()
