@@ -301,7 +301,8 @@ def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool =
     files and changed settings are prepared (with a progress bar), the rest is left as it is.
 
     With `data.cache_only` the cache is the data: it is used as it stands and `data.root` is not looked at
-    (a cache copied from elsewhere is enough to train). Otherwise a `data.root` that does not exist, or is
+    (a cache copied from elsewhere is enough to train); only entries without class locations get them, from
+    their own label, when the cache can be written (`add_locations`). Otherwise a `data.root` that does not exist, or is
     another dataset than the one the cache was prepared from, is refused (DataError naming both). Bad cases
     are skipped and listed in `report.failed`; DataError if no case is usable at all.
     """

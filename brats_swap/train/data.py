@@ -76,8 +76,7 @@ def class_patch_start(shape: Sequence[int], patch: Sequence[int], locations: Cla
     classes = locations.classes
     if not classes:
         return random_patch_start(shape, patch, rng)
-    rows = locations.rows[classes[int(rng.integers(len(classes)))]]
-    return patch_around(rows[int(rng.integers(len(rows)))], shape, patch)
+    return around_stored_voxel(locations, classes[int(rng.integers(len(classes)))], shape, patch, rng)
 
 
 def tumour_patch_start(shape: Sequence[int], patch: Sequence[int], locations: ClassLocations,
@@ -94,6 +93,12 @@ def tumour_patch_start(shape: Sequence[int], patch: Sequence[int], locations: Cl
         return random_patch_start(shape, patch, rng)
     shares = np.cumsum([locations.voxels[value] for value in classes])
     value = classes[int(np.searchsorted(shares, rng.integers(shares[-1]), side="right"))]
+    return around_stored_voxel(locations, value, shape, patch, rng)
+
+
+def around_stored_voxel(locations: ClassLocations, value: int, shape: Sequence[int], patch: Sequence[int],
+                        rng: np.random.Generator) -> tuple[int, int, int]:
+    """The patch centred on one of class `value`'s stored voxels, drawn uniformly (nnU-Net's `get_bbox`)."""
     rows = locations.rows[value]
     return patch_around(rows[int(rng.integers(len(rows)))], shape, patch)
 
@@ -241,7 +246,7 @@ class CubeDataset(Dataset):
             # the batch (in the worker), the device converts them.
             params = recipe.draw(rng, label.shape, self.channels) if rng is not None else None
             return {"image": image, "label": label, "augment": params, "pad": None, "case_id": case_id}
-        # The corner comes from the stored class locations, so only the window is read of the label too.
+        # The corner comes from the stored class locations: the label too is read in the window only, at collate.
         start = self.patch_start(key, prepared, rng)
         read = recipe.crop_size(self.crop, patch_mode=True) if rng is not None else self.crop
         window, pad = enlarged_window(start, self.crop, read, label.shape)
