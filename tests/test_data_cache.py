@@ -261,3 +261,108 @@ def test_prepare_missing_prepares_a_fresh_cache_of_any_challenge(tmp_path):
     assert set(np.unique(prepared.label)) == {0, 1}
     with pytest.raises(DataError, match="no usable case"):
         prepare_missing(_config(root=str(men_rt_root), cache=str(tmp_path / "c3")), progress=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Class locations (class_locations.npy): sampled at prepare, added to entries written before them.
+
+def _without_locations(cache, case_id):
+    """The entry as format 2 wrote it before the cache stored class locations."""
+    folder = cache / case_id
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["class_locations"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / "class_locations.npy").unlink()
+
+
+def _console():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=300)
+
+
+def test_entries_without_class_locations_get_them_from_their_label_alone(dataset, monkeypatch):
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    written = {case_id: ((cache / case_id / "class_locations.npy").read_bytes(), load_prepared(cache, case_id).meta)
+               for case_id in IDS}
+    images = {case_id: (cache / case_id / "image.b2nd").stat().st_mtime_ns for case_id in IDS}
+    for case_id in IDS[:2]:
+        _without_locations(cache, case_id)
+    with pytest.raises(DataError, match=rf"case {IDS[0]} has no tumour-class locations .*data prepare"):
+        load_prepared(cache, IDS[0]).class_locations()
+
+    def never(*args, **kwargs):
+        raise AssertionError("read or compressed again")
+
+    monkeypatch.setattr(cache_module, "load_case", never)  # no NIfTI is read
+    monkeypatch.setattr(cache_module, "write_volume", never)  # nothing is compressed again
+    sink = _console()
+    report = prepare_dataset(root, cache, _config(), progress=False, console=sink)
+    assert report.located == IDS[:2] and report.up_to_date == IDS and not report.prepared
+    assert sink.file.getvalue().splitlines() == [
+        f"{cache}: 2 case(s) were prepared before the cache stored their tumour-class locations; adding them from "
+        "the cached labels (images and NIfTI files are not read again)"]
+    for case_id in IDS:  # what prepare would have written from the NIfTI files, bitwise; the images untouched
+        assert (cache / case_id / "class_locations.npy").read_bytes() == written[case_id][0]
+        assert load_prepared(cache, case_id).meta == written[case_id][1]
+        assert (cache / case_id / "image.b2nd").stat().st_mtime_ns == images[case_id]
+    again = prepare_dataset(root, cache, _config(), progress=False, console=(quiet := _console()))
+    assert again.located == [] and quiet.file.getvalue() == ""
+
+
+def test_a_cache_only_run_adds_the_class_locations_when_it_can_write(dataset, tmp_path, monkeypatch):
+    from brats_swap.data.cache import prepare_missing
+
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    _without_locations(cache, IDS[2])
+    cache_only = _config(root=str(tmp_path / "no-download"), cache=str(cache), cache_only=True)
+    monkeypatch.setattr(cache_module.os, "access", lambda path, mode: False)  # a read-only cache: left as it is
+    assert prepare_missing(cache_only, progress=False).located == []
+    assert not (cache / IDS[2] / "class_locations.npy").exists()
+    monkeypatch.undo()
+    report = prepare_missing(cache_only, progress=False, console=_console())
+    assert report.located == [IDS[2]] and report.cases == IDS
+    assert load_prepared(cache, IDS[2]).class_locations().classes
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header", "outside", "meta"])
+def test_a_damaged_class_locations_file_is_one_line_and_never_read_past_its_bounds(dataset, damage):
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    folder = cache / IDS[0]
+    path = folder / "class_locations.npy"
+    rows = np.load(path)
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-6])
+    elif damage == "header":  # a file that claims a billion rows: refused before anything is allocated
+        np.save(path, np.zeros((2, 3), np.uint16))
+        path.write_bytes(path.read_bytes().replace(b"(2, 3)", b"(1000000000, 3)"))
+    elif damage == "outside":
+        rows[0] = (16, 0, 0)  # the cube is 16³
+        np.save(path, rows)
+    else:
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["class_locations"] = {"1": [10**9, 10000]}
+        (folder / "meta.json").write_text(json.dumps(meta))
+    expected = {"truncated": "shorter than its header says", "header": r"holds \(1000000000, 3\)",
+                "outside": "outside the cube", "meta": "meta.json class_locations entry '1'"}[damage]
+    with pytest.raises(DataError, match=rf"{IDS[0]}.*{expected}.*prepare the case again") as error:
+        load_prepared(cache, IDS[0]).class_locations()
+    assert "\n" not in str(error.value)
+
+
+def test_an_entry_whose_label_cannot_be_read_is_prepared_again_instead(dataset):
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    expected = (cache / IDS[1] / "class_locations.npy").read_bytes()
+    _without_locations(cache, IDS[1])
+    label = cache / IDS[1] / "label.b2nd"
+    label.write_bytes(label.read_bytes()[:100])
+    report = prepare_dataset(root, cache, _config(), progress=False, console=_console())
+    assert report.prepared == [IDS[1]] and report.located == [] and report.up_to_date == [IDS[0], IDS[2]]
+    assert (cache / IDS[1] / "class_locations.npy").read_bytes() == expected
+    assert list_prepared(cache) == IDS

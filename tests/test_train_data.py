@@ -8,7 +8,10 @@ import torch
 from train_helpers import prepared_dataset
 
 from brats_swap.augment.cube import CUBE_SYMMETRIES, CubeSymmetry, allowed_symmetries, apply_symmetry
-from brats_swap.data.cache import list_prepared
+from brats_swap.data.cache import list_prepared, load_prepared
+from brats_swap.data.class_locations import sample_locations
+from brats_swap.data.compressed import CachedVolume
+from brats_swap.errors import DataError
 from brats_swap.train.data import (
     CubeDataset,
     EpochSampler,
@@ -18,7 +21,7 @@ from brats_swap.train.data import (
     enlarged_window,
     loader_worker_count,
     nnunet_forced_foreground,
-    random_patch_start,
+    tumour_patch_start,
 )
 
 
@@ -50,11 +53,21 @@ def test_a_symmetry_moves_image_channels_and_label_together():
 def test_foreground_patches_contain_tumour():
     label = np.zeros((32, 32, 32), np.uint8)
     label[28:30, 2:4, 20:22] = 2
+    locations = sample_locations(label)
     rng = np.random.default_rng(0)
     for _ in range(20):
-        start = random_patch_start(label.shape, (8, 8, 8), label, rng, foreground_fraction=1.0)
+        start = tumour_patch_start(label.shape, (8, 8, 8), locations, rng)
         window = tuple(slice(s, s + 8) for s in start)
         assert label[window].any() and all(0 <= s <= 24 for s in start)
+    # every tumour voxel as likely: a class is drawn by its share of the tumour (1:8 here)
+    label[:, :, :] = 0
+    label[0:4, 0:4, 0:4], label[16:24, 16:24, 16:24] = 1, 2  # 64 and 512 voxels
+    locations = sample_locations(label)
+    drawn = [tumour_patch_start(label.shape, (4, 4, 4), locations, rng) for _ in range(800)]
+    share = np.mean([1 in label[tuple(slice(s, s + 4) for s in start)] for start in drawn])
+    assert 0.07 < share < 0.16  # class 1 is 1/9 of the tumour (±4 standard deviations of 800 draws)
+    empty = np.zeros((16, 16, 16), np.uint8)
+    assert all(0 <= s <= 8 for s in tumour_patch_start(empty.shape, (8, 8, 8), sample_locations(empty), rng))
 
 
 def test_nnunet_forces_foreground_in_the_last_third_of_every_batch():
@@ -63,16 +76,17 @@ def test_nnunet_forces_foreground_in_the_last_third_of_every_batch():
     label = np.zeros((32, 32, 32), np.uint8)
     label[2:4, 2:4, 2:4] = 1  # a small class far from a large one: drawn as often (class first, then a voxel)
     label[16:32, 16:32, 16:32] = 2
+    locations = sample_locations(label)
     rng = np.random.default_rng(0)
     held = []
     for _ in range(200):
-        start = class_patch_start(label.shape, (8, 8, 8), label, rng)
+        start = class_patch_start(label.shape, (8, 8, 8), locations, rng)
         window = label[tuple(slice(s, s + 8) for s in start)]
         held.append(1 in window)
         assert window.any()
     assert 0.35 < np.mean(held) < 0.65
     empty = np.zeros((16, 16, 16), np.uint8)
-    assert all(0 <= s <= 8 for s in class_patch_start(empty.shape, (8, 8, 8), empty, rng))
+    assert all(0 <= s <= 8 for s in class_patch_start(empty.shape, (8, 8, 8), sample_locations(empty), rng))
 
 
 def test_an_enlarged_crop_is_read_inside_the_volume_and_restored_on_the_device():
@@ -163,3 +177,75 @@ def test_two_ranks_never_draw_the_same_augmentation(data):
         draws[rank] = [dataset[key]["augment"] for key in sampler]
     assert len(draws[0]) == len(draws[1]) == 4
     assert not set(draws[0]) & set(draws[1]) and len(set(draws[0])) == 4
+
+
+def test_the_stored_locations_are_nnunets_sample(data):
+    """The class locations are those nnU-Net v2's preprocessing samples (`_sample_foreground_locations`, seed
+    1234), row for row: on a label with a class kept at 1% (over 10000), one at 10000, one kept whole and a
+    value the case does not hold; and in the cache, where they are sampled on the stored box."""
+    preprocessing = pytest.importorskip("nnunetv2.preprocessing.preprocessors.default_preprocessor")
+    theirs = preprocessing.DefaultPreprocessor._sample_foreground_locations
+    label = np.zeros((112, 112, 112), np.uint8)
+    label[:100, :100, :110] = 2  # 1,100,000 voxels: 11,000 kept
+    label[100:, :50, :] = 1  # 67,200: 10,000 kept
+    label[100:105, 60:70, 0:50] = 4  # 2,500: all kept, in a random order
+    ours = sample_locations(label)
+    reference = theirs(label[None], [1, 2, 3, 4])
+    assert ours.classes == [1, 2, 4] and len(reference[3]) == 0
+    assert [len(ours.rows[v]) for v in ours.classes] == [10000, 11000, 2500]
+    for value in ours.classes:
+        assert np.array_equal(ours.rows[value], reference[value][:, 1:]), value
+    _, cache = data
+    for case_id in list_prepared(cache):
+        prepared = load_prepared(cache, case_id)
+        stored, cube = prepared.class_locations(), np.asarray(prepared.label)
+        assert prepared.meta["stored_box"] != [[0, s] for s in cube.shape]  # the box is not the cube here
+        reference = theirs(cube[None], stored.classes)
+        assert stored.classes and all(np.array_equal(stored.rows[v], reference[v][:, 1:]) for v in stored.classes)
+
+
+@pytest.mark.parametrize("foreground", ["nnunet", 1.0])
+def test_a_patch_reads_only_its_window_of_the_label(data, monkeypatch, foreground):
+    """The corner comes from the stored locations: the label is read in the patch's window only (once, at
+    collate), and what is read is that window of the cube; patches on tumour hold tumour."""
+    _, cache = data
+    ids = list_prepared(cache)
+    dataset = CubeDataset(cache, ids, crop=(16, 16, 16), augment="none", seed=3, foreground=foreground, batch_size=2)
+    cubes = {case_id: np.asarray(load_prepared(cache, case_id).label) for case_id in ids}
+    reads, real_read = [], CachedVolume.read_into
+
+    def recorded_read(volume, out, slices=None):
+        reads.append((volume.path.name, slices))
+        real_read(volume, out, slices)
+
+    monkeypatch.setattr(CachedVolume, "read_into", recorded_read)
+    for position in range(8):
+        reads.clear()
+        batch = collate_samples([dataset[SampleKey(0, position, position % len(ids))]])
+        (label_read,) = [slices for name, slices in reads if name == "label.b2nd"]
+        assert [s.stop - s.start for s in label_read] == [16, 16, 16]
+        assert np.array_equal(batch.label[0].numpy(), cubes[batch.case_id[0]][label_read])
+        if foreground == 1.0 or position % 2:  # nnunet at batch 2: the second sample of each batch is forced
+            assert batch.label[0].any()
+
+
+def test_a_patch_run_on_entries_without_class_locations_is_refused_before_it_starts(data, tmp_path):
+    import json
+    import shutil
+
+    _, prepared = data
+    cache = tmp_path / "cache"
+    shutil.copytree(prepared, cache)
+    ids = list_prepared(cache)
+    meta = json.loads((cache / ids[1] / "meta.json").read_text())
+    del meta["class_locations"]
+    (cache / ids[1] / "meta.json").write_text(json.dumps(meta))
+    (cache / ids[1] / "class_locations.npy").unlink()
+    for foreground in ("nnunet", 0.33):
+        with pytest.raises(DataError, match=rf"cache {cache}: 1 of 4 case\(s\) \(e.g. {ids[1]}\) have no tumour-class "
+                                            r"locations .*run `brats-swap data prepare`"):
+            CubeDataset(cache, ids, crop=(16, 16, 16), foreground=foreground, batch_size=2)
+    # what does not centre patches on tumour does not need them: whole cubes, uniform patches, nnunet at batch 1
+    for kwargs in ({}, {"crop": (16, 16, 16), "foreground": 0.0}, {"crop": (16, 16, 16), "foreground": "nnunet"}):
+        sample = collate_samples([CubeDataset(cache, ids, seed=1, **kwargs)[SampleKey(0, 1, 1)]])
+        assert sample.case_id == [ids[1]]

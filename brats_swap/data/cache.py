@@ -6,6 +6,8 @@ Layout (stable, documented in docs/data.md), format 2:
                                      prepared cases of the last `prepare` (+ failures)
     CACHE/<case_id>/image.b2nd       the cube's content box (C, d, h, w) float16/float32, blosc2 (compressed.py)
     CACHE/<case_id>/label.b2nd       (d, h, w) uint8, raw label values of meta["edition"]'s table (absent: no seg)
+    CACHE/<case_id>/class_locations.npy  nnU-Net's sample of each tumour class's voxels, cube coordinates
+                                     (class_locations.py; absent: no seg, or an entry written before them)
     CACHE/<case_id>/meta.json        what `to_original_grid` needs + sources' fingerprints + settings + the
                                      stored box (`stored_box`) and `cache_format`
 
@@ -13,6 +15,10 @@ Layout (stable, documented in docs/data.md), format 2:
 tests) gets the arrays from it, as `CachedVolume`s the size of the cube. Entries of format 1 (uncompressed
 `image.npy` of the whole cube) are recognised by their meta.json and never read: `prepare` rebuilds them
 (one line says so) and `load_prepared` refuses them.
+
+Entries written before the class locations were stored are brought up to date by the next `prepare` (or a
+run's prepare step, also with `data.cache_only` when the cache is writable) from their own label: the
+NIfTI files are not read and the image is not compressed again (`add_locations_one`).
 
 `prepare_missing(data_cfg)` is what train/cv/compare call: it prepares whatever cases of `data.root` the
 cache lacks (or holds stale) before they read it, so one command goes from a download to a run.
@@ -47,6 +53,15 @@ import numpy as np
 from rich.console import Console
 
 from brats_swap.atomic import DISK_PROBLEMS, atomic_write_json, remove_stale_temp_files
+from brats_swap.data.class_locations import (
+    LOCATIONS_FILE,
+    META_KEY,
+    ClassLocations,
+    read_locations,
+    recorded_counts,
+    sample_locations,
+    write_locations,
+)
 from brats_swap.data.compressed import CachedVolume, content_box, write_volume
 from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
@@ -73,6 +88,17 @@ class PreparedCase:
     image: CachedVolume | np.ndarray  # (C, D, H, W) float16/float32: lazy (mmap=True) or read whole
     label: CachedVolume | np.ndarray | None  # (D, H, W) uint8, raw label values of meta["edition"]
     meta: dict[str, Any]
+    folder: Path | None = None  # the entry (None: not from a cache)
+
+    def class_locations(self) -> ClassLocations:
+        """The entry's tumour-class locations (class_locations.py), read and checked now. DataError for an
+        entry without them (written before the cache stored them: `prepare` adds them) or damaged."""
+        where = f"cache {self.folder.parent if self.folder else '?'}: case {self.case_id}"
+        if META_KEY not in self.meta or self.folder is None:
+            raise DataError(f"{where} has no tumour-class locations (prepared before the cache stored them); "
+                            f"{LOCATIONS_HINT}")
+        cube = tuple(self.meta["cube"])
+        return read_locations(self.folder / LOCATIONS_FILE, recorded_counts(self.meta, cube, where), cube)
 
 
 @dataclass
@@ -85,6 +111,7 @@ class PrepareReport:
     editions: dict[str, str] = field(default_factory=dict)  # case id -> label table, every case found
     removed_temp: int = 0  # stale temp folders of interrupted runs that were deleted
     old_format: int = 0  # entries of an older cache format found (rebuilt by this run)
+    located: list[str] = field(default_factory=list)  # up-to-date entries given their class locations by this run
     seconds: float = 0.0
 
     @property
@@ -119,6 +146,12 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
     if report.old_format:
         _say(console, f"{cache_dir}: {report.old_format} case(s) are in an older cache format (uncompressed "
                       f"image.npy); rebuilding them in format {CACHE_FORMAT} (compressed, docs/data.md)")
+    count = resolve_workers(workers if workers is not None else data_cfg.prepare_workers)
+    lacking = [case_id for case_id in report.up_to_date if _lacks_locations(entry_folder(cache_dir, case_id))]
+    broken = add_locations(cache_dir, lacking, count, report, progress=progress, console=console)
+    if broken:  # an entry whose label cannot be read: prepared again from its files
+        report.up_to_date = [case_id for case_id in report.up_to_date if case_id not in broken]
+        todo += [(case, source_fingerprints(case)) for case in cases if case.case_id in broken]
     space = DiskBudget(cache_dir, settings, len(todo), [entry_folder(cache_dir, c) for c in report.up_to_date])
 
     index_cases = {}
@@ -148,7 +181,6 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
         if problem is not None and strict:
             raise DataError(problem)
 
-    count = resolve_workers(workers if workers is not None else data_cfg.prepare_workers)
     try:
         run_cases(prepare_one, [(case, str(cache_dir), settings, sources) for case, sources in todo], count,
                   done=finished, failures=lambda: len(report.failed), description="prepare", progress=progress,
@@ -187,6 +219,74 @@ def _sort_cases(cases: list[Case], cache_dir: Path, settings: dict, report: Prep
     return todo
 
 
+LOCATIONS_PER_WORKER = 100  # entries given their class locations per worker process, at least
+LOCATIONS_HINT = ("run `brats-swap data prepare` (or a run with data.root, or with data.cache_only on a writable "
+                  "cache) to add them from the cached labels")
+
+
+def add_locations(cache_dir: Path, case_ids: list[str], workers: int, report: PrepareReport, *, progress: bool,
+                  console: Console | None) -> dict[str, str]:
+    """Give the entries `case_ids` (written before the cache stored class locations) their locations, from their
+    own cached label (`add_locations_one`), saying so in one line; the ones done go to `report.located`.
+    Returns case id -> problem for the entries whose label could not be read."""
+    if not case_ids:
+        return {}
+    _say(console, f"{cache_dir}: {len(case_ids)} case(s) were prepared before the cache stored their tumour-class "
+                  "locations; adding them from the cached labels (images and NIfTI files are not read again)")
+    broken: dict[str, str] = {}
+
+    def finished(result: tuple[str, str | None]) -> None:
+        case_id, problem = result
+        if problem is None:
+            report.located.append(case_id)
+        else:
+            broken[case_id] = problem
+
+    # A case takes ~0.07 s here and a spawned worker ~5 s to start (it imports torch): processes only for many.
+    workers = min(workers, max(1, len(case_ids) // LOCATIONS_PER_WORKER))
+    run_cases(add_locations_one, [(str(cache_dir), case_id) for case_id in case_ids], workers, done=finished,
+              failures=lambda: len(broken), description="class locations", progress=progress, console=console)
+    report.located.sort()
+    return broken
+
+
+def add_locations_one(cache_dir: str, case_id: str) -> tuple[str, str | None]:
+    """Sample one entry's class locations from its cached label (only the stored box is decompressed), write
+    them, then its meta.json (last: it marks the entry complete). (case_id, problem or None)."""
+    folder = entry_folder(Path(cache_dir), case_id)
+    remove_stale_temp_files(folder)  # a locations file an earlier, killed run was writing
+    try:
+        prepared = load_prepared(cache_dir, case_id)
+        box = prepared.meta["stored_box"]
+        label = prepared.label[tuple(slice(a, b) for a, b in box)]
+    except DataError as exc:
+        return case_id, str(exc)
+    locations = sample_locations(label, offset=tuple(a for a, _ in box))
+    try:
+        write_locations(folder / LOCATIONS_FILE, locations)
+        atomic_write_json(folder / META_FILE, {**prepared.meta, META_KEY: locations.counts()})
+    except OSError as exc:
+        problem = DISK_PROBLEMS.get(exc.errno) or exc.strerror or exc
+        raise CacheWriteError(f"cache {cache_dir}: cannot write the class locations of case {case_id} "
+                              f"({problem})") from exc
+    return case_id, None
+
+
+def require_locations(cache: str | os.PathLike, case_ids: list[str]) -> None:
+    """DataError in one line when some of `case_ids` have a label but no class locations (what patch training
+    with forced-foreground patches reads): refused before training starts, not in a loader worker mid-epoch."""
+    lacking = [case_id for case_id in case_ids if _lacks_locations(entry_folder(Path(cache), case_id))]
+    if lacking:
+        raise DataError(f"cache {cache}: {len(lacking)} of {len(case_ids)} case(s) (e.g. {lacking[0]}) have no "
+                        "tumour-class locations (prepared before the cache stored them), which patches on "
+                        f"tumour (train.patch_foreground) need; {LOCATIONS_HINT}")
+
+
+def _lacks_locations(folder: Path) -> bool:
+    meta = _read_meta(folder)
+    return meta is not None and bool(meta.get("has_label")) and META_KEY not in meta
+
+
 def _finished_on_disk(cache_dir: Path, todo, settings: dict, index_cases: dict, failed: dict) -> list[str]:
     """Cases of `todo` not yet recorded whose complete entry is on disk: those a worker finished while the run
     was stopping (Ctrl-C, an error), so that the index lists every case that is there."""
@@ -201,7 +301,8 @@ def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool =
     files and changed settings are prepared (with a progress bar), the rest is left as it is.
 
     With `data.cache_only` the cache is the data: it is used as it stands and `data.root` is not looked at
-    (a cache copied from elsewhere is enough to train). Otherwise a `data.root` that does not exist, or is
+    (a cache copied from elsewhere is enough to train); only entries without class locations get them, from
+    their own label, when the cache can be written (`add_locations`). Otherwise a `data.root` that does not exist, or is
     another dataset than the one the cache was prepared from, is refused (DataError naming both). Bad cases
     are skipped and listed in `report.failed`; DataError if no case is usable at all.
     """
@@ -210,7 +311,17 @@ def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool =
         prepared = list_prepared(cache) if cache.is_dir() else []
         if not prepared:
             raise DataError(f"{cache}: no prepared cases (data.cache), and data.cache_only is set")
-        return PrepareReport(cache=cache, up_to_date=prepared)
+        report = PrepareReport(cache=cache, up_to_date=prepared)
+        lacking = [case_id for case_id in prepared if _lacks_locations(entry_folder(cache, case_id))]
+        # Derived from the cache's own labels, so the cache alone can bring itself up to date; a read-only
+        # cache stays as it is (whole-cube runs do not need them; a patch run says so, `require_locations`).
+        if lacking and os.access(cache, os.W_OK):
+            count = resolve_workers(workers if workers is not None else data_cfg.prepare_workers)
+            broken = add_locations(cache, lacking, count, report, progress=progress, console=console)
+            if broken:
+                case_id, problem = next(iter(broken.items()))
+                raise DataError(problem if len(broken) == 1 else f"{problem} (and {len(broken) - 1} more case(s))")
+        return report
     if not root.is_dir():
         if not (list_prepared(cache) if cache.is_dir() else []):
             raise DataError(f"{cache}: no prepared cases (data.cache), and data.root {root} is not a folder "
@@ -273,7 +384,8 @@ def prepare_one(case: Case, cache_dir: str, settings: dict, sources: dict) -> tu
 
 def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndarray | None, meta: dict) -> None:
     """Write one case into a temp folder, then swap it into place (old entry removed afterwards). Only the
-    cube's content box is stored (compressed.py); `meta` gains `stored_box` and `cache_format`.
+    cube's content box is stored (compressed.py), with the label's class locations (class_locations.py);
+    `meta` gains `stored_box`, `cache_format` and `class_locations`.
 
     CacheWriteError when a folder of that name is there and is not an entry the cache wrote."""
     final = entry_folder(cache_dir, case_id)
@@ -281,8 +393,11 @@ def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndar
         raise CacheWriteError(f"cache {cache_dir}: {final} is there but was not written by brats-swap (no meta.json "
                               f"of case {case_id}); not replaced: move it away or use another cache folder")
     box = content_box(image, label)
-    meta.update(stored_box=box, cache_format=CACHE_FORMAT)
     inside = tuple(slice(a, b) for a, b in box)
+    locations = sample_locations(label[inside], offset=tuple(a for a, _ in box)) if label is not None else None
+    meta.update(stored_box=box, cache_format=CACHE_FORMAT)
+    if locations is not None:
+        meta[META_KEY] = locations.counts()
     nonce = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp = cache_dir / f".tmp-{case_id}-{nonce}"
     try:
@@ -290,6 +405,7 @@ def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndar
         write_volume(temp / IMAGE_FILE, image[(slice(None), *inside)])
         if label is not None:
             write_volume(temp / LABEL_FILE, label[inside])
+            write_locations(temp / LOCATIONS_FILE, locations)
         atomic_write_json(temp / META_FILE, meta)  # written last: its presence marks a complete entry
         old = cache_dir / f".old-{case_id}-{nonce}"
         if final.exists():
@@ -341,7 +457,7 @@ def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> 
         except (OSError, RuntimeError, ValueError) as exc:
             raise DataError(f"cache {Path(cache)}: case {case_id}: unreadable arrays ({exc}); "
                             "re-run `brats-swap data prepare`") from exc
-    return PreparedCase(case_id=case_id, image=image, label=label, meta=meta)
+    return PreparedCase(case_id=case_id, image=image, label=label, meta=meta, folder=folder)
 
 
 def source_fingerprints(case: Case) -> dict[str, dict[str, Any]]:
@@ -526,6 +642,7 @@ def _say(console: Console | None, line: str) -> None:
 
 __all__ = [
     "CacheWriteError", "INDEX_FILE", "PrepareReport", "PreparedCase", "cache_source", "check_source",
-    "clean_stale_temp", "estimate_case_bytes", "recorded_source",
+    "add_locations", "add_locations_one", "clean_stale_temp", "estimate_case_bytes", "recorded_source",
+    "require_locations",
     "list_prepared", "load_prepared", "prepare_dataset", "prepare_missing", "prepare_one", "source_fingerprints", "write_entry",
 ]

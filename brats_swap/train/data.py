@@ -30,8 +30,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from brats_swap import stop_signals
 from brats_swap.augment import get_recipe
 from brats_swap.config import Config, DataConfig
-from brats_swap.data.cache import PrepareReport, load_prepared, prepare_missing
+from brats_swap.data.cache import (
+    PreparedCase,
+    PrepareReport,
+    load_prepared,
+    prepare_missing,
+    require_locations,
+)
 from brats_swap.data.check import preparation_warnings
+from brats_swap.data.class_locations import ClassLocations
 from brats_swap.data.compressed import CachedVolume, CachedWindow
 from brats_swap.data.discovery import resolve_convention
 from brats_swap.data.workers import available_cpus
@@ -45,25 +52,14 @@ AUTO_LOADER_WORKERS_MAX = 12  # nnU-Net's default number of augmentation workers
 # Batches each DataLoader worker loads ahead (pinned on CUDA): the host memory `plan` reports counts them.
 LOADER_PREFETCH_FACTOR = 2
 
-def random_patch_start(
-    shape: Sequence[int], patch: Sequence[int], label: np.ndarray | None, rng: np.random.Generator,
-    foreground_fraction: float,
-) -> tuple[int, int, int]:
-    """Corner of a random patch; with probability `foreground_fraction` centred on a tumour voxel.
-
-    nnU-Net oversamples foreground (a third of patches) so that small tumours are seen often enough;
-    uniform patches of a 192³ cube miss enhancing tumour most of the time.
-    """
-    if label is not None and rng.random() < foreground_fraction:
-        tumour = np.flatnonzero(np.asarray(label).reshape(-1))
-        if tumour.size:
-            return patch_around(np.unravel_index(int(tumour[rng.integers(tumour.size)]), tuple(shape)), shape, patch)
+def random_patch_start(shape: Sequence[int], patch: Sequence[int], rng: np.random.Generator) -> tuple[int, int, int]:
+    """Corner of a patch placed uniformly inside the volume."""
     return tuple(int(rng.integers(s - p + 1)) for s, p in zip(shape, patch, strict=True))  # type: ignore[return-value]
 
 
 def patch_around(centre: Sequence[int], shape: Sequence[int], patch: Sequence[int]) -> tuple[int, int, int]:
     """Corner of the patch centred on `centre`, moved inside the volume."""
-    return tuple(int(min(max(c - p // 2, 0), s - p)) for c, p, s in zip(centre, patch, shape, strict=True))  # type: ignore[return-value]
+    return tuple(int(min(max(int(c) - p // 2, 0), s - p)) for c, p, s in zip(centre, patch, shape, strict=True))  # type: ignore[return-value]
 
 
 def nnunet_forced_foreground(position_in_batch: int, batch_size: int) -> bool:
@@ -72,16 +68,39 @@ def nnunet_forced_foreground(position_in_batch: int, batch_size: int) -> bool:
     return position_in_batch >= round(batch_size * (1 - 0.33))
 
 
-def class_patch_start(shape: Sequence[int], patch: Sequence[int], label: np.ndarray,
+def class_patch_start(shape: Sequence[int], patch: Sequence[int], locations: ClassLocations,
                       rng: np.random.Generator) -> tuple[int, int, int]:
-    """nnU-Net's forced-foreground patch: a tumour class present in the case drawn uniformly, then one of
-    its voxels, the patch centred on it; a case without tumour gets a uniform patch."""
-    values = np.asarray(label).reshape(-1)
-    present = [int(v) for v in np.flatnonzero(np.bincount(values)) if v != 0]  # one pass; np.unique sorts
-    if present:
-        voxels = np.flatnonzero(values == present[int(rng.integers(len(present)))])
-        return patch_around(np.unravel_index(int(voxels[rng.integers(voxels.size)]), tuple(shape)), shape, patch)
-    return random_patch_start(shape, patch, None, rng, 0.0)
+    """nnU-Net's forced-foreground patch (`nnUNetDataLoader.get_bbox`): a tumour class present in the case drawn
+    uniformly, then one of its stored voxels (`ClassLocations`, sampled at prepare), the patch centred on it;
+    a case without tumour gets a uniform patch."""
+    classes = locations.classes
+    if not classes:
+        return random_patch_start(shape, patch, rng)
+    return around_stored_voxel(locations, classes[int(rng.integers(len(classes)))], shape, patch, rng)
+
+
+def tumour_patch_start(shape: Sequence[int], patch: Sequence[int], locations: ClassLocations,
+                       rng: np.random.Generator) -> tuple[int, int, int]:
+    """A patch centred on a tumour voxel, every tumour voxel as likely (`train.patch_foreground` a number): the
+    class drawn by its share of the case's tumour voxels, then one of its stored voxels, a uniform sample of
+    them. A case without tumour gets a uniform patch.
+
+    nnU-Net oversamples foreground (a third of patches) so that small tumours are seen often enough;
+    uniform patches of a 192³ cube miss enhancing tumour most of the time.
+    """
+    classes = locations.classes
+    if not classes:
+        return random_patch_start(shape, patch, rng)
+    shares = np.cumsum([locations.voxels[value] for value in classes])
+    value = classes[int(np.searchsorted(shares, rng.integers(shares[-1]), side="right"))]
+    return around_stored_voxel(locations, value, shape, patch, rng)
+
+
+def around_stored_voxel(locations: ClassLocations, value: int, shape: Sequence[int], patch: Sequence[int],
+                        rng: np.random.Generator) -> tuple[int, int, int]:
+    """The patch centred on one of class `value`'s stored voxels, drawn uniformly (nnU-Net's `get_bbox`)."""
+    rows = locations.rows[value]
+    return patch_around(rows[int(rng.integers(len(rows)))], shape, patch)
 
 
 def enlarged_window(start: Sequence[int], patch: Sequence[int], read: Sequence[int], shape: Sequence[int]
@@ -170,12 +189,14 @@ class CubeDataset(Dataset):
             nnU-Net's enlarged patch around the patch.
         seed: base seed of every random choice.
         foreground: share of patches centred on a tumour voxel, or "nnunet" (nnU-Net's rule: the last third
-            of every batch holds a voxel of a tumour class present in the case).
+            of every batch holds a voxel of a tumour class present in the case). Both draw the voxel from the
+            class locations the cache stores per case (`PreparedCase.class_locations`): DataError at once when
+            a case lacks them (`require_locations`).
         batch_size, world_size: the per-rank batch and the ranks, where a sample sits in its batch ("nnunet").
         channels: the image channels (the nnU-Net recipes draw per-channel parameters).
 
     Items are dicts: `image` in the cache's dtype (float16 by default; C, *crop), `label` uint8 (*crop): the
-    cube's `CachedVolume`s or the patch's `CachedWindow` (image) and numpy array (label); `collate_samples`
+    cube's `CachedVolume`s or the patch's `CachedWindow`s, not read yet; `collate_samples`
     decompresses the cached ones straight into the batch, `augment` the sample's parameters
     (None for a plain int key), `pad` the widths that restore an enlarged crop from what was read (None: the
     arrays are the sample, `enlarged_window`), `case_id` str.
@@ -196,6 +217,14 @@ class CubeDataset(Dataset):
         self.seed = seed
         self.foreground = foreground
         self.batch_size, self.world_size, self.channels = batch_size, world_size, channels
+        if self.crop is not None and self.draws_tumour_patches():
+            require_locations(self.cache, self.case_ids)
+
+    def draws_tumour_patches(self) -> bool:
+        """Whether some patches are centred on tumour (they read the cases' class locations)."""
+        if self.foreground == "nnunet":
+            return nnunet_forced_foreground(self.batch_size - 1, self.batch_size)
+        return float(self.foreground) > 0
 
     def __len__(self) -> int:
         return len(self.case_ids) * self.patches_per_case
@@ -217,26 +246,29 @@ class CubeDataset(Dataset):
             # the batch (in the worker), the device converts them.
             params = recipe.draw(rng, label.shape, self.channels) if rng is not None else None
             return {"image": image, "label": label, "augment": params, "pad": None, "case_id": case_id}
-        label = np.asarray(label)  # the patch's corner may look at every tumour voxel: decompressed once, 7 MB
-        start = self.patch_start(key, label, rng)
+        # The corner comes from the stored class locations: the label too is read in the window only, at collate.
+        start = self.patch_start(key, prepared, rng)
         read = recipe.crop_size(self.crop, patch_mode=True) if rng is not None else self.crop
         window, pad = enlarged_window(start, self.crop, read, label.shape)
         params = recipe.draw(rng, self.crop, self.channels) if rng is not None else None
-        return {"image": image.window((slice(None), *window)), "label": label[window], "augment": params,
+        return {"image": image.window((slice(None), *window)), "label": label.window(window), "augment": params,
                 "pad": pad if any(pad) else None, "case_id": case_id}
 
-    def patch_start(self, key: SampleKey | int, label: np.ndarray, rng: np.random.Generator | None
+    def patch_start(self, key: SampleKey | int, case: PreparedCase, rng: np.random.Generator | None
                     ) -> tuple[int, int, int]:
         """The patch's corner: the centre patch for a plain int key (validation), else `train.patch_foreground`'s."""
+        shape = case.label.shape
         if rng is None:
-            return tuple((s - p) // 2 for s, p in zip(label.shape, self.crop, strict=True))  # type: ignore[return-value]
+            return tuple((s - p) // 2 for s, p in zip(shape, self.crop, strict=True))  # type: ignore[return-value]
         if self.foreground != "nnunet":
-            return random_patch_start(label.shape, self.crop, label, rng, float(self.foreground))
+            if rng.random() < float(self.foreground):
+                return tumour_patch_start(shape, self.crop, case.class_locations(), rng)
+            return random_patch_start(shape, self.crop, rng)
         global_batch = self.batch_size * self.world_size  # RankShardSampler deals positions round-robin
         assert isinstance(key, SampleKey)
         if nnunet_forced_foreground((key.position % global_batch) // self.world_size, self.batch_size):
-            return class_patch_start(label.shape, self.crop, label, rng)
-        return random_patch_start(label.shape, self.crop, None, rng, 0.0)
+            return class_patch_start(shape, self.crop, case.class_locations(), rng)
+        return random_patch_start(shape, self.crop, rng)
 
 
 class EpochSampler(Sampler):
