@@ -138,14 +138,23 @@ def timed_in_workers(work) -> dict:
 
 
 def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | None, samples: int) -> list[float]:
-    """CPU seconds of one loader worker's job per sample (read, crop, draw, collate) on one thread."""
+    """CPU seconds of one loader worker's job per sample (read, crop, draw, collate) on one thread, its batch
+    in shared memory as a DataLoader worker makes it (`train.data.stacked` asks `get_worker_info`, answered
+    here as in a worker: shared memory takes no huge pages, so its first-touch page faults are part of the
+    cost; the main process's own buffers would be cheaper)."""
+    import brats_swap.train.data as train_data
+
     dataset = CubeDataset(cache, ids, crop=patch, augment="nnunet", seed=0, foreground="nnunet", batch_size=2,
                           channels=4)
     times = []
-    for position in range(samples):
-        started = time.process_time()
-        collate_samples([dataset[SampleKey(0, position, position % len(dataset))]])
-        times.append(time.process_time() - started)
+    worker_info, train_data.get_worker_info = train_data.get_worker_info, lambda: "bench: as in a worker"
+    try:
+        for position in range(samples):
+            started = time.process_time()
+            collate_samples([dataset[SampleKey(0, position, position % len(dataset))]])
+            times.append(time.process_time() - started)
+    finally:
+        train_data.get_worker_info = worker_info
     return times
 
 

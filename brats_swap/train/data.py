@@ -16,6 +16,7 @@ The sampler hands the dataset keys `(epoch, position, index)` instead of bare in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import weakref
@@ -318,6 +319,34 @@ def seed_worker(worker_id: int) -> None:
     stop_signals.ignore(stop_signals.STOP_SIGNALS)
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a mapping's pages in, writable, in one call
+
+
+@functools.cache
+def _madvise():
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise
+    except (OSError, AttributeError):  # no C library to ask (not Linux)
+        return None
+
+
+def populate_pages(tensor: torch.Tensor) -> None:
+    """Fault in the pages of a fresh shared-memory batch in one call before it is written. A worker's batch
+    lives in shared memory (no huge pages there), and touching it page by page costs a fault per 4 KiB: 16
+    thousand for a 192³ whole-cube sample, 0.06 CPU s of a 0.12 s sample; populated at once, 0.01 s less
+    (scripts/bench_scale.py). Nothing happens where the kernel does not know the call (before Linux 5.14)."""
+    madvise = _madvise()
+    if madvise is None or tensor.numel() == 0:
+        return
+    start = tensor.data_ptr() - tensor.data_ptr() % PAGE_BYTES
+    madvise(start, tensor.data_ptr() + tensor.numel() * tensor.element_size() - start, MADV_POPULATE_WRITE)
+
+
 def stacked(arrays: Sequence[np.ndarray | CachedVolume | CachedWindow]) -> torch.Tensor:
     """The arrays stacked into one tensor. A cube or a window of one from the cache (`CachedVolume`,
     `CachedWindow`) is decompressed straight into its place; numpy stacks the rest (torch's CPU stack of float16 is several times slower). In a loader worker the
@@ -330,6 +359,7 @@ def stacked(arrays: Sequence[np.ndarray | CachedVolume | CachedWindow]) -> torch
     else:
         storage = template._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
         out = template.new(storage).resize_(shape)
+        populate_pages(out)
     if any(isinstance(a, CachedVolume | CachedWindow) for a in arrays):
         for array, place in zip(arrays, out.numpy(), strict=True):
             array.read_into(place) if isinstance(array, CachedVolume | CachedWindow) else np.copyto(place, array)
