@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                        workers=workers))
         prepare = timed_in_workers(lambda: prepare_dataset(root, cache, data_cfg, workers=workers, progress=False))
         ids = list_prepared(cache)
+        os.sync()  # the kernel's writeback of the cache just written would otherwise share the cores with the loader
         loader = {"whole": loader_cpu_seconds(cache, ids, None, args.samples),
                   "patch": loader_cpu_seconds(cache, ids, tuple(args.patch), args.samples)}
         cold = cold_reads(cache, ids[: args.cold], Path(tmp) / "format1")
