@@ -7,8 +7,9 @@ phantoms are 57 x 46 x 35 voxels: non-cubic, and neither they nor their brain cr
 so tiles overlap unevenly and the steps matter; the second case is small enough that one crop axis is
 shorter than the patch (padding).
 
-What remains different, and why: nnU-Net sums the weighted logits and the weights in float16, brats-swap in
-float32 (brats_swap.evaluate.nnunet_inference), and nnU-Net runs the network on its (z, y, x) axis order with
+What remains different, and why: both sum the weighted logits and the weights in float16, but brats-swap
+visits the tiles in (x, y, z) order and nnU-Net in its (z, y, x) order, so the float16 sums round in another
+order (brats_swap.evaluate.nnunet_inference); and nnU-Net runs the network on its (z, y, x) axis order with
 the kernels as trained where brats-swap runs the permuted kernels on (x, y, z); both are roundings of the
 same sums. They move probabilities by well under 1e-2 and flip only voxels whose probability is within
 that of 0.5. (The predict before nnU-Net's rules, which slid MONAI's window over the case zero-padded to

@@ -331,7 +331,7 @@ def _madvise():
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc.madvise
-    except (OSError, AttributeError):  # no C library to ask (not Linux)
+    except (OSError, AttributeError, TypeError):  # no C library to ask (Windows)
         return None
 
 
