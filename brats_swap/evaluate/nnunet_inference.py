@@ -38,9 +38,11 @@ tile edges reach (tiny weights) gets its logit rounded coarsely, to 0 near the c
 in nnU-Net; float32 sums would be more precise there but disagree with nnU-Net on those voxels. The input
 is never rounded: the image stays float32 from the file to the network.
 
-What is not reproduced: the tile order: tiles are visited in brats-swap's (x, y, z) order, nnU-Net's in
-its own (z, y, x), so the float16 sums round in another order (a difference of float16 rounding,
-tests/test_nnunet_predict.py and tests/test_nnunet_resampling.py bound it).
+The tiles are visited in nnU-Net's order too, its loops nested over its own axes (`evaluate.nnunet_axes`), so
+each voxel's float16 sum adds the same tiles in the same order: visited in brats-swap's (x, y, z) order, 1 voxel
+in 10^5 of tests/test_nnunet_predict.py's phantoms flipped and the probabilities moved by 4e-6 on average; in
+nnU-Net's order every label agrees and they move by 3e-8 (what is left is the network's float32 rounding on
+permuted axes).
 """
 
 from __future__ import annotations
@@ -163,15 +165,22 @@ def mirrored_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], tiles: to
 def sliding_window_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor,
                           patch: Sequence[int], out_channels: int, *, step_size: float = 0.5, gaussian: bool = True,
                           mirror_axes: Sequence[int] = (), batch_size: int = 1,
-                          device: torch.device = torch.device("cpu")) -> torch.Tensor:
+                          device: torch.device = torch.device("cpu"),
+                          tile_order: Sequence[int] = (0, 1, 2)) -> torch.Tensor:
     """(K, X, Y, Z) float16 logits of a (C, X, Y, Z) image, nnU-Net's sliding window (module docstring, 3-5).
     `batch_size` tiles go through the network at once (each tile's logits are the same as alone: the network
-    normalises per instance). The sums live on `device` and come back to the CPU at the end."""
+    normalises per instance). The sums live on `device` and come back to the CPU at the end. Tiles are
+    visited with their loops nested over the axes in `tile_order`, outermost first: nnU-Net's own axis order
+    (`evaluate.nnunet_axes`), so that each voxel's float16 sum adds its tiles in nnU-Net's order."""
     patch = tuple(int(p) for p in patch)
     padded, keep = pad_to_patch(image.to(torch.float32), patch)
     padded = padded.to(device)
     spatial = tuple(padded.shape[1:])
-    starts = list(itertools.product(*compute_steps(spatial, patch, step_size)))
+    steps, order = compute_steps(spatial, patch, step_size), tuple(int(a) for a in tile_order)
+    if sorted(order) != [0, 1, 2]:
+        raise ConfigError(f"evaluate.nnunet_axes {list(order)}: expected an order of the axes 0, 1, 2")
+    starts = [tuple(combo[order.index(axis)] for axis in range(3))
+              for combo in itertools.product(*(steps[axis] for axis in order))]
     weights = importance_map(patch).to(device) if gaussian else None
     # float16 sums, as nnU-Net's `predicted_logits` and `n_predictions` (module docstring).
     total = torch.zeros((out_channels, *spatial), dtype=torch.float16, device=device)
@@ -224,7 +233,8 @@ def case_logits(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, 
         logits = sliding_window_logits(
             network_logits(model), cropped, config.train.patch, int(model.out_channels),
             step_size=step_size_of(evaluate.sw_overlap), gaussian=evaluate.sw_blend == "gaussian",
-            mirror_axes=evaluate.mirror_axes if tta else (), batch_size=evaluate.sw_batch_size, device=device)
+            mirror_axes=evaluate.mirror_axes if tta else (), batch_size=evaluate.sw_batch_size, device=device,
+            tile_order=evaluate.nnunet_axes)
         total = logits if total is None else total.add_(logits)  # float16, as nnU-Net sums its folds
     if len(members) > 1:
         total /= len(members)
