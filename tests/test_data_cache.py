@@ -355,6 +355,18 @@ def test_a_damaged_class_locations_file_is_one_line_and_never_read_past_its_boun
     assert "\n" not in str(error.value)
 
 
+def test_a_class_locations_fifo_is_refused_without_blocking(dataset):
+    """A cache copied from elsewhere (data.cache_only) whose class_locations.npy is a named pipe: one line, no
+    wait for a writer that never comes (a loader worker would hang)."""
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    path = cache / IDS[0] / "class_locations.npy"
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(DataError, match=r"class_locations.npy: a FIFO \(named pipe\), not a regular file"):
+        load_prepared(cache, IDS[0]).class_locations()
+
+
 def test_an_entry_whose_label_cannot_be_read_is_prepared_again_instead(dataset):
     root, cache, _ = dataset
     prepare_dataset(root, cache, _config(), progress=False)
@@ -366,3 +378,21 @@ def test_an_entry_whose_label_cannot_be_read_is_prepared_again_instead(dataset):
     assert report.prepared == [IDS[1]] and report.located == [] and report.up_to_date == [IDS[0], IDS[2]]
     assert (cache / IDS[1] / "class_locations.npy").read_bytes() == expected
     assert list_prepared(cache) == IDS
+
+
+def test_a_meta_or_index_fifo_never_blocks_prepare(dataset):
+    """meta.json and index.json are read only as regular files. A named pipe as index.json: the index is
+    unknown and written again. A named pipe as an entry's meta.json: the folder is not recognised as an entry
+    brats-swap wrote, and is refused in one line, left as it is. Neither waits for a writer."""
+    root, cache, _ = dataset
+    prepare_dataset(root, cache, _config(), progress=False)
+    (cache / "index.json").unlink()
+    os.mkfifo(cache / "index.json")
+    assert prepare_dataset(root, cache, _config(), progress=False).up_to_date == IDS
+    assert list_prepared(cache) == IDS
+    meta = cache / IDS[1] / "meta.json"
+    meta.unlink()
+    os.mkfifo(meta)
+    with pytest.raises(DataError, match=rf"{IDS[1]} is there but was not written by brats-swap") as error:
+        prepare_dataset(root, cache, _config(), progress=False)
+    assert "\n" not in str(error.value) and meta.exists()

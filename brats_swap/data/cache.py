@@ -68,6 +68,7 @@ from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
 from brats_swap.data.workers import log_console, resolve_workers, run_cases
 from brats_swap.errors import DataError, case_problem
+from brats_swap.foreign_files import open_regular
 from brats_swap.names import name_problem, path_inside
 
 INDEX_FILE = "index.json"
@@ -538,11 +539,18 @@ def _is_old_format(folder: Path) -> bool:
 
 
 def _read_meta(folder: Path) -> dict | None:
+    return _read_json_object(folder / META_FILE)
+
+
+def _read_json_object(path: Path) -> dict | None:
+    """A cache JSON file's object; None when it is missing, unreadable, not a regular file (a FIFO would block
+    the reader) or not a JSON object."""
     try:
-        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        with open_regular(path, str(path)) as handle:
+            value = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError, DataError):
         return None
-    return meta if isinstance(meta, dict) else None
+    return value if isinstance(value, dict) else None
 
 
 def _note_cropped(report: PrepareReport, case_id: str, meta: dict | None, settings: dict) -> None:
@@ -557,11 +565,7 @@ def _index_entry(meta: dict | None) -> dict:
 
 
 def _read_index(cache_dir: Path) -> dict:
-    try:
-        index = json.loads((cache_dir / INDEX_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return index if isinstance(index, dict) else {}
+    return _read_json_object(cache_dir / INDEX_FILE) or {}
 
 
 def _write_index(cache_dir: Path, source: dict, settings: dict, cases: dict, failed: dict) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from brats_swap.atomic import atomic_path
 from brats_swap.errors import DataError
+from brats_swap.foreign_files import open_regular
 
 LOCATIONS_FILE = "class_locations.npy"
 META_KEY = "class_locations"  # meta.json: {"<label value>": [voxels in the cube, rows stored], ...}
@@ -113,7 +114,7 @@ def read_locations(path: Path, counts: dict[int, tuple[int, int]], cube: tuple[i
     allocated: its header must say exactly the rows meta.json lists, and every row must lie in the cube."""
     expected = (sum(rows for _, rows in counts.values()), 3)
     try:
-        with open(path, "rb") as handle:
+        with open_regular(path, f"case {path.parent.name}: {path}") as handle:  # a FIFO would block a worker
             version = np.lib.format.read_magic(handle)
             read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                            else np.lib.format.read_array_header_2_0)

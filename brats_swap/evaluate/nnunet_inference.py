@@ -176,9 +176,7 @@ def sliding_window_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], ima
     padded, keep = pad_to_patch(image.to(torch.float32), patch)
     padded = padded.to(device)
     spatial = tuple(padded.shape[1:])
-    steps, order = compute_steps(spatial, patch, step_size), tuple(int(a) for a in tile_order)
-    if sorted(order) != [0, 1, 2]:
-        raise ConfigError(f"evaluate.nnunet_axes {list(order)}: expected an order of the axes 0, 1, 2")
+    steps, order = compute_steps(spatial, patch, step_size), tuple(int(a) for a in tile_order)  # checked by the config loader
     starts = [tuple(combo[order.index(axis)] for axis in range(3))
               for combo in itertools.product(*(steps[axis] for axis in order))]
     weights = importance_map(patch).to(device) if gaussian else None
