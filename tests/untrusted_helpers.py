@@ -16,7 +16,7 @@ import sys
 import textwrap
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,6 +42,26 @@ def run_capped(script: str, *args: str, timeout: float = 60, cap: int = 2 * GIB,
                               timeout=timeout, preexec_fn=limit, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail(f"still running after {timeout} s: {hang}")
+
+
+def read_volumes_capped(folder: Path, case_id: str, names: Sequence[str], headroom_bytes: int) -> list[str]:
+    """`read_volume` on each `<name>.nii.gz` of `folder` in a fresh interpreter whose address space is
+    `headroom_bytes` above its own (`run_capped`, `memory_limit`): the DataError lines it printed, in order."""
+    result = run_capped(f"""
+        import sys
+        from pathlib import Path
+        from brats_swap.data.nifti import read_volume
+        from brats_swap.errors import DataError
+        from untrusted_helpers import memory_limit
+        memory_limit({int(headroom_bytes)}).__enter__()
+        for name in {list(names)!r}:
+            try:
+                read_volume({case_id!r}, Path(sys.argv[1]) / f"{{name}}.nii.gz")
+            except DataError as exc:
+                print(exc)
+        """, str(folder))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.splitlines()
 
 
 @contextmanager
