@@ -7,9 +7,10 @@ against a training step.
 On `--cases` phantom cases (brats_swap.data.phantom, 240x240x155) prepared to a 192³ cube in the cache's float16,
 one process, one torch thread (so seconds are per core), median over `--repeats` draws per case:
 
-- `brats_swap loader`: what a DataLoader worker does for one sample of `train.augment: nnunet`: read the memory
-  map, crop (at 160x192x160 nnU-Net's enlarged crop around a patch with nnU-Net's foreground rule; at 192³ the
-  whole cube), draw the sample's augmentation parameters, collate; pinning is timed too where CUDA is present.
+- `brats_swap loader`: what a DataLoader worker does for one sample of `train.augment: nnunet`: decompress the
+  cache's chunks, crop (at 160x192x160 nnU-Net's enlarged crop around a patch with nnU-Net's foreground rule; at 192³ the
+  whole cube), draw the sample's augmentation parameters, collate into ordinary memory (a worker's batch is
+  shared memory: scripts/bench_scale.py times that); pinning is timed too where CUDA is present.
 - `batchgeneratorsv2 nnunet`: nnU-Net v2's `get_training_transforms` (batchgeneratorsv2, nnU-Net's
   parameters, BraTS regions and deep-supervision targets) on the same cases: at 192³ the transforms on the
   whole cube, at 160x192x160 on nnU-Net's enlarged crop. Its data loader's reading is not included.

@@ -10,9 +10,10 @@ N phantoms (brats_swap.data.phantom: BraTS 2021 names, int16, gzip, 1 mm) are wr
   process may use); wall seconds, and the CPU seconds of the worker processes per case (what a case costs
   whatever the number of cores);
 - bytes: the source files and the cache entries per case; the format-1 entry (the whole cube as `.npy`) beside;
-- loader: one DataLoader worker's job per sample (`CubeDataset` + `collate_samples`, the nnunet recipe's
+- loader: one DataLoader worker's job per sample (`CubeDataset` + the loaders' collate, the nnunet recipe's
   draws and foreground rule) in this process on one thread: CPU seconds per sample in whole-volume mode (the
-  cube) and patch mode (`--patch`, nnU-Net's enlarged crop around it), goal <= 0.10 s;
+  cube) and patch mode (`--patch`, nnU-Net's enlarged crop around it), goal <= 0.10 s, with the batches
+  pinned as on a GPU (the worker reuses its shared-memory slots) and unpinned as on the CPU (fresh);
 - cold read: a whole case read after its files were dropped from the page cache (posix_fadvise DONTNEED),
   format 2 (`load_prepared`) against format 1 (`np.load` of the cube's `.npy`), median over `--cold` cases;
 - peak memory: the largest resident set of this process and of any worker process.
@@ -45,7 +46,8 @@ from brats_swap.data.cache import list_prepared, load_prepared, prepare_dataset
 from brats_swap.data.check import check_dataset
 from brats_swap.data.phantom import synthesize_dataset
 from brats_swap.data.workers import available_cpus, resolve_workers
-from brats_swap.train.data import CubeDataset, SampleKey, collate_samples, stacked
+from brats_swap.train.data import CubeDataset, SampleKey, loader_collate, stacked
+from brats_swap.train.shared_batches import free_slot
 
 GOAL_LOADER_S = 0.10
 GOAL_BYTES_PER_CASE = 25e6
@@ -81,8 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
         prepare = timed_in_workers(lambda: prepare_dataset(root, cache, data_cfg, workers=workers, progress=False))
         ids = list_prepared(cache)
         os.sync()  # the kernel's writeback of the cache just written would otherwise share the cores with the loader
-        loader = {"whole": loader_cpu_seconds(cache, ids, None, args.samples),
-                  "patch": loader_cpu_seconds(cache, ids, tuple(args.patch), args.samples)}
+        loader = {pinned: {"whole": loader_cpu_seconds(cache, ids, None, args.samples, pinned=pinned),
+                           "patch": loader_cpu_seconds(cache, ids, tuple(args.patch), args.samples, pinned=pinned)}
+                  for pinned in (True, False)}
         cold = cold_reads(cache, ids[: args.cold], Path(tmp) / "format1")
         source_bytes = sum(f.stat().st_size for f in root.rglob("*.nii.gz")) / args.cases
         cache_bytes = sum(f.stat().st_size for case in ids for f in (cache / case).iterdir()) / len(ids)
@@ -94,8 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
         "prepare": {"wall_seconds": prepare["wall"], "cpu_seconds_per_case": prepare["cpu"] / args.cases,
                     "prepared": len(prepare["value"].prepared), "failed": len(prepare["value"].failed)},
         "bytes_per_case": {"source": source_bytes, "cache": cache_bytes, "cache_format1": cold["format1_bytes"]},
-        "loader_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader.items()},
-        "loader_all": loader,
+        "loader_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader[True].items()},
+        "loader_unpinned_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader[False].items()},
+        "loader_all": {"pinned": loader[True], "unpinned": loader[False]},
         "cold_read_seconds": {"format2": cold["format2"], "format1": cold["format1"]},
         "whole_case_into_batch_cpu_seconds": {"format2": cold["batch_format2"], "format1": cold["batch_format1"]},
         "peak_rss_bytes": {"main": _rss(resource.RUSAGE_SELF), "largest_worker": _rss(resource.RUSAGE_CHILDREN)},
@@ -138,22 +142,28 @@ def timed_in_workers(work) -> dict:
     return {"wall": time.perf_counter() - started, "cpu": cpu() - cpu_before, "value": value}
 
 
-def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | None, samples: int) -> list[float]:
+def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | None, samples: int, *, pinned: bool
+                       ) -> list[float]:
     """CPU seconds of one loader worker's job per sample (read, crop, draw, collate) on one thread, its batch
-    in shared memory as a DataLoader worker makes it (`train.data.stacked` asks `get_worker_info`, answered
-    here as in a worker: shared memory takes no huge pages, so its first-touch page faults are part of the
-    cost; the main process's own buffers would be cheaper)."""
+    in shared memory as a DataLoader worker makes it (`collate_samples` asks `get_worker_info`, answered here
+    as in a worker). `pinned`: as when training on a GPU, the worker reuses its slots, each freed after the
+    sample as the main process's pin thread frees it once it has copied the batch (`LoaderBatch.pin_memory`);
+    otherwise (training on the CPU) each batch is fresh shared memory, whose first-touch page faults are part of
+    the cost."""
     import brats_swap.train.data as train_data
 
     dataset = CubeDataset(cache, ids, crop=patch, augment="nnunet", seed=0, foreground="nnunet", batch_size=2,
                           channels=4)
+    collate = loader_collate(pinned=pinned)
     times = []
     worker_info, train_data.get_worker_info = train_data.get_worker_info, lambda: "bench: as in a worker"
     try:
         for position in range(samples):
             started = time.process_time()
-            collate_samples([dataset[SampleKey(0, position, position % len(dataset))]])
+            batch = collate([dataset[SampleKey(0, position, position % len(dataset))]])
             times.append(time.process_time() - started)
+            if batch.in_slot:
+                free_slot(batch.image)
     finally:
         train_data.get_worker_info = worker_info
     return times
@@ -223,6 +233,7 @@ def extrapolate(result: dict) -> list[dict]:
 def markdown_table(result: dict) -> str:
     shape, cube = "×".join(map(str, result["shape"])), "×".join(map(str, result["cube"]))
     loader, cold, bytes_ = result["loader_cpu_seconds_per_sample"], result["cold_read_seconds"], result["bytes_per_case"]
+    unpinned, patch = result["loader_unpinned_cpu_seconds_per_sample"], "×".join(map(str, result["patch"]))
     lines = [
         f"{result['cases']} phantoms {shape} → {cube} ({result['fit']}, float16), {result['workers']} worker processes "
         f"on {result['machine']['cpus_available']} available CPUs; load average before/after "
@@ -237,8 +248,10 @@ def markdown_table(result: dict) -> str:
         f"| source MB per case | {bytes_['source'] / 1e6:.1f} |",
         f"| cache MB per case (format 2; goal ≤ 25) | {bytes_['cache'] / 1e6:.1f} |",
         f"| cache MB per case, format 1 (whole cube `.npy`) | {bytes_['cache_format1'] / 1e6:.1f} |",
-        f"| loader CPU s per sample, whole {cube} (goal ≤ 0.10) | {loader['whole']:.3f} |",
-        f"| loader CPU s per sample, patch {'×'.join(map(str, result['patch']))} (goal ≤ 0.10) | {loader['patch']:.3f} |",
+        f"| loader CPU s per sample, whole {cube}, batches pinned (GPU training; goal ≤ 0.10) | {loader['whole']:.3f} |",
+        f"| loader CPU s per sample, patch {patch}, batches pinned (GPU training; goal ≤ 0.10) | {loader['patch']:.3f} |",
+        f"| loader CPU s per sample, whole {cube} / patch {patch}, unpinned (CPU training) | "
+        f"{unpinned['whole']:.3f} / {unpinned['patch']:.3f} |",
         f"| whole case into a batch tensor, CPU s: format 2 / format 1 | "
         f"{result['whole_case_into_batch_cpu_seconds']['format2']:.3f} / "
         f"{result['whole_case_into_batch_cpu_seconds']['format1']:.3f} |",

@@ -605,7 +605,7 @@ def stage_augment(check: Check) -> dict:
     from brats_swap.train.data import (
         CubeDataset,
         EpochSampler,
-        collate_samples,
+        loader_collate,
         loader_worker_count,
         seed_worker,
     )
@@ -624,7 +624,7 @@ def stage_augment(check: Check) -> dict:
                         workers=workers_prepare, progress=False)
         dataset = CubeDataset(cache, list_prepared(cache), augment="nnunet", batch_size=batch, channels=4)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=EpochSampler(len(dataset), batch * steps, 0),
-                                             num_workers=workers, collate_fn=collate_samples,
+                                             num_workers=workers, collate_fn=loader_collate(pinned=device.type == "cuda"),
                                              pin_memory=device.type == "cuda", worker_init_fn=seed_worker)
         to_device = DeviceBatches("nnunet", device, edition="2021", outputs="labels", regions=(),
                                   sample_size=(cube,) * 3)

@@ -82,7 +82,8 @@ def test_fold_tasks_ask_for_cpus_and_memory_from_the_config(tmp_path, monkeypatc
     threads = load_config(None, [*TINY, "data.loader_workers=3", "train.threads=4", "name=tiny"])
     assert "#SBATCH --cpus-per-task=7" in cv_script(threads, run, [0], SlurmOptions(gpus_per_fold=0))
     host = host_memory(config, 0)
-    assert host.loader_bytes == 3 * 2 * 2 * 16**3 * (2 * 4 + 1)  # workers x prefetch x batch x (fp16 x 4 + u8)
+    # workers x (prefetch + shared-memory slots) x batch x (fp16 x 4 + u8)
+    assert host.loader_bytes == 3 * (2 + 2) * 2 * 16**3 * (2 * 4 + 1)
     mem = math.ceil(2 * (PROCESS_BYTES + 3 * WORKER_BYTES + host.total_bytes) / GIB)
     assert f"#SBATCH --mem={mem}G" in two_gpus
     given = cv_script(config, run, [0], SlurmOptions(gpus_per_fold=1, cpus_per_fold=5, mem="20G"))

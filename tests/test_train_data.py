@@ -21,7 +21,6 @@ from brats_swap.train.data import (
     enlarged_window,
     loader_worker_count,
     nnunet_forced_foreground,
-    populate_pages,
     tumour_patch_start,
 )
 
@@ -250,27 +249,3 @@ def test_a_patch_run_on_entries_without_class_locations_is_refused_before_it_sta
     for kwargs in ({}, {"crop": (16, 16, 16), "foreground": 0.0}, {"crop": (16, 16, 16), "foreground": "nnunet"}):
         sample = collate_samples([CubeDataset(cache, ids, seed=1, **kwargs)[SampleKey(0, 1, 1)]])
         assert sample.case_id == [ids[1]]
-
-
-def test_a_workers_batch_is_populated_shared_memory_and_holds_the_same_values(monkeypatch):
-    """In a loader worker `stacked` puts the batch in shared memory, its pages faulted in at once
-    (`populate_pages`, MADV_POPULATE_WRITE): the same values as outside a worker."""
-    import brats_swap.train.data as train_data
-
-    arrays = [np.random.default_rng(seed).random((3, 5, 7, 9)).astype(np.float16) for seed in range(2)]
-    plain = train_data.stacked(arrays)
-    populated = []
-    monkeypatch.setattr(train_data, "get_worker_info", lambda: "a worker")
-    monkeypatch.setattr(train_data, "populate_pages", lambda t: populated.append(t.data_ptr()) or None)
-    shared = train_data.stacked(arrays)
-    assert shared.is_shared() and not plain.is_shared() and populated == [shared.data_ptr()]
-    assert torch.equal(shared, plain) and torch.equal(plain, torch.from_numpy(np.stack(arrays)))
-
-
-def test_populate_pages_leaves_values_and_takes_any_tensor():
-    tensor = torch.arange(3 * 4096, dtype=torch.float32).share_memory_()
-    before = tensor.clone()
-    populate_pages(tensor)  # Linux 5.14+ faults the pages in; elsewhere nothing
-    populate_pages(torch.empty(0))
-    populate_pages(tensor[5:])  # a view starting inside a page
-    assert torch.equal(tensor, before)

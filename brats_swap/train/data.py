@@ -20,7 +20,7 @@ import functools
 import os
 import random
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
 from brats_swap.run.console import console, warn
 from brats_swap.train.device_augment import DeviceBatches
+from brats_swap.train.shared_batches import BatchSlots, free_slot, worker_batch
 
 AUTO_LOADER_WORKERS_MAX = 12  # nnU-Net's default number of augmentation workers
 
@@ -319,47 +320,13 @@ def seed_worker(worker_id: int) -> None:
     stop_signals.ignore(stop_signals.STOP_SIGNALS)
 
 
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a mapping's pages in, writable, in one call
-
-
-@functools.cache
-def _madvise():
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise
-    except (OSError, AttributeError, TypeError):  # no C library to ask (Windows)
-        return None
-
-
-def populate_pages(tensor: torch.Tensor) -> None:
-    """Fault in the pages of a fresh shared-memory batch in one call before it is written. A worker's batch
-    lives in shared memory (no huge pages there), and touching it page by page costs a fault per 4 KiB: 16
-    thousand for a 192³ whole-cube sample, 0.06 CPU s of a 0.12 s sample; populated at once, 0.01 s less
-    (scripts/bench_scale.py). Nothing happens where the kernel does not know the call (before Linux 5.14)."""
-    madvise = _madvise()
-    if madvise is None or tensor.numel() == 0:
-        return
-    start = tensor.data_ptr() - tensor.data_ptr() % PAGE_BYTES
-    madvise(start, tensor.data_ptr() + tensor.numel() * tensor.element_size() - start, MADV_POPULATE_WRITE)
-
-
-def stacked(arrays: Sequence[np.ndarray | CachedVolume | CachedWindow]) -> torch.Tensor:
-    """The arrays stacked into one tensor. A cube or a window of one from the cache (`CachedVolume`,
-    `CachedWindow`) is decompressed straight into its place; numpy stacks the rest (torch's CPU stack of float16 is several times slower). In a loader worker the
-    tensor is in shared memory, as torch's own collate makes it, so the batch reaches the main process
-    without another copy."""
-    shape = (len(arrays), *arrays[0].shape)
-    template = torch.from_numpy(np.empty(0, dtype=arrays[0].dtype))
-    if get_worker_info() is None:
-        out = torch.empty(shape, dtype=template.dtype)
-    else:
-        storage = template._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
-        out = template.new(storage).resize_(shape)
-        populate_pages(out)
+def stacked(arrays: Sequence[np.ndarray | CachedVolume | CachedWindow], out: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """The arrays stacked into `out` (a new tensor when None). A cube or a window of one from the cache
+    (`CachedVolume`, `CachedWindow`) is decompressed straight into its place; numpy stacks the rest (torch's
+    CPU stack of float16 is several times slower)."""
+    if out is None:
+        out = torch.from_numpy(np.empty((len(arrays), *arrays[0].shape), dtype=arrays[0].dtype))
     if any(isinstance(a, CachedVolume | CachedWindow) for a in arrays):
         for array, place in zip(arrays, out.numpy(), strict=True):
             array.read_into(place) if isinstance(array, CachedVolume | CachedWindow) else np.copyto(place, array)
@@ -378,21 +345,50 @@ class LoaderBatch:
     augment: list  # each sample's drawn augmentation parameters (None where nothing is drawn: validation)
     pad: list[tuple[int, ...] | None]  # the widths that restore each enlarged crop (`enlarged_window`); None: none
     case_id: list[str]
+    in_slot: bool = False  # image and label are in a worker's reusable buffer, freed by `copied` (shared_batches)
 
     def pin_memory(self) -> LoaderBatch:
-        """What DataLoader(pin_memory=True) calls: the tensors pinned, the per-sample lists as they are."""
-        return dataclasses.replace(self, image=self.image.pin_memory(), label=self.label.pin_memory())
+        """What DataLoader(pin_memory=True) calls, in its pin thread: the tensors copied into pinned memory."""
+        return self.copied(torch.Tensor.pin_memory)
+
+    def copied(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> LoaderBatch:
+        """The batch with its tensors copied by `copy`, the per-sample lists as they are. A worker's slot
+        holding them is free for its next batch once both copies have returned (shared_batches rule 1)."""
+        moved = dataclasses.replace(self, image=copy(self.image), label=copy(self.label), in_slot=False)
+        if self.in_slot:
+            free_slot(self.image)
+        return moved
 
 
-def collate_samples(samples: list[dict]) -> LoaderBatch:
-    """One batch of `CubeDataset` items (`stacked`), with the per-sample draws and pads as lists."""
+def collate_samples(samples: list[dict], slots: BatchSlots | None = None) -> LoaderBatch:
+    """One batch of `CubeDataset` items (`stacked`), with the per-sample draws and pads as lists. In a loader
+    worker the batch is in shared memory, as torch's own collate makes it, so it reaches the main process
+    without another copy: in one of the worker's `slots` when one is free (batches that will be pinned),
+    else in fresh shared memory."""
+    images, labels = [s["image"] for s in samples], [s["label"] for s in samples]
+    outs, in_slot = [None, None], False
+    if get_worker_info() is not None:
+        outs, in_slot = worker_batch([((len(arrays), *arrays[0].shape), torch_dtype(arrays[0].dtype))
+                                      for arrays in (images, labels)], slots)
     return LoaderBatch(
-        image=stacked([s["image"] for s in samples]),
-        label=stacked([s["label"] for s in samples]),
+        image=stacked(images, outs[0]),
+        label=stacked(labels, outs[1]),
         augment=[s["augment"] for s in samples],
         pad=[s["pad"] for s in samples],
         case_id=[s["case_id"] for s in samples],
+        in_slot=in_slot,
     )
+
+
+def loader_collate(pinned: bool) -> Callable[[list[dict]], LoaderBatch]:
+    """The loaders' collate function. Pinned batches are copied as they arrive, so their workers reuse their
+    shared-memory buffers (shared_batches rule 4); every worker fills its own copy of the empty slots (rule 3)."""
+    return functools.partial(collate_samples, slots=BatchSlots()) if pinned else collate_samples
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of a numpy dtype (torch's own table is private)."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 class WorkerLoader(DataLoader):
@@ -494,15 +490,16 @@ def build_train_data(
     generator = torch.Generator().manual_seed(seed)
     workers = loader_worker_count(config.data)
     pin = device.type == "cuda"
+    collate = loader_collate(pinned=pin)
     train_loader = WorkerLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,
-        collate_fn=collate_samples, pin_memory=pin, drop_last=True, worker_init_fn=seed_worker, generator=generator,
+        collate_fn=collate, pin_memory=pin, drop_last=True, worker_init_fn=seed_worker, generator=generator,
         persistent_workers=False, prefetch_factor=LOADER_PREFETCH_FACTOR if workers else None,
     )
     val_loader = WorkerLoader(
         val_dataset, batch_size=train_cfg.val_batch_size, shuffle=False, num_workers=min(workers, 1),
         sampler=make_sampler(val_dataset, ctx, shuffle=False) if ctx is not None else None,
-        collate_fn=collate_samples, pin_memory=pin, worker_init_fn=seed_worker,
+        collate_fn=collate, pin_memory=pin, worker_init_fn=seed_worker,
     )
     device_batches = DeviceBatches(train_cfg.augment, device, edition=edition, outputs=config.model.outputs,
                                    regions=config.model.regions, label_order=config.model.label_order,

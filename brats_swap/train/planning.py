@@ -40,6 +40,7 @@ from brats_swap.run.folder import FoldFolder
 from brats_swap.train.data import LOADER_PREFETCH_FACTOR, loader_worker_count
 from brats_swap.train.device_augment import arrived_batch_bytes, augment_buffers
 from brats_swap.train.losses import training_loss, weighted_dice_loss
+from brats_swap.train.shared_batches import BATCH_SLOTS
 
 # `brats-swap plan --dtype`: the dtype activations are priced in (default: the one `train.amp` trains in).
 PLAN_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -117,7 +118,8 @@ def swap_arena_bytes(model: torch.nn.Module, memory_cfg: MemoryConfig, input_sha
 @dataclasses.dataclass
 class HostMemory:
     """Host memory one training process needs beyond its own code: the pinned swap arena of its memory
-    policy and the batches its loader workers hold ahead (pinned on CUDA)."""
+    policy, the batches its loader workers hold ahead (pinned on CUDA) and each worker's reusable
+    shared-memory batch buffers (`train/shared_batches.py`)."""
 
     arena_bytes: int
     loader_bytes: int
@@ -130,7 +132,8 @@ class HostMemory:
         return self.arena_bytes + self.loader_bytes
 
     def line(self) -> str:
-        loader = (f"{self.loader_workers} loader workers x {LOADER_PREFETCH_FACTOR} batches ahead x "
+        loader = (f"{self.loader_workers} loader workers x ({LOADER_PREFETCH_FACTOR} pinned batches ahead + "
+                  f"{BATCH_SLOTS} shared-memory buffers) x "
                   f"{self.batch_bytes / GIB:.2f} GiB" if self.loader_workers else "no loader workers")
         text = (f"host memory: {self.total_bytes / GIB:.2f} GiB = {self.arena_bytes / GIB:.2f} GiB pinned swap arena "
                 f"+ {self.loader_bytes / GIB:.2f} GiB of loader batches ({loader}; float16 images + labels)")
@@ -156,7 +159,7 @@ def host_memory(config: Config, arena: int, workers: int | None = None) -> HostM
     `workers`: its loader workers where they are not this machine's (`data.loader_workers` resolved here)."""
     workers = loader_worker_count(config.data) if workers is None else workers
     batch = batch_host_bytes(config)
-    return HostMemory(arena_bytes=int(arena), loader_bytes=workers * LOADER_PREFETCH_FACTOR * batch,
+    return HostMemory(arena_bytes=int(arena), loader_bytes=workers * (LOADER_PREFETCH_FACTOR + BATCH_SLOTS) * batch,
                       loader_workers=workers, batch_bytes=batch, available_bytes=available_host_bytes())
 
 

@@ -1,0 +1,136 @@
+"""A loader worker's shared-memory batches (brats_swap/train/shared_batches.py): reused slots, freed only once
+the main process has copied the batch, never overwritten while it is still held; the values those of the
+batch made without workers."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from train_helpers import prepared_dataset, tiny_config
+
+import brats_swap.train.data as train_data
+import brats_swap.train.shared_batches as shared_batches
+from brats_swap.data.cache import list_prepared
+from brats_swap.train.data import CubeDataset, EpochSampler, SampleKey, collate_samples
+from brats_swap.train.shared_batches import BatchSlots, free_slot, populate_pages, worker_batch
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prepared_dataset(tmp_path_factory)
+
+
+def test_a_slot_is_reused_once_freed_and_never_while_busy():
+    slots = BatchSlots(count=2)
+    specs = [((2, 3, 5), torch.float16), ((2, 5), torch.uint8)]
+    (first, first_label), in_slot = worker_batch(specs, slots)
+    (second, _), second_in_slot = worker_batch(specs, slots)
+    assert in_slot and second_in_slot and first.is_shared()
+    assert first.untyped_storage().data_ptr() == first_label.untyped_storage().data_ptr()  # one buffer per batch
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    # both busy: the third batch gets fresh shared memory (rule 2), not a slot
+    (third, _), third_in_slot = worker_batch(specs, slots)
+    assert not third_in_slot and third.is_shared()
+    assert third.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in (first, second)}
+    free_slot(first)
+    (again, again_label), again_in_slot = worker_batch(specs, slots)
+    assert again_in_slot and again.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    # the tensors of one batch do not overlap, and none covers the flag byte
+    again.fill_(1.0), again_label.fill_(7)
+    assert torch.all(again == 1.0) and torch.all(again_label == 7)
+    assert again.untyped_storage()[shared_batches.FLAG_BYTE] == shared_batches.BUSY
+    # a larger batch outgrows a free slot: it is replaced, never written past its end
+    free_slot(again)
+    (large, _), large_in_slot = worker_batch([((4, 3, 5, 5), torch.float32), ((4, 5, 5), torch.uint8)], slots)
+    assert large_in_slot and large.untyped_storage().nbytes() >= shared_batches.layout(
+        [((4, 3, 5, 5), torch.float32), ((4, 5, 5), torch.uint8)])[1]
+
+
+def test_slots_belong_to_the_process_that_made_them(monkeypatch):
+    slots = BatchSlots(count=1)
+    parents = slots.take(64)
+    # a forked worker holds a copy of the parent's object: it must not write into the parent's buffers
+    monkeypatch.setattr(shared_batches.os, "getpid", lambda: -1)
+    child = slots.take(64)
+    assert child is not None and child.data_ptr() != parents.data_ptr()
+    # a spawned worker receives the slots pickled: empty
+    assert pickle.loads(pickle.dumps(slots))._storages == []
+
+
+def test_populate_pages_leaves_values_and_takes_any_tensor():
+    tensor = torch.arange(3 * 4096, dtype=torch.float32).share_memory_()
+    before = tensor.clone()
+    populate_pages(tensor)  # Linux 5.14+ faults the pages in; elsewhere nothing
+    populate_pages(torch.empty(0))
+    populate_pages(tensor[5:])  # a view starting inside a page
+    assert torch.equal(tensor, before)
+
+
+def reference_batches(dataset: CubeDataset, sampler: EpochSampler) -> list:
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, collate_fn=collate_samples)
+    return [(b.image.clone(), b.label.clone(), b.case_id) for b in loader]
+
+
+def slot_loader(dataset: CubeDataset, sampler: EpochSampler, prefetch: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, prefetch_factor=prefetch,
+                                       collate_fn=functools.partial(collate_samples, slots=BatchSlots()))
+
+
+def test_workers_reuse_their_slots_when_each_batch_is_copied(data):
+    """What the pin thread does on a GPU (`LoaderBatch.pin_memory`), with a clone for the pinned copy (this CPU
+    cannot pin): each batch equals the batch made without workers, and every batch after a worker's first
+    two went into a slot it had used before."""
+    _, cache = data
+    dataset = CubeDataset(cache, list_prepared(cache), crop=(16, 16, 16), patches_per_case=3, augment="nnunet",
+                          seed=3, foreground="nnunet", batch_size=2)
+    sampler = EpochSampler(len(dataset), 24, seed=3)
+    expected = reference_batches(dataset, sampler)
+    # one batch ahead per worker: when a worker starts a batch, at most its previous one is still unfreed
+    in_slot, copies = [], []
+    for batch in slot_loader(dataset, sampler, prefetch=1):
+        in_slot.append(batch.in_slot)
+        copies.append(batch.copied(torch.Tensor.clone))
+    assert in_slot == [True] * len(expected) and len(expected) == 12  # each worker's 2 slots served 6 batches
+    for (image, label, case_id), copy in zip(expected, copies, strict=True):
+        assert torch.equal(copy.image, image) and torch.equal(copy.label, label) and copy.case_id == case_id
+        assert not copy.in_slot and not copy.image.is_shared()
+
+
+def test_a_held_batch_is_never_overwritten(data):
+    """Batches never freed (held by the caller, or never pinned): the slots fill, then fresh memory (rule 2),
+    and nothing held changes."""
+    _, cache = data
+    dataset = CubeDataset(cache, list_prepared(cache), crop=(16, 16, 16), patches_per_case=3, augment="nnunet",
+                          seed=4, foreground="nnunet", batch_size=2)
+    sampler = EpochSampler(len(dataset), 24, seed=4)
+    expected = reference_batches(dataset, sampler)
+    held = list(slot_loader(dataset, sampler, prefetch=2))
+    assert sum(b.in_slot for b in held) == 2 * shared_batches.BATCH_SLOTS < len(held)
+    for (image, label, _), batch in zip(expected, held, strict=True):
+        assert torch.equal(batch.image, image) and torch.equal(batch.label, label)
+
+
+def test_a_batch_outside_a_worker_is_plain_memory_and_never_in_a_slot(data):
+    _, cache = data
+    ids = list_prepared(cache)
+    batch = collate_samples([CubeDataset(cache, ids, seed=1)[SampleKey(0, 0, 0)]], slots=BatchSlots())
+    assert not batch.in_slot and not batch.image.is_shared()
+    assert torch.equal(batch.image, torch.from_numpy(np.asarray(CubeDataset(cache, ids, seed=1)[0]["image"]))[None])
+
+
+def test_train_data_gives_slots_to_pinned_loaders_only(data):
+    """Rule 4: on the CPU the step reads the worker's buffer itself; only pinned (CUDA) loaders get slots."""
+    root, cache = data
+    config = tiny_config(root, cache, "data.loader_workers=1")
+    ids = list_prepared(cache)
+    for device, slots in (("cpu", False), ("cuda", True)):
+        built = train_data.build_train_data(config, ids[:2], ids[2:], edition="2021", fold=0,
+                                            device=torch.device(device))
+        built.close()
+        for loader in (built.train_loader, built.val_loader):
+            assert loader.pin_memory is slots
+            assert isinstance(getattr(loader.collate_fn, "keywords", {}).get("slots"), BatchSlots) is slots
