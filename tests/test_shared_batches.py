@@ -16,7 +16,13 @@ import brats_swap.train.data as train_data
 import brats_swap.train.shared_batches as shared_batches
 from brats_swap.data.cache import list_prepared
 from brats_swap.train.data import CubeDataset, EpochSampler, SampleKey, collate_samples
-from brats_swap.train.shared_batches import BatchSlots, free_slot, populate_pages, worker_batch
+from brats_swap.train.shared_batches import (
+    BatchSlots,
+    free_slot,
+    populate_pages,
+    shared_memory_free_bytes,
+    worker_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +140,29 @@ def test_train_data_gives_slots_to_pinned_loaders_only(data):
         for loader in (built.train_loader, built.val_loader):
             assert loader.pin_memory is slots
             assert isinstance(getattr(loader.collate_fn, "keywords", {}).get("slots"), BatchSlots) is slots
+
+
+def test_a_loader_that_would_outgrow_shared_memory_is_named_in_one_warning(monkeypatch):
+    lines = []
+    monkeypatch.setattr(train_data, "warn", lines.append)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    batch = 2 * 4 * 192**3 * 2  # 2 whole-cube images in float16
+    train_data.check_loader_shared_memory(12, batch, pinned=True, free=64 * 2**20)  # docker's default 64 MB
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert lines[0].startswith("/dev/shm has 0.06 GiB free, and the loader holds up to 2.53 GiB of batches there "
+                               "(12 workers x 2 batches of 0.11 GiB)") and "--shm-size" in lines[0]
+    # unpinned: the batches loaded ahead and the one in use; two ranks on the host: twice that
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    train_data.check_loader_shared_memory(4, batch, pinned=False, free=2**30)
+    assert "(2 ranks x 4 workers x 3 batches of 0.11 GiB)" in lines[1]
+    # what fits, no workers, or no shared-memory file system to ask: nothing
+    train_data.check_loader_shared_memory(4, batch, pinned=False, free=8 * 2**30)
+    train_data.check_loader_shared_memory(0, batch, pinned=True, free=0)
+    monkeypatch.setattr(train_data, "shared_memory_free_bytes", lambda: None)
+    train_data.check_loader_shared_memory(12, batch, pinned=True)
+    assert len(lines) == 2
+
+
+def test_shared_memory_free_bytes_reads_the_file_system(tmp_path):
+    assert shared_memory_free_bytes(tmp_path) > 0
+    assert shared_memory_free_bytes(tmp_path / "absent") is None

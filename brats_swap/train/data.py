@@ -46,8 +46,15 @@ from brats_swap.data.workers import available_cpus
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
 from brats_swap.run.console import console, warn
-from brats_swap.train.device_augment import DeviceBatches
-from brats_swap.train.shared_batches import BatchSlots, free_slot, worker_batch
+from brats_swap.train.device_augment import DeviceBatches, arrived_batch_bytes
+from brats_swap.train.shared_batches import (
+    BATCH_SLOTS,
+    SHARED_MEMORY,
+    BatchSlots,
+    free_slot,
+    shared_memory_free_bytes,
+    worker_batch,
+)
 
 AUTO_LOADER_WORKERS_MAX = 12  # nnU-Net's default number of augmentation workers
 
@@ -440,6 +447,25 @@ def loader_worker_count(data_cfg: DataConfig) -> int:
     return max(1, min(AUTO_LOADER_WORKERS_MAX, cpus // ranks - 1))
 
 
+def check_loader_shared_memory(workers: int, batch_bytes: int, pinned: bool, free: int | None = None) -> None:
+    """Warn, in one line, when the loader workers of this host's ranks would hold more batches in shared
+    memory than it has free (`free`: measured when None). A worker that runs out dies of a bus error in the
+    middle of an epoch; a container's default shared memory is 64 MB, less than one 192³ batch.
+
+    Each worker holds its two slots when the batches are pinned (shared_batches), otherwise the batches it
+    loads ahead and the one the step reads."""
+    per_worker = BATCH_SLOTS if pinned else LOADER_PREFETCH_FACTOR + 1
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    need = ranks * workers * per_worker * batch_bytes
+    free = shared_memory_free_bytes() if free is None else free
+    if workers and free is not None and need > free:
+        ranks_text = f"{ranks} ranks x " if ranks > 1 else ""
+        warn(f"{SHARED_MEMORY} has {free / 2**30:.2f} GiB free, and the loader holds up to {need / 2**30:.2f} GiB "
+             f"of batches there ({ranks_text}{workers} workers x {per_worker} batches of {batch_bytes / 2**30:.2f} GiB):"
+             " a worker that runs out dies of a bus error; give it more (docker run --shm-size) or lower "
+             "data.loader_workers or train.batch_size")
+
+
 @dataclass
 class TrainData:
     """The loaders of one fold and the objects `train_fold` steers (sampler epoch, generator state)."""
@@ -490,6 +516,9 @@ def build_train_data(
     generator = torch.Generator().manual_seed(seed)
     workers = loader_worker_count(config.data)
     pin = device.type == "cuda"
+    check_loader_shared_memory(workers, arrived_batch_bytes(train_cfg.augment, train_cfg.batch_size,
+                                                            config.model.in_channels, crop or config.data.cube,
+                                                            train_cfg.mode == "patch"), pin)
     collate = loader_collate(pinned=pin)
     train_loader = WorkerLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,

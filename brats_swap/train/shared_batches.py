@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -39,6 +40,7 @@ BATCH_SLOTS = 2  # per worker: one batch being written while the previous one is
 FLAG_BYTE = 0  # rule 1: the slot's state, in its own first byte
 FREE, BUSY = 0, 1
 ALIGN_BYTES = 64  # each tensor of a batch starts on its own cache line, after the flag
+SHARED_MEMORY = Path("/dev/shm")  # where Linux keeps the shared memory torch's workers allocate (shm_open)
 
 
 @functools.cache
@@ -136,3 +138,13 @@ def worker_batch(specs: Sequence[tuple[Sequence[int], torch.dtype]], slots: Batc
 def free_slot(tensor: torch.Tensor) -> None:
     """Free the slot that holds `tensor` (rule 1: call it after every copy of the batch has returned)."""
     tensor.untyped_storage()[FLAG_BYTE] = FREE
+
+
+def shared_memory_free_bytes(folder: Path = SHARED_MEMORY) -> int | None:
+    """What `folder` (the shared-memory file system) has free; None where there is none to ask (macOS,
+    Windows)."""
+    try:
+        stats = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return stats.f_bavail * stats.f_frsize
