@@ -166,3 +166,31 @@ def test_a_loader_that_would_outgrow_shared_memory_is_named_in_one_warning(monke
 def test_shared_memory_free_bytes_reads_the_file_system(tmp_path):
     assert shared_memory_free_bytes(tmp_path) > 0
     assert shared_memory_free_bytes(tmp_path / "absent") is None
+
+
+def test_through_dataloaders_own_pin_thread_every_batch_reuses_a_slot(data, monkeypatch):
+    """DataLoader(pin_memory=True) as on a GPU: torch's own pin thread calls `LoaderBatch.pin_memory`, which
+    frees the slot after its copy. This CPU has no accelerator and cannot pin, so torch is told there is one
+    and a pinned copy is a clone; everything else (the workers, the pin thread, the queues) is torch's. With
+    one batch ahead per worker, each batch a worker starts finds its previous one freed: all 12 in slots."""
+    _, cache = data
+    dataset = CubeDataset(cache, list_prepared(cache), crop=(16, 16, 16), patches_per_case=3, augment="nnunet",
+                          seed=5, foreground="nnunet", batch_size=2)
+    sampler = EpochSampler(len(dataset), 24, seed=5)
+    expected = reference_batches(dataset, sampler)
+    freed = []
+    monkeypatch.setattr(train_data, "free_slot", lambda tensor: freed.append(1) or free_slot(tensor))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cpu"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, *args: tensor.clone())
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, prefetch_factor=1,
+                                         pin_memory=True, collate_fn=train_data.loader_collate(pinned=True))
+    batches = iter(loader)
+    assert batches._pin_memory  # the pin thread runs
+    pinned = list(batches)
+    assert len(pinned) == len(expected) == len(freed) == 12
+    for (image, label, case_id), batch in zip(expected, pinned, strict=True):
+        assert torch.equal(batch.image, image) and torch.equal(batch.label, label) and batch.case_id == case_id
+        assert not batch.in_slot and not batch.image.is_shared()
