@@ -13,7 +13,8 @@ N phantoms (brats_swap.data.phantom: BraTS 2021 names, int16, gzip, 1 mm) are wr
 - loader: one DataLoader worker's job per sample (`CubeDataset` + the loaders' collate, the nnunet recipe's
   draws and foreground rule) in this process on one thread: CPU seconds per sample in whole-volume mode (the
   cube) and patch mode (`--patch`, nnU-Net's enlarged crop around it), goal <= 0.10 s, with the batches
-  pinned as on a GPU (the worker reuses its shared-memory slots) and unpinned as on the CPU (fresh);
+  pinned as on a GPU (the worker reuses its shared-memory slots) and unpinned as on the CPU (fresh); and the
+  same job in a real DataLoader worker process, from its resource usage (its start and hand-over included);
 - cold read: a whole case read after its files were dropped from the page cache (posix_fadvise DONTNEED),
   format 2 (`load_prepared`) against format 1 (`np.load` of the cube's `.npy`), median over `--cold` cases;
 - peak memory: the largest resident set of this process and of any worker process.
@@ -46,7 +47,7 @@ from brats_swap.data.cache import list_prepared, load_prepared, prepare_dataset
 from brats_swap.data.check import check_dataset
 from brats_swap.data.phantom import synthesize_dataset
 from brats_swap.data.workers import available_cpus, resolve_workers
-from brats_swap.train.data import CubeDataset, SampleKey, loader_collate, stacked
+from brats_swap.train.data import CubeDataset, EpochSampler, SampleKey, loader_collate, stacked
 from brats_swap.train.shared_batches import free_slot
 
 GOAL_LOADER_S = 0.10
@@ -86,6 +87,10 @@ def main(argv: list[str] | None = None) -> dict:
         loader = {pinned: {"whole": loader_cpu_seconds(cache, ids, None, args.samples, pinned=pinned),
                            "patch": loader_cpu_seconds(cache, ids, tuple(args.patch), args.samples, pinned=pinned)}
                   for pinned in (True, False)}
+        in_worker = {pinned: {"whole": worker_process_cpu_seconds(cache, ids, None, args.samples, pinned=pinned),
+                              "patch": worker_process_cpu_seconds(cache, ids, tuple(args.patch), args.samples,
+                                                                  pinned=pinned)}
+                     for pinned in (True, False)}
         cold = cold_reads(cache, ids[: args.cold], Path(tmp) / "format1")
         source_bytes = sum(f.stat().st_size for f in root.rglob("*.nii.gz")) / args.cases
         cache_bytes = sum(f.stat().st_size for case in ids for f in (cache / case).iterdir()) / len(ids)
@@ -100,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         "loader_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader[True].items()},
         "loader_unpinned_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader[False].items()},
         "loader_all": {"pinned": loader[True], "unpinned": loader[False]},
+        "loader_worker_process_cpu_seconds_per_sample": {"pinned": in_worker[True], "unpinned": in_worker[False]},
         "cold_read_seconds": {"format2": cold["format2"], "format1": cold["format1"]},
         "whole_case_into_batch_cpu_seconds": {"format2": cold["batch_format2"], "format1": cold["batch_format1"]},
         "peak_rss_bytes": {"main": _rss(resource.RUSAGE_SELF), "largest_worker": _rss(resource.RUSAGE_CHILDREN)},
@@ -169,6 +175,23 @@ def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | Non
     return times
 
 
+def worker_process_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | None, samples: int, *,
+                               pinned: bool) -> float:
+    """CPU seconds per sample of a real DataLoader worker process, everything it does included (start, read,
+    collate, hand-over), from its resource usage once the loader has joined it: one worker, one sample per
+    batch, one batch ahead. `pinned`: this process copies each batch and frees its slot as the pin thread does
+    on a GPU (a clone here: no CUDA to pin with)."""
+    dataset = CubeDataset(cache, ids, crop=patch, augment="nnunet", seed=0, foreground="nnunet", batch_size=2,
+                          channels=4)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=1, sampler=EpochSampler(len(dataset), samples, 0),
+                                         num_workers=1, prefetch_factor=1, collate_fn=loader_collate(pinned=pinned))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    for batch in loader:  # exhausted, the pass joins its worker: RUSAGE_CHILDREN then counts it
+        batch.copied(torch.Tensor.clone) if pinned else None
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / samples
+
+
 def cold_reads(cache: Path, ids: list[str], old: Path) -> dict:
     """Wall seconds of reading a whole case whose files are not in the page cache: format 2 against the
     format-1 `.npy` of the same cube (written here), and format 1's bytes per case. Also, warm, the CPU
@@ -234,6 +257,7 @@ def markdown_table(result: dict) -> str:
     shape, cube = "×".join(map(str, result["shape"])), "×".join(map(str, result["cube"]))
     loader, cold, bytes_ = result["loader_cpu_seconds_per_sample"], result["cold_read_seconds"], result["bytes_per_case"]
     unpinned, patch = result["loader_unpinned_cpu_seconds_per_sample"], "×".join(map(str, result["patch"]))
+    process = result["loader_worker_process_cpu_seconds_per_sample"]
     lines = [
         f"{result['cases']} phantoms {shape} → {cube} ({result['fit']}, float16), {result['workers']} worker processes "
         f"on {result['machine']['cpus_available']} available CPUs; load average before/after "
@@ -252,6 +276,10 @@ def markdown_table(result: dict) -> str:
         f"| loader CPU s per sample, patch {patch}, batches pinned (GPU training; goal ≤ 0.10) | {loader['patch']:.3f} |",
         f"| loader CPU s per sample, whole {cube} / patch {patch}, unpinned (CPU training) | "
         f"{unpinned['whole']:.3f} / {unpinned['patch']:.3f} |",
+        f"| a DataLoader worker process's CPU s per sample, whole / patch: pinned | "
+        f"{process['pinned']['whole']:.3f} / {process['pinned']['patch']:.3f} |",
+        f"| a DataLoader worker process's CPU s per sample, whole / patch: unpinned | "
+        f"{process['unpinned']['whole']:.3f} / {process['unpinned']['patch']:.3f} |",
         f"| whole case into a batch tensor, CPU s: format 2 / format 1 | "
         f"{result['whole_case_into_batch_cpu_seconds']['format2']:.3f} / "
         f"{result['whole_case_into_batch_cpu_seconds']['format1']:.3f} |",
