@@ -142,25 +142,50 @@ def test_train_data_gives_slots_to_pinned_loaders_only(data):
             assert isinstance(getattr(loader.collate_fn, "keywords", {}).get("slots"), BatchSlots) is slots
 
 
-def test_a_loader_that_would_outgrow_shared_memory_is_named_in_one_warning(monkeypatch):
+def test_a_loader_that_would_outgrow_shared_memory_is_fitted_or_named_in_one_line(monkeypatch):
     lines = []
     monkeypatch.setattr(train_data, "warn", lines.append)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    fit = train_data.fit_loader_to_shared_memory
     batch = 2 * 4 * 192**3 * 2  # 2 whole-cube images in float16
-    train_data.check_loader_shared_memory(12, batch, pinned=True, free=64 * 2**20)  # docker's default 64 MB
+    # a number the user set is kept, with a line: docker's default 64 MB holds no 192³ batch
+    assert fit(12, batch, pinned=True, auto=False, free=64 * 2**20) == 12
     assert len(lines) == 1 and "\n" not in lines[0]
-    assert lines[0].startswith("/dev/shm has 0.06 GiB free, and the loader holds up to 2.53 GiB of batches there "
-                               "(12 workers x 2 batches of 0.11 GiB)") and "--shm-size" in lines[0]
-    # unpinned: the batches loaded ahead and the one in use; two ranks on the host: twice that
+    assert lines[0].startswith("/dev/shm has 0.06 GiB free, and 12 loader workers hold up to 2.53 GiB of batches "
+                               "there (2 of 0.11 GiB each): a worker that runs out dies of a bus error")
+    assert "--shm-size" in lines[0]
+    # auto: as many as fit (2 slots each when pinned; unpinned, the 2 loaded ahead and the one in use)
+    assert fit(12, batch, pinned=True, auto=True, free=1 * 2**30) == 4
+    assert lines[1].endswith("data.loader_workers auto uses 4 workers; give it more shared memory (docker run "
+                             "--shm-size) for all 12")
+    assert fit(12, batch, pinned=False, auto=True, free=1 * 2**30) == 3
+    assert fit(12, batch, pinned=True, auto=True, free=64 * 2**20) == 0
+    assert "auto uses no workers (the training process loads its batches)" in lines[3]
+    # two ranks on the host share it
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    train_data.check_loader_shared_memory(4, batch, pinned=False, free=2**30)
-    assert "(2 ranks x 4 workers x 3 batches of 0.11 GiB)" in lines[1]
-    # what fits, no workers, or no shared-memory file system to ask: nothing
-    train_data.check_loader_shared_memory(4, batch, pinned=False, free=8 * 2**30)
-    train_data.check_loader_shared_memory(0, batch, pinned=True, free=0)
+    assert fit(4, batch, pinned=True, auto=True, free=1 * 2**30) == 2
+    assert "4 loader workers on each of 2 ranks" in lines[4]
+    # what fits, no workers, or no shared-memory file system to ask: kept, nothing said
+    assert fit(4, batch, pinned=False, auto=True, free=8 * 2**30) == 4
+    assert fit(0, batch, pinned=True, auto=False, free=0) == 0
     monkeypatch.setattr(train_data, "shared_memory_free_bytes", lambda: None)
-    train_data.check_loader_shared_memory(12, batch, pinned=True)
-    assert len(lines) == 2
+    assert fit(12, batch, pinned=True, auto=True) == 12
+    assert len(lines) == 5
+
+
+def test_train_data_under_a_small_shared_memory_loads_in_the_training_process(data, monkeypatch):
+    root, cache = data
+    lines = []
+    monkeypatch.setattr(train_data, "warn", lines.append)
+    monkeypatch.setattr(train_data, "shared_memory_free_bytes", lambda: 1024)
+    ids = list_prepared(cache)
+    for workers, used in (("auto", 0), ("2", 2)):
+        config = tiny_config(root, cache, f"data.loader_workers={workers}")
+        built = train_data.build_train_data(config, ids[:2], ids[2:], edition="2021", fold=0,
+                                            device=torch.device("cpu"))
+        built.close()
+        assert built.loader_workers == built.train_loader.num_workers == used
+    assert len(lines) == 2 and "auto uses no workers" in lines[0] and "bus error" in lines[1]
 
 
 def test_shared_memory_free_bytes_reads_the_file_system(tmp_path):

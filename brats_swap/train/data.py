@@ -447,23 +447,33 @@ def loader_worker_count(data_cfg: DataConfig) -> int:
     return max(1, min(AUTO_LOADER_WORKERS_MAX, cpus // ranks - 1))
 
 
-def check_loader_shared_memory(workers: int, batch_bytes: int, pinned: bool, free: int | None = None) -> None:
-    """Warn, in one line, when the loader workers of this host's ranks would hold more batches in shared
-    memory than it has free (`free`: measured when None). A worker that runs out dies of a bus error in the
-    middle of an epoch; a container's default shared memory is 64 MB, less than one 192³ batch.
+def fit_loader_to_shared_memory(workers: int, batch_bytes: int, pinned: bool, *, auto: bool,
+                                free: int | None = None) -> int:
+    """The loader workers this host's shared memory has room for (`free`: measured when None). A worker that
+    runs out of it dies of a bus error in the middle of an epoch, and a container's default is 64 MB, less
+    than one 192³ batch. Each worker holds its two slots when the batches are pinned (shared_batches),
+    otherwise the batches it loads ahead and the one the step reads; every rank on the host has its own.
 
-    Each worker holds its two slots when the batches are pinned (shared_batches), otherwise the batches it
-    loads ahead and the one the step reads."""
+    Where they do not fit, one line says so. `auto` (`data.loader_workers: auto`): as many as fit, down to
+    none (the training process then loads its own batches). A number the user set is kept."""
     per_worker = BATCH_SLOTS if pinned else LOADER_PREFETCH_FACTOR + 1
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    need = ranks * workers * per_worker * batch_bytes
     free = shared_memory_free_bytes() if free is None else free
-    if workers and free is not None and need > free:
-        ranks_text = f"{ranks} ranks x " if ranks > 1 else ""
-        warn(f"{SHARED_MEMORY} has {free / 2**30:.2f} GiB free, and the loader holds up to {need / 2**30:.2f} GiB "
-             f"of batches there ({ranks_text}{workers} workers x {per_worker} batches of {batch_bytes / 2**30:.2f} GiB):"
-             " a worker that runs out dies of a bus error; give it more (docker run --shm-size) or lower "
-             "data.loader_workers or train.batch_size")
+    need = ranks * workers * per_worker * batch_bytes
+    if not workers or free is None or need <= free:
+        return workers
+    fitting = min(workers, free // (ranks * per_worker * batch_bytes))
+    ranks_text = f" on each of {ranks} ranks" if ranks > 1 else ""
+    where = (f"{SHARED_MEMORY} has {free / 2**30:.2f} GiB free, and {workers} loader workers{ranks_text} hold up "
+             f"to {need / 2**30:.2f} GiB of batches there ({per_worker} of {batch_bytes / 2**30:.2f} GiB each)")
+    if auto:
+        use = f"{fitting} workers" if fitting else "no workers (the training process loads its batches)"
+        warn(f"{where}: data.loader_workers auto uses {use}; give it more shared memory (docker run --shm-size) "
+             f"for all {workers}")
+        return fitting
+    warn(f"{where}: a worker that runs out dies of a bus error; give it more (docker run --shm-size) or lower "
+         "data.loader_workers or train.batch_size")
+    return workers
 
 
 @dataclass
@@ -514,11 +524,11 @@ def build_train_data(
     if ctx is not None and ctx.is_distributed:
         sampler = RankShardSampler(sampler, ctx)
     generator = torch.Generator().manual_seed(seed)
-    workers = loader_worker_count(config.data)
     pin = device.type == "cuda"
-    check_loader_shared_memory(workers, arrived_batch_bytes(train_cfg.augment, train_cfg.batch_size,
-                                                            config.model.in_channels, crop or config.data.cube,
-                                                            train_cfg.mode == "patch"), pin)
+    batch_bytes = arrived_batch_bytes(train_cfg.augment, train_cfg.batch_size, config.model.in_channels,
+                                      crop or config.data.cube, train_cfg.mode == "patch")
+    workers = fit_loader_to_shared_memory(loader_worker_count(config.data), batch_bytes, pin,
+                                          auto=config.data.loader_workers == "auto")
     collate = loader_collate(pinned=pin)
     train_loader = WorkerLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,
