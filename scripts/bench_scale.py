@@ -12,9 +12,11 @@ N phantoms (brats_swap.data.phantom: BraTS 2021 names, int16, gzip, 1 mm) are wr
 - bytes: the source files and the cache entries per case; the format-1 entry (the whole cube as `.npy`) beside;
 - loader: one DataLoader worker's job per sample (`CubeDataset` + the loaders' collate, the nnunet recipe's
   draws and foreground rule) in this process on one thread: CPU seconds per sample in whole-volume mode (the
-  cube) and patch mode (`--patch`, nnU-Net's enlarged crop around it), goal <= 0.10 s, with the batches
-  pinned as on a GPU (the worker reuses its shared-memory slots) and unpinned as on the CPU (fresh); and the
-  same job in a real DataLoader worker process, from its resource usage (its start and hand-over included);
+  cube) and patch mode (`--patch`, nnU-Net's enlarged crop around it), goal <= 0.10 s, with each batch
+  copied as it arrives, as training does (pinned on a GPU, copied out on the CPU: the worker reuses its
+  shared-memory slots), and into fresh shared memory (a worker whose slots are all still held); and the
+  same job in a real DataLoader worker process, from its resource usage (its start and hand-over included),
+  with the main process's copy of each batch beside;
 - cold read: a whole case read after its files were dropped from the page cache (posix_fadvise DONTNEED),
   format 2 (`load_prepared`) against format 1 (`np.load` of the cube's `.npy`), median over `--cold` cases;
 - peak memory: the largest resident set of this process and of any worker process.
@@ -84,13 +86,13 @@ def main(argv: list[str] | None = None) -> dict:
         prepare = timed_in_workers(lambda: prepare_dataset(root, cache, data_cfg, workers=workers, progress=False))
         ids = list_prepared(cache)
         os.sync()  # the kernel's writeback of the cache just written would otherwise share the cores with the loader
-        loader = {pinned: {"whole": loader_cpu_seconds(cache, ids, None, args.samples, pinned=pinned),
-                           "patch": loader_cpu_seconds(cache, ids, tuple(args.patch), args.samples, pinned=pinned)}
-                  for pinned in (True, False)}
-        in_worker = {pinned: {"whole": worker_process_cpu_seconds(cache, ids, None, args.samples, pinned=pinned),
-                              "patch": worker_process_cpu_seconds(cache, ids, tuple(args.patch), args.samples,
-                                                                  pinned=pinned)}
-                     for pinned in (True, False)}
+        loader = {reuse: {"whole": loader_cpu_seconds(cache, ids, None, args.samples, reuse=reuse),
+                          "patch": loader_cpu_seconds(cache, ids, tuple(args.patch), args.samples, reuse=reuse)}
+                  for reuse in (True, False)}
+        in_worker = {reuse: {"whole": worker_process_cpu_seconds(cache, ids, None, args.samples, reuse=reuse),
+                             "patch": worker_process_cpu_seconds(cache, ids, tuple(args.patch), args.samples,
+                                                                 reuse=reuse)}
+                     for reuse in (True, False)}
         cold = cold_reads(cache, ids[: args.cold], Path(tmp) / "format1")
         source_bytes = sum(f.stat().st_size for f in root.rglob("*.nii.gz")) / args.cases
         cache_bytes = sum(f.stat().st_size for case in ids for f in (cache / case).iterdir()) / len(ids)
@@ -103,9 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "prepared": len(prepare["value"].prepared), "failed": len(prepare["value"].failed)},
         "bytes_per_case": {"source": source_bytes, "cache": cache_bytes, "cache_format1": cold["format1_bytes"]},
         "loader_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader[True].items()},
-        "loader_unpinned_cpu_seconds_per_sample": {mode: statistics.median(t) for mode, t in loader[False].items()},
-        "loader_all": {"pinned": loader[True], "unpinned": loader[False]},
-        "loader_worker_process_cpu_seconds_per_sample": {"pinned": in_worker[True], "unpinned": in_worker[False]},
+        "loader_fresh_memory_cpu_seconds_per_sample": {mode: statistics.median(t)
+                                                       for mode, t in loader[False].items()},
+        "loader_all": {"slots": loader[True], "fresh": loader[False]},
+        "loader_worker_process_cpu_seconds_per_sample": {
+            kind: {mode: measured["worker"] for mode, measured in in_worker[reuse].items()}
+            for kind, reuse in (("slots", True), ("fresh", False))},
+        "copy_out_cpu_seconds_per_sample": {mode: measured["copy"] for mode, measured in in_worker[True].items()},
         "cold_read_seconds": {"format2": cold["format2"], "format1": cold["format1"]},
         "whole_case_into_batch_cpu_seconds": {"format2": cold["batch_format2"], "format1": cold["batch_format1"]},
         "peak_rss_bytes": {"main": _rss(resource.RUSAGE_SELF), "largest_worker": _rss(resource.RUSAGE_CHILDREN)},
@@ -148,19 +154,18 @@ def timed_in_workers(work) -> dict:
     return {"wall": time.perf_counter() - started, "cpu": cpu() - cpu_before, "value": value}
 
 
-def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | None, samples: int, *, pinned: bool
+def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | None, samples: int, *, reuse: bool
                        ) -> list[float]:
     """CPU seconds of one loader worker's job per sample (read, crop, draw, collate) on one thread, its batch
     in shared memory as a DataLoader worker makes it (`collate_samples` asks `get_worker_info`, answered here
-    as in a worker). `pinned`: as when training on a GPU, the worker reuses its slots, each freed after the
-    sample as the main process's pin thread frees it once it has copied the batch (`LoaderBatch.pin_memory`);
-    otherwise (training on the CPU) each batch is fresh shared memory, whose first-touch page faults are part of
-    the cost."""
+    as in a worker). `reuse`: as in training, the worker reuses its slots, each freed after the sample as the
+    main process frees it once it has copied the batch (`LoaderBatch.copied`); otherwise each batch is fresh
+    shared memory, whose first-touch page faults are part of the cost."""
     import brats_swap.train.data as train_data
 
     dataset = CubeDataset(cache, ids, crop=patch, augment="nnunet", seed=0, foreground="nnunet", batch_size=2,
                           channels=4)
-    collate = loader_collate(pinned=pinned)
+    collate = loader_collate(reuse_slots=reuse)
     times = []
     worker_info, train_data.get_worker_info = train_data.get_worker_info, lambda: "bench: as in a worker"
     try:
@@ -176,20 +181,25 @@ def loader_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | Non
 
 
 def worker_process_cpu_seconds(cache: Path, ids: list[str], patch: tuple[int, ...] | None, samples: int, *,
-                               pinned: bool) -> float:
+                               reuse: bool) -> dict[str, float]:
     """CPU seconds per sample of a real DataLoader worker process, everything it does included (start, read,
     collate, hand-over), from its resource usage once the loader has joined it: one worker, one sample per
-    batch, one batch ahead. `pinned`: this process copies each batch and frees its slot as the pin thread does
-    on a GPU (a clone here: no CUDA to pin with)."""
+    batch, one batch ahead. `reuse`: this process copies each batch out of its slot as it arrives and frees
+    it, as training does on the CPU (on a GPU the pin thread's copy into pinned memory); `copy`: the CPU
+    seconds of that copy per sample, in this process."""
     dataset = CubeDataset(cache, ids, crop=patch, augment="nnunet", seed=0, foreground="nnunet", batch_size=2,
                           channels=4)
     loader = torch.utils.data.DataLoader(dataset, batch_size=1, sampler=EpochSampler(len(dataset), samples, 0),
-                                         num_workers=1, prefetch_factor=1, collate_fn=loader_collate(pinned=pinned))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                                         num_workers=1, prefetch_factor=1, collate_fn=loader_collate(reuse_slots=reuse))
+    before, copying = resource.getrusage(resource.RUSAGE_CHILDREN), 0.0
     for batch in loader:  # exhausted, the pass joins its worker: RUSAGE_CHILDREN then counts it
-        batch.copied(torch.Tensor.clone) if pinned else None
+        if reuse:
+            started = time.process_time()
+            batch.copied(torch.Tensor.clone)
+            copying += time.process_time() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / samples
+    return {"worker": (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / samples,
+            "copy": copying / samples}
 
 
 def cold_reads(cache: Path, ids: list[str], old: Path) -> dict:
@@ -256,8 +266,8 @@ def extrapolate(result: dict) -> list[dict]:
 def markdown_table(result: dict) -> str:
     shape, cube = "×".join(map(str, result["shape"])), "×".join(map(str, result["cube"]))
     loader, cold, bytes_ = result["loader_cpu_seconds_per_sample"], result["cold_read_seconds"], result["bytes_per_case"]
-    unpinned, patch = result["loader_unpinned_cpu_seconds_per_sample"], "×".join(map(str, result["patch"]))
-    process = result["loader_worker_process_cpu_seconds_per_sample"]
+    fresh, patch = result["loader_fresh_memory_cpu_seconds_per_sample"], "×".join(map(str, result["patch"]))
+    process, copy = result["loader_worker_process_cpu_seconds_per_sample"], result["copy_out_cpu_seconds_per_sample"]
     lines = [
         f"{result['cases']} phantoms {shape} → {cube} ({result['fit']}, float16), {result['workers']} worker processes "
         f"on {result['machine']['cpus_available']} available CPUs; load average before/after "
@@ -272,14 +282,16 @@ def markdown_table(result: dict) -> str:
         f"| source MB per case | {bytes_['source'] / 1e6:.1f} |",
         f"| cache MB per case (format 2; goal ≤ 25) | {bytes_['cache'] / 1e6:.1f} |",
         f"| cache MB per case, format 1 (whole cube `.npy`) | {bytes_['cache_format1'] / 1e6:.1f} |",
-        f"| loader CPU s per sample, whole {cube}, batches pinned (GPU training; goal ≤ 0.10) | {loader['whole']:.3f} |",
-        f"| loader CPU s per sample, patch {patch}, batches pinned (GPU training; goal ≤ 0.10) | {loader['patch']:.3f} |",
-        f"| loader CPU s per sample, whole {cube} / patch {patch}, unpinned (CPU training) | "
-        f"{unpinned['whole']:.3f} / {unpinned['patch']:.3f} |",
-        f"| a DataLoader worker process's CPU s per sample, whole / patch: pinned | "
-        f"{process['pinned']['whole']:.3f} / {process['pinned']['patch']:.3f} |",
-        f"| a DataLoader worker process's CPU s per sample, whole / patch: unpinned | "
-        f"{process['unpinned']['whole']:.3f} / {process['unpinned']['patch']:.3f} |",
+        f"| loader CPU s per sample, whole {cube}, slots reused (goal ≤ 0.10) | {loader['whole']:.3f} |",
+        f"| loader CPU s per sample, patch {patch}, slots reused (goal ≤ 0.10) | {loader['patch']:.3f} |",
+        f"| loader CPU s per sample, whole / patch, fresh shared memory (no free slot) | "
+        f"{fresh['whole']:.3f} / {fresh['patch']:.3f} |",
+        f"| a DataLoader worker process's CPU s per sample, whole / patch: slots reused | "
+        f"{process['slots']['whole']:.3f} / {process['slots']['patch']:.3f} |",
+        f"| a DataLoader worker process's CPU s per sample, whole / patch: fresh shared memory | "
+        f"{process['fresh']['whole']:.3f} / {process['fresh']['patch']:.3f} |",
+        f"| the main process's copy out of the slot, CPU s per sample, whole / patch | "
+        f"{copy['whole']:.3f} / {copy['patch']:.3f} |",
         f"| whole case into a batch tensor, CPU s: format 2 / format 1 | "
         f"{result['whole_case_into_batch_cpu_seconds']['format2']:.3f} / "
         f"{result['whole_case_into_batch_cpu_seconds']['format1']:.3f} |",

@@ -623,9 +623,10 @@ def stage_augment(check: Check) -> dict:
         prepare_dataset(root, cache, DataConfig(cube=[cube] * 3, prepare_workers=workers_prepare),
                         workers=workers_prepare, progress=False)
         dataset = CubeDataset(cache, list_prepared(cache), augment="nnunet", batch_size=batch, channels=4)
+        pinned = device.type == "cuda"  # the pin thread copies each batch out of its worker's slot
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=EpochSampler(len(dataset), batch * steps, 0),
-                                             num_workers=workers, collate_fn=loader_collate(pinned=device.type == "cuda"),
-                                             pin_memory=device.type == "cuda", worker_init_fn=seed_worker)
+                                             num_workers=workers, collate_fn=loader_collate(reuse_slots=pinned),
+                                             pin_memory=pinned, worker_init_fn=seed_worker)
         to_device = DeviceBatches("nnunet", device, edition="2021", outputs="labels", regions=(),
                                   sample_size=(cube,) * 3)
         batches = iter(loader)

@@ -128,18 +128,33 @@ def test_a_batch_outside_a_worker_is_plain_memory_and_never_in_a_slot(data):
     assert torch.equal(batch.image, torch.from_numpy(np.asarray(CubeDataset(cache, ids, seed=1)[0]["image"]))[None])
 
 
-def test_train_data_gives_slots_to_pinned_loaders_only(data):
-    """Rule 4: on the CPU the step reads the worker's buffer itself; only pinned (CUDA) loaders get slots."""
+def test_train_data_copies_each_batch_out_of_its_slot_on_the_cpu(data, monkeypatch):
+    """Rule 4: every loader of a fold takes slots; on CUDA the pin thread copies each batch out of its slot, on
+    the CPU the loader itself (`WorkerLoader(copy_out=True)`), so the step never reads a worker's buffer."""
     root, cache = data
-    config = tiny_config(root, cache, "data.loader_workers=1")
+    freed = []
+    monkeypatch.setattr(train_data, "free_slot", lambda tensor: freed.append(1) or free_slot(tensor))
+    config = tiny_config(root, cache, "data.loader_workers=2", "train.batch_size=2", "train.steps_per_epoch=6")
     ids = list_prepared(cache)
-    for device, slots in (("cpu", False), ("cuda", True)):
-        built = train_data.build_train_data(config, ids[:2], ids[2:], edition="2021", fold=0,
-                                            device=torch.device(device))
+    for device, pinned in (("cpu", False), ("cuda", True)):
+        built = train_data.build_train_data(config, ids, ids[:2], edition="2021", fold=0, device=torch.device(device))
         built.close()
         for loader in (built.train_loader, built.val_loader):
-            assert loader.pin_memory is slots
-            assert isinstance(getattr(loader.collate_fn, "keywords", {}).get("slots"), BatchSlots) is slots
+            assert loader.pin_memory is pinned and loader.copy_out is not pinned
+            assert isinstance(loader.collate_fn.keywords["slots"], BatchSlots)
+    cpu = train_data.build_train_data(config, ids, ids[:2], edition="2021", fold=0, device=torch.device("cpu"))
+    try:
+        batches = list(cpu.train_loader)
+        plain = torch.utils.data.DataLoader(cpu.train_dataset, batch_size=2, sampler=cpu.sampler,
+                                            collate_fn=collate_samples)
+        for batch, expected in zip(batches, plain, strict=True):
+            assert not batch.in_slot
+            assert torch.equal(batch.image, expected.image) and torch.equal(batch.label, expected.label)
+        # every batch that came in a slot was copied out (the rest found both slots held: fresh memory, rule 2),
+        # and each worker's first batch always finds a slot
+        assert len(batches) == 6 and sum(not b.image.is_shared() for b in batches) == len(freed) >= 2
+    finally:
+        cpu.close()
 
 
 def test_a_loader_that_would_outgrow_shared_memory_is_fitted_or_named_in_one_line(monkeypatch):
@@ -149,28 +164,27 @@ def test_a_loader_that_would_outgrow_shared_memory_is_fitted_or_named_in_one_lin
     fit = train_data.fit_loader_to_shared_memory
     batch = 2 * 4 * 192**3 * 2  # 2 whole-cube images in float16
     # a number the user set is kept, with a line: docker's default 64 MB holds no 192³ batch
-    assert fit(12, batch, pinned=True, auto=False, free=64 * 2**20) == 12
+    assert fit(12, batch, auto=False, free=64 * 2**20) == 12
     assert len(lines) == 1 and "\n" not in lines[0]
     assert lines[0].startswith("/dev/shm has 0.06 GiB free, and 12 loader workers hold up to 2.53 GiB of batches "
                                "there (2 of 0.11 GiB each): a worker that runs out dies of a bus error")
     assert "--shm-size" in lines[0]
-    # auto: as many as fit (2 slots each when pinned; unpinned, the 2 loaded ahead and the one in use)
-    assert fit(12, batch, pinned=True, auto=True, free=1 * 2**30) == 4
+    # auto: as many as fit, 2 slots each
+    assert fit(12, batch, auto=True, free=1 * 2**30) == 4
     assert lines[1].endswith("data.loader_workers auto uses 4 workers; give it more shared memory (docker run "
                              "--shm-size) for all 12")
-    assert fit(12, batch, pinned=False, auto=True, free=1 * 2**30) == 3
-    assert fit(12, batch, pinned=True, auto=True, free=64 * 2**20) == 0
-    assert "auto uses no workers (the training process loads its batches)" in lines[3]
+    assert fit(12, batch, auto=True, free=64 * 2**20) == 0
+    assert "auto uses no workers (the training process loads its batches)" in lines[2]
     # two ranks on the host share it
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert fit(4, batch, pinned=True, auto=True, free=1 * 2**30) == 2
-    assert "4 loader workers on each of 2 ranks" in lines[4]
+    assert fit(4, batch, auto=True, free=1 * 2**30) == 2
+    assert "4 loader workers on each of 2 ranks" in lines[3]
     # what fits, no workers, or no shared-memory file system to ask: kept, nothing said
-    assert fit(4, batch, pinned=False, auto=True, free=8 * 2**30) == 4
-    assert fit(0, batch, pinned=True, auto=False, free=0) == 0
+    assert fit(4, batch, auto=True, free=8 * 2**30) == 4
+    assert fit(0, batch, auto=False, free=0) == 0
     monkeypatch.setattr(train_data, "shared_memory_free_bytes", lambda: None)
-    assert fit(12, batch, pinned=True, auto=True) == 12
-    assert len(lines) == 5
+    assert fit(12, batch, auto=True) == 12
+    assert len(lines) == 4
 
 
 def test_train_data_under_a_small_shared_memory_loads_in_the_training_process(data, monkeypatch):
@@ -211,7 +225,7 @@ def test_through_dataloaders_own_pin_thread_every_batch_reuses_a_slot(data, monk
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda tensor, *args: tensor.clone())
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2, prefetch_factor=1,
-                                         pin_memory=True, collate_fn=train_data.loader_collate(pinned=True))
+                                         pin_memory=True, collate_fn=train_data.loader_collate(reuse_slots=True))
     batches = iter(loader)
     assert batches._pin_memory  # the pin thread runs
     pinned = list(batches)

@@ -370,8 +370,8 @@ class LoaderBatch:
 def collate_samples(samples: list[dict], slots: BatchSlots | None = None) -> LoaderBatch:
     """One batch of `CubeDataset` items (`stacked`), with the per-sample draws and pads as lists. In a loader
     worker the batch is in shared memory, as torch's own collate makes it, so it reaches the main process
-    without another copy: in one of the worker's `slots` when one is free (batches that will be pinned),
-    else in fresh shared memory."""
+    without another copy: in one of the worker's `slots` when one is free (for a loader that copies each
+    batch as it arrives, `loader_collate`), else in fresh shared memory."""
     images, labels = [s["image"] for s in samples], [s["label"] for s in samples]
     outs, in_slot = [None, None], False
     if get_worker_info() is not None:
@@ -387,10 +387,11 @@ def collate_samples(samples: list[dict], slots: BatchSlots | None = None) -> Loa
     )
 
 
-def loader_collate(pinned: bool) -> Callable[[list[dict]], LoaderBatch]:
-    """The loaders' collate function. Pinned batches are copied as they arrive, so their workers reuse their
-    shared-memory buffers (shared_batches rule 4); every worker fills its own copy of the empty slots (rule 3)."""
-    return functools.partial(collate_samples, slots=BatchSlots()) if pinned else collate_samples
+def loader_collate(reuse_slots: bool) -> Callable[[list[dict]], LoaderBatch]:
+    """The loaders' collate function. `reuse_slots` where every batch is copied as it arrives (pinned on
+    CUDA, copied out by `WorkerLoader` otherwise: shared_batches rule 4): the workers then reuse their
+    shared-memory buffers, each worker filling its own copy of the empty slots (rule 3)."""
+    return functools.partial(collate_samples, slots=BatchSlots()) if reuse_slots else collate_samples
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -399,7 +400,8 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 class WorkerLoader(DataLoader):
-    """A DataLoader that can end the workers of every pass it started (`close`).
+    """A DataLoader that can end the workers of every pass it started (`close`), and that copies each batch
+    out of its worker's shared-memory slot as it arrives when nothing pins it (`copy_out`).
 
     On the way out of an error the pass's iterator outlives the loop that used it: the traceback holds the
     frame that holds it, so torch never shuts its workers down, and at exit multiprocessing's handler
@@ -407,14 +409,19 @@ class WorkerLoader(DataLoader):
     training recipe closes its loaders when a fold ends, however it ends.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, copy_out: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.copy_out = copy_out
         self._passes: weakref.WeakSet = weakref.WeakSet()
 
     def __iter__(self):
         iterator = super().__iter__()
         self._passes.add(iterator)
-        return iterator
+        if not self.copy_out:
+            return iterator
+        # On the CPU the step would read the worker's buffer itself: copied here, as the pin thread copies on
+        # CUDA, the worker may write its next batch into it (shared_batches rule 4).
+        return (batch.copied(torch.Tensor.clone) if batch.in_slot else batch for batch in iterator)
 
     def close(self) -> None:
         """End the workers of every pass still alive (a finished pass has ended its own)."""
@@ -447,16 +454,15 @@ def loader_worker_count(data_cfg: DataConfig) -> int:
     return max(1, min(AUTO_LOADER_WORKERS_MAX, cpus // ranks - 1))
 
 
-def fit_loader_to_shared_memory(workers: int, batch_bytes: int, pinned: bool, *, auto: bool,
-                                free: int | None = None) -> int:
+def fit_loader_to_shared_memory(workers: int, batch_bytes: int, *, auto: bool, free: int | None = None) -> int:
     """The loader workers this host's shared memory has room for (`free`: measured when None). A worker that
     runs out of it dies of a bus error in the middle of an epoch, and a container's default is 64 MB, less
-    than one 192³ batch. Each worker holds its two slots when the batches are pinned (shared_batches),
-    otherwise the batches it loads ahead and the one the step reads; every rank on the host has its own.
+    than one 192³ batch. Each worker holds its two slots (shared_batches); every rank on the host has its
+    own workers.
 
     Where they do not fit, one line says so. `auto` (`data.loader_workers: auto`): as many as fit, down to
     none (the training process then loads its own batches). A number the user set is kept."""
-    per_worker = BATCH_SLOTS if pinned else LOADER_PREFETCH_FACTOR + 1
+    per_worker = BATCH_SLOTS
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     free = shared_memory_free_bytes() if free is None else free
     need = ranks * workers * per_worker * batch_bytes
@@ -527,18 +533,18 @@ def build_train_data(
     pin = device.type == "cuda"
     batch_bytes = arrived_batch_bytes(train_cfg.augment, train_cfg.batch_size, config.model.in_channels,
                                       crop or config.data.cube, train_cfg.mode == "patch")
-    workers = fit_loader_to_shared_memory(loader_worker_count(config.data), batch_bytes, pin,
+    workers = fit_loader_to_shared_memory(loader_worker_count(config.data), batch_bytes,
                                           auto=config.data.loader_workers == "auto")
-    collate = loader_collate(pinned=pin)
+    collate = loader_collate(reuse_slots=True)  # every batch is copied as it arrives: pinned, or copied out
     train_loader = WorkerLoader(
         train_dataset, batch_size=train_cfg.batch_size, sampler=sampler, num_workers=workers,
         collate_fn=collate, pin_memory=pin, drop_last=True, worker_init_fn=seed_worker, generator=generator,
-        persistent_workers=False, prefetch_factor=LOADER_PREFETCH_FACTOR if workers else None,
+        persistent_workers=False, prefetch_factor=LOADER_PREFETCH_FACTOR if workers else None, copy_out=not pin,
     )
     val_loader = WorkerLoader(
         val_dataset, batch_size=train_cfg.val_batch_size, shuffle=False, num_workers=min(workers, 1),
         sampler=make_sampler(val_dataset, ctx, shuffle=False) if ctx is not None else None,
-        collate_fn=collate, pin_memory=pin, worker_init_fn=seed_worker,
+        collate_fn=collate, pin_memory=pin, worker_init_fn=seed_worker, copy_out=not pin,
     )
     device_batches = DeviceBatches(train_cfg.augment, device, edition=edition, outputs=config.model.outputs,
                                    regions=config.model.regions, label_order=config.model.label_order,

@@ -4,24 +4,26 @@ A DataLoader worker hands its batch over in shared memory (torch's own collate d
 process receives a mapping, not a copy. Fresh shared memory is expensive to write: shared memory gets no huge
 pages on common kernels, and each 4 KiB page faults in zeroed at first touch. For a 192³ whole-cube sample
 that is half of the worker's CPU (scripts/bench_scale.py). When training on a GPU, the main process copies
-every batch into pinned memory as it arrives (DataLoader's pin thread calls `LoaderBatch.pin_memory`), and
-after that copy the worker's buffer is no longer read. So each worker keeps a few buffers (slots) and
-writes its next batch into a free one.
+every batch into pinned memory as it arrives (DataLoader's pin thread calls `LoaderBatch.pin_memory`); on
+the CPU the loader copies it out the same way (`train.data.WorkerLoader`). After that copy the worker's
+buffer is no longer read. So each worker keeps a few buffers (slots) and writes its next batch into a free
+one.
 
 The rules the slots keep (cited in the code):
 
 1. A slot's first byte says whether it is free. The worker that owns the slot sets it busy before writing a
    batch into it. The main process frees it only after its copies of the batch have returned
-   (`free_slot`, called by `LoaderBatch.pin_memory`). The flag lives in the buffer it guards, so freeing a
+   (`free_slot`, called by `LoaderBatch.copied`). The flag lives in the buffer it guards, so freeing a
    slot sends nothing between the processes.
 2. With no free slot, the batch goes to fresh shared memory, as it would without slots. A worker never
-   waits for the main process, so a batch that is never pinned (training on the CPU, an abandoned pass)
+   waits for the main process, so a batch that is never copied (one held by its reader, an abandoned pass)
    costs speed, never a deadlock.
 3. Slots belong to the process that allocated them (`BatchSlots` starts empty in every process, forked or
    spawned), so each loader pass's workers get their own, and a late free from an earlier pass cannot
    free a buffer of a later one.
-4. Slots only where the batches are pinned (`build_train_data`): unpinned, the step reads the worker's
-   buffer itself, and nothing would free it at the right moment.
+4. Slots only where every batch is copied as it arrives, by the pin thread or by the loader's own copy
+   (`train.data.loader_collate`, `WorkerLoader(copy_out=True)`): a batch the step read in place would have
+   nothing to free it at the right moment. A loader that hands its batches over uncopied takes no slots.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a mapping's pages in, writable, in one call
 
-BATCH_SLOTS = 2  # per worker: one batch being written while the previous one is pinned (rule 2 covers a third)
+BATCH_SLOTS = 2  # per worker: one batch being written while the previous one is copied (rule 2 covers a third)
 FLAG_BYTE = 0  # rule 1: the slot's state, in its own first byte
 FREE, BUSY = 0, 1
 ALIGN_BYTES = 64  # each tensor of a batch starts on its own cache line, after the flag
