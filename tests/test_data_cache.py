@@ -332,44 +332,23 @@ def test_a_cache_only_run_adds_the_class_locations_when_it_can_write(dataset, tm
     assert load_prepared(cache, IDS[2]).class_locations().classes
 
 
-@pytest.mark.parametrize("damage", ["truncated", "header", "outside", "meta"])
-def test_a_damaged_class_locations_file_is_one_line_and_never_read_past_its_bounds(dataset, damage):
-    root, cache, _ = dataset
-    prepare_dataset(root, cache, _config(), progress=False)
-    folder = cache / IDS[0]
-    path = folder / "class_locations.npy"
-    rows = np.load(path)
-    if damage == "truncated":
-        path.write_bytes(path.read_bytes()[:-6])
-    elif damage == "header":  # a file that claims a billion rows: refused before anything is allocated
-        np.save(path, np.zeros((2, 3), np.uint16))
-        path.write_bytes(path.read_bytes().replace(b"(2, 3)", b"(1000000000, 3)"))
-    elif damage == "outside":
-        rows[0] = (16, 0, 0)  # the cube is 16³
-        np.save(path, rows)
-    else:
-        meta = json.loads((folder / "meta.json").read_text())
-        meta["class_locations"] = {"1": [10**9, 10000]}
-        (folder / "meta.json").write_text(json.dumps(meta))
-    expected = {"truncated": "shorter than its header says", "header": r"holds \(1000000000, 3\)",
-                "outside": "outside the cube", "meta": "meta.json class_locations entry '1'"}[damage]
-    with pytest.raises(DataError, match=rf"{IDS[0]}.*{expected}.*prepare the case again") as error:
-        load_prepared(cache, IDS[0]).class_locations()
-    assert "\n" not in str(error.value)
+_DAMAGES = ["truncated", "header", "outside", "meta", "forged"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "header", "outside", "forged", "shape"])
-def test_a_damaged_or_forged_region_record_is_one_line_and_never_read_past_its_bounds(dataset, damage):
-    """region_locations.npy and meta.json's region_locations come from the cache's files: a region's count must
-    be its labels' (checked ones), its rows nnU-Net's rule of it, and the file exactly those rows."""
+@pytest.mark.parametrize("damage", _DAMAGES)
+@pytest.mark.parametrize("kind", ["class", "region"])
+def test_a_damaged_or_forged_locations_record_is_one_line_and_never_read_past_its_bounds(dataset, kind, damage):
+    """class_locations / region_locations (.npy and meta.json) come from the cache's files: the file must hold
+    exactly the rows meta.json lists, inside the cube; meta.json's counts must be label values (regions: the
+    run's, each with its labels' checked voxels) with nnU-Net's rows of them."""
     from brats_swap.data.class_locations import default_regions
 
     root, cache, _ = dataset
     prepare_dataset(root, cache, _config(), progress=False)
     folder = cache / IDS[0]
-    path, meta = folder / "region_locations.npy", json.loads((folder / "meta.json").read_text())
+    path, meta = folder / f"{kind}_locations.npy", json.loads((folder / "meta.json").read_text())
     rows = np.load(path)
-    assert [name for name, *_ in meta["region_locations"]] == ["WT", "TC", "ET"] and len(rows)
+    assert len(rows) and (kind == "class" or [name for name, *_ in meta["region_locations"]] == ["WT", "TC", "ET"])
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:-6])
     elif damage == "header":  # a file that claims a billion rows: refused before anything is allocated
@@ -379,14 +358,20 @@ def test_a_damaged_or_forged_region_record_is_one_line_and_never_read_past_its_b
         rows[-1] = (0, 0, 16)  # the cube is 16³
         np.save(path, rows)
     else:
-        meta["region_locations"] = ([["WT", 10**9, 10**7], *meta["region_locations"][1:]] if damage == "forged"
-                                    else {"WT": [1, 1]})
+        meta[f"{kind}_locations"] = {
+            ("class", "meta"): {"1": [10**9, 10000]}, ("class", "forged"): {"1": [5, 6]},
+            ("region", "meta"): {"WT": [1, 1]},
+            ("region", "forged"): [["WT", 10**9, 10**7], *meta["region_locations"][1:]]}[kind, damage]
         (folder / "meta.json").write_text(json.dumps(meta))
     expected = {"truncated": "shorter than its header says", "header": r"holds \(1000000000, 3\)",
-                "outside": "outside the cube", "forged": "meta.json region_locations entry 'WT'.*its labels' counts",
-                "shape": "meta.json region_locations is not a list"}[damage]
+                "outside": "outside the cube", "meta": "meta.json class_locations entry '1'",
+                "forged": "meta.json class_locations entry '1'"}[damage]
+    if kind == "region" and damage in ("meta", "forged"):
+        expected = {"meta": "meta.json region_locations is not a list",
+                    "forged": "meta.json region_locations entry 'WT'.*its labels' counts"}[damage]
+    prepared = load_prepared(cache, IDS[0])
     with pytest.raises(DataError, match=rf"{IDS[0]}.*{expected}.*prepare the case again") as error:
-        load_prepared(cache, IDS[0]).region_locations(default_regions("2021"))
+        prepared.class_locations() if kind == "class" else prepared.region_locations(default_regions("2021"))
     assert "\n" not in str(error.value)
 
 

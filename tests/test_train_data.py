@@ -352,6 +352,24 @@ def test_only_a_region_model_draws_per_region():
     assert list(sampled_regions(config, "2021").items()) == [("ET", (4,)), ("TC", (1, 4)), ("WT", (1, 2, 4))]
 
 
+def test_a_region_run_builds_a_per_region_loader(data):
+    """`build_train_data` (what train, cv and compare call) hands a region model's regions to the dataset."""
+    from train_helpers import tiny_config
+
+    from brats_swap.train.data import build_train_data
+
+    root, cache = data
+    ids = list_prepared(cache)
+    for outputs, expected in (("regions", default_regions("2021")), ("labels", None)):
+        config = tiny_config(root, cache, f"model.outputs={outputs}", "train.mode=patch", "train.patch=[16,16,16]",
+                             "train.patch_foreground=nnunet", "train.batch_size=2")
+        built = build_train_data(config, ids[:2], ids[2:], edition="2021", fold=0, device=torch.device("cpu"))
+        try:
+            assert built.train_dataset.regions == expected and built.train_dataset.foreground == "nnunet"
+        finally:
+            built.close()
+
+
 def test_a_region_dataset_centres_its_forced_patches_on_region_rows(data, monkeypatch):
     from brats_swap.data import cache as cache_module
 
