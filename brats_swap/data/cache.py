@@ -116,7 +116,7 @@ class PreparedCase:
             raise DataError(f"{where} has no region locations (prepared before the cache stored them); "
                             f"{LOCATIONS_HINT}")
         cube = tuple(self.meta["cube"])
-        counts = recorded_regions(self.meta, regions, recorded_counts(self.meta, cube, where), cube, where)
+        counts = recorded_regions(self.meta, regions, recorded_counts(self.meta, cube, where), where)
         return read_locations(self.folder / REGIONS_FILE, counts, cube)
 
 
@@ -327,7 +327,7 @@ def require_locations(cache: str | os.PathLike, case_ids: list[str],
         meta = _read_meta(entry_folder(Path(cache), case_id))
         if meta is not None and meta.get("has_label"):  # the counts are checked now, the rows when read
             where, cube = f"cache {cache}: case {case_id}", tuple(meta["cube"])
-            recorded_regions(meta, regions, recorded_counts(meta, cube, where), cube, where)
+            recorded_regions(meta, regions, recorded_counts(meta, cube, where), where)
 
 
 def _lacks_locations(folder: Path, keys: tuple[str, ...] = (META_KEY, REGIONS_KEY)) -> bool:

@@ -57,8 +57,8 @@ def rows_for(voxels: int) -> int:
 
 @dataclass(frozen=True)
 class ClassLocations:
-    """Per class (raw label value): the voxels it has in the cube and the sampled ones, (rows, 3) cube
-    coordinates in nnU-Net's draw order."""
+    """Per class (raw label value; for the rows per region, the region's position among the regions): the
+    voxels it has in the cube and the sampled ones, (rows, 3) cube coordinates in nnU-Net's draw order."""
 
     voxels: dict[int, int]
     rows: dict[int, np.ndarray]
@@ -166,7 +166,7 @@ def recorded_counts(meta: dict, cube: tuple[int, ...], where: str) -> dict[int, 
 
 
 def recorded_regions(meta: dict, regions: dict[str, tuple[int, ...]], labels: dict[int, tuple[int, int]],
-                     cube: tuple[int, ...], where: str) -> dict[int, tuple[int, int]]:
+                     where: str) -> dict[int, tuple[int, int]]:
     """meta.json's `region_locations` checked (a file someone else may have made) against the run's `regions`
     (name -> label values, in order) and the entry's checked per-label counts `labels` (`recorded_counts`):
     region position -> (voxels, rows) for the regions present. Every region is listed once, in order, with as
