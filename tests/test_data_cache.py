@@ -266,13 +266,15 @@ def test_prepare_missing_prepares_a_fresh_cache_of_any_challenge(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # Class locations (class_locations.npy): sampled at prepare, added to entries written before them.
 
-def _without_locations(cache, case_id):
-    """The entry as format 2 wrote it before the cache stored class locations."""
+def _without_locations(cache, case_id, kinds=("class", "region")):
+    """The entry as format 2 wrote it before the cache stored class locations (and region locations), or
+    only the region ones (`kinds=("region",)`)."""
     folder = cache / case_id
     meta = json.loads((folder / "meta.json").read_text())
-    del meta["class_locations"]
+    for kind in kinds:
+        del meta[f"{kind}_locations"]
+        (folder / f"{kind}_locations.npy").unlink()
     (folder / "meta.json").write_text(json.dumps(meta))
-    (folder / "class_locations.npy").unlink()
 
 
 def _console():
@@ -286,11 +288,11 @@ def _console():
 def test_entries_without_class_locations_get_them_from_their_label_alone(dataset, monkeypatch):
     root, cache, _ = dataset
     prepare_dataset(root, cache, _config(), progress=False)
-    written = {case_id: ((cache / case_id / "class_locations.npy").read_bytes(), load_prepared(cache, case_id).meta)
-               for case_id in IDS}
+    written = {case_id: ([(cache / case_id / f"{kind}_locations.npy").read_bytes() for kind in ("class", "region")],
+                         load_prepared(cache, case_id).meta) for case_id in IDS}
     images = {case_id: (cache / case_id / "image.b2nd").stat().st_mtime_ns for case_id in IDS}
-    for case_id in IDS[:2]:
-        _without_locations(cache, case_id)
+    _without_locations(cache, IDS[0])
+    _without_locations(cache, IDS[1], kinds=("region",))  # written with class locations, before region ones
     with pytest.raises(DataError, match=rf"case {IDS[0]} has no tumour-class locations .*data prepare"):
         load_prepared(cache, IDS[0]).class_locations()
 
@@ -303,10 +305,11 @@ def test_entries_without_class_locations_get_them_from_their_label_alone(dataset
     report = prepare_dataset(root, cache, _config(), progress=False, console=sink)
     assert report.located == IDS[:2] and report.up_to_date == IDS and not report.prepared
     assert sink.file.getvalue().splitlines() == [
-        f"{cache}: 2 case(s) were prepared before the cache stored their tumour-class locations; adding them from "
-        "the cached labels (images and NIfTI files are not read again)"]
+        f"{cache}: 2 case(s) were prepared before the cache stored their tumour-class and region locations; adding "
+        "them from the cached labels (images and NIfTI files are not read again)"]
     for case_id in IDS:  # what prepare would have written from the NIfTI files, bitwise; the images untouched
-        assert (cache / case_id / "class_locations.npy").read_bytes() == written[case_id][0]
+        assert [(cache / case_id / f"{kind}_locations.npy").read_bytes()
+                for kind in ("class", "region")] == written[case_id][0]
         assert load_prepared(cache, case_id).meta == written[case_id][1]
         assert (cache / case_id / "image.b2nd").stat().st_mtime_ns == images[case_id]
     again = prepare_dataset(root, cache, _config(), progress=False, console=(quiet := _console()))
@@ -329,29 +332,46 @@ def test_a_cache_only_run_adds_the_class_locations_when_it_can_write(dataset, tm
     assert load_prepared(cache, IDS[2]).class_locations().classes
 
 
-@pytest.mark.parametrize("damage", ["truncated", "header", "outside", "meta"])
-def test_a_damaged_class_locations_file_is_one_line_and_never_read_past_its_bounds(dataset, damage):
+_DAMAGES = ["truncated", "header", "outside", "meta", "forged"]
+
+
+@pytest.mark.parametrize("damage", _DAMAGES)
+@pytest.mark.parametrize("kind", ["class", "region"])
+def test_a_damaged_or_forged_locations_record_is_one_line_and_never_read_past_its_bounds(dataset, kind, damage):
+    """class_locations / region_locations (.npy and meta.json) come from the cache's files: the file must hold
+    exactly the rows meta.json lists, inside the cube; meta.json's counts must be label values (regions: the
+    run's, each with its labels' checked voxels) with nnU-Net's rows of them."""
+    from brats_swap.data.class_locations import default_regions
+
     root, cache, _ = dataset
     prepare_dataset(root, cache, _config(), progress=False)
     folder = cache / IDS[0]
-    path = folder / "class_locations.npy"
+    path, meta = folder / f"{kind}_locations.npy", json.loads((folder / "meta.json").read_text())
     rows = np.load(path)
+    assert len(rows) and (kind == "class" or [name for name, *_ in meta["region_locations"]] == ["WT", "TC", "ET"])
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:-6])
     elif damage == "header":  # a file that claims a billion rows: refused before anything is allocated
         np.save(path, np.zeros((2, 3), np.uint16))
         path.write_bytes(path.read_bytes().replace(b"(2, 3)", b"(1000000000, 3)"))
     elif damage == "outside":
-        rows[0] = (16, 0, 0)  # the cube is 16³
+        rows[-1] = (0, 0, 16)  # the cube is 16³
         np.save(path, rows)
     else:
-        meta = json.loads((folder / "meta.json").read_text())
-        meta["class_locations"] = {"1": [10**9, 10000]}
+        meta[f"{kind}_locations"] = {
+            ("class", "meta"): {"1": [10**9, 10000]}, ("class", "forged"): {"1": [5, 6]},
+            ("region", "meta"): {"WT": [1, 1]},
+            ("region", "forged"): [["WT", 10**9, 10**7], *meta["region_locations"][1:]]}[kind, damage]
         (folder / "meta.json").write_text(json.dumps(meta))
     expected = {"truncated": "shorter than its header says", "header": r"holds \(1000000000, 3\)",
-                "outside": "outside the cube", "meta": "meta.json class_locations entry '1'"}[damage]
+                "outside": "outside the cube", "meta": "meta.json class_locations entry '1'",
+                "forged": "meta.json class_locations entry '1'"}[damage]
+    if kind == "region" and damage in ("meta", "forged"):
+        expected = {"meta": "meta.json region_locations is not a list",
+                    "forged": "meta.json region_locations entry 'WT'.*its labels' counts"}[damage]
+    prepared = load_prepared(cache, IDS[0])
     with pytest.raises(DataError, match=rf"{IDS[0]}.*{expected}.*prepare the case again") as error:
-        load_prepared(cache, IDS[0]).class_locations()
+        prepared.class_locations() if kind == "class" else prepared.region_locations(default_regions("2021"))
     assert "\n" not in str(error.value)
 
 

@@ -9,7 +9,7 @@ from train_helpers import prepared_dataset
 
 from brats_swap.augment.cube import CUBE_SYMMETRIES, CubeSymmetry, allowed_symmetries, apply_symmetry
 from brats_swap.data.cache import list_prepared, load_prepared
-from brats_swap.data.class_locations import sample_locations
+from brats_swap.data.class_locations import default_regions, sample_locations, sample_region_locations
 from brats_swap.data.compressed import CachedVolume
 from brats_swap.errors import DataError
 from brats_swap.train.data import (
@@ -21,6 +21,7 @@ from brats_swap.train.data import (
     enlarged_window,
     loader_worker_count,
     nnunet_forced_foreground,
+    sampled_regions,
     tumour_patch_start,
 )
 
@@ -249,3 +250,167 @@ def test_a_patch_run_on_entries_without_class_locations_is_refused_before_it_sta
     for kwargs in ({}, {"crop": (16, 16, 16), "foreground": 0.0}, {"crop": (16, 16, 16), "foreground": "nnunet"}):
         sample = collate_samples([CubeDataset(cache, ids, seed=1, **kwargs)[SampleKey(0, 1, 1)]])
         assert sample.case_id == [ids[1]]
+
+
+# --------------------------------------------------------------------------------------------------
+# Region models: nnU-Net samples and draws per region (`label_manager.foreground_regions`).
+
+def test_the_default_regions_are_in_nnunets_order_for_a_brats_dataset():
+    """nnU-Net's regions are the dataset.json labels in their order, background left out (`regions_class_order`
+    only names the label each head paints); a BraTS dataset.json lists them largest first, as the tables do."""
+    label_handling = pytest.importorskip("nnunetv2.utilities.label_handling.label_handling")
+    for edition in ("2021", "gli", "ped"):
+        regions = default_regions(edition)
+        dataset_labels = {"background": 0, **{name: list(values) for name, values in regions.items()}}
+        manager = label_handling.LabelManager(dataset_labels, regions_class_order=list(range(1, len(regions) + 1)))
+        assert manager.has_regions and manager.foreground_regions == list(regions.values()), edition
+    assert default_regions("2021") == {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}
+    from brats_swap.data.challenges import get_challenge
+    from brats_swap.model.targets import region_tree
+
+    for edition in ("2021", "gli", "met", "ped"):  # the regions a region model trains, by default
+        tree = region_tree(get_challenge(edition))
+        assert default_regions(edition) == {name: region.values for name, region in tree.items()}
+
+
+def test_the_stored_region_locations_are_nnunets_sample(data):
+    """Per region, the rows nnU-Net v2's preprocessing samples for a region dataset (`_sample_foreground_locations`
+    with the regions, seed 1234), row for row: a region over 10000 voxels (the union of its labels, label after
+    label), one kept whole, one the case lacks (skipped without a draw); PED's four regions; and in the cache."""
+    preprocessing = pytest.importorskip("nnunetv2.preprocessing.preprocessors.default_preprocessor")
+    theirs = preprocessing.DefaultPreprocessor._sample_foreground_locations
+    rng = np.random.default_rng(5)
+    for edition, values in (("2021", (1, 2, 4)), ("ped", (1, 2, 3, 4))):
+        regions = default_regions(edition)
+        for lacking in (None, values[-1]):
+            label = rng.choice(np.array((0, *values), np.uint8), size=(40, 40, 36), p=[0.5, *[0.5 / len(values)] * len(values)])
+            label[label == lacking] = 0
+            record, ours = sample_region_locations(label, regions)
+            reference = theirs(label[None], list(regions.values()))
+            for position, (name, values_of) in enumerate(regions.items()):
+                voxels = int(np.isin(label, values_of).sum())
+                assert record[position] == [name, voxels, min(voxels, 10000)]
+                if voxels:
+                    assert np.array_equal(ours.rows[position], reference[values_of][:, 1:]), (edition, name)
+                else:
+                    assert position not in ours.rows and len(reference[values_of]) == 0
+            assert any(n > 10000 for _, n, _ in record) and any(0 < n < 10000 for _, n, _ in record)
+    _, cache = data
+    for case_id in list_prepared(cache):
+        prepared = load_prepared(cache, case_id)
+        regions = default_regions(prepared.meta["edition"])
+        stored, cube = prepared.region_locations(regions), np.asarray(prepared.label)
+        reference = theirs(cube[None], list(regions.values()))
+        assert stored.classes and all(np.array_equal(stored.rows[position], reference[values][:, 1:])
+                                      for position, values in enumerate(regions.values()) if position in stored.rows)
+        assert [position in stored.rows for position in range(len(regions))] == [
+            len(reference[values]) > 0 for values in regions.values()]
+
+
+def _patch_holds(label, starts, value, size=4):
+    return np.mean([value in label[tuple(slice(s, s + size) for s in start)] for start in starts])
+
+
+def test_nnunet_patches_of_a_region_model_draw_a_present_region_uniformly():
+    """nnU-Net's get_bbox for a region dataset: a region present drawn uniformly, then one of its rows. A large
+    edema (2), a small necrosis (1) and a small enhancing tumour (4) far apart: WT's rows are nearly all edema,
+    TC's half necrosis, ET's all enhancing, so a 4³ patch holds enhancing tumour 1/3 * 1/2 + 1/3 = 1/2 of the
+    time and necrosis 1/6 (per label: 1/3 each). Without enhancing tumour: WT and TC, 1/2 each."""
+    regions = default_regions("2021")
+    label = np.zeros((32, 32, 32), np.uint8)
+    label[16:32, 16:32, 16:32] = 2  # 4096 voxels
+    label[2:4, 2:4, 2:4], label[2:4, 2:4, 26:28] = 1, 4  # 8 voxels each
+    _, locations = sample_region_locations(label, regions)
+    rng = np.random.default_rng(0)
+    starts = [class_patch_start(label.shape, (4, 4, 4), locations, rng) for _ in range(900)]
+    assert 0.44 < _patch_holds(label, starts, 4) < 0.56 and 0.12 < _patch_holds(label, starts, 1) < 0.22
+    per_label = [class_patch_start(label.shape, (4, 4, 4), sample_locations(label), rng) for _ in range(900)]
+    assert 0.27 < _patch_holds(label, per_label, 4) < 0.39  # what a region model must not do
+    label[label == 4] = 0
+    _, locations = sample_region_locations(label, regions)
+    assert locations.classes == [0, 1]
+    starts = [class_patch_start(label.shape, (4, 4, 4), locations, rng) for _ in range(900)]
+    assert 0.44 < _patch_holds(label, starts, 1) < 0.56  # TC (all necrosis) is drawn half the time
+    empty = np.zeros((16, 16, 16), np.uint8)
+    _, nothing = sample_region_locations(empty, regions)
+    assert all(0 <= s <= 8 for s in class_patch_start(empty.shape, (8, 8, 8), nothing, rng))
+
+
+def test_only_a_region_model_draws_per_region():
+    """Label and softmax models keep the per-label draw (their `CubeDataset` is built as before); a region
+    model's regions are its channels', in order."""
+    from brats_swap.config import Config
+
+    for outputs in ("labels", "softmax"):
+        config = Config()
+        config.model.outputs = outputs
+        assert sampled_regions(config, "2021") is None
+    config = Config()
+    config.model.outputs = "regions"
+    assert sampled_regions(config, "2021") == default_regions("2021")
+    config.model.regions = ["ET", "TC", "WT"]  # another channel order: another nnU-Net dataset
+    assert list(sampled_regions(config, "2021").items()) == [("ET", (4,)), ("TC", (1, 4)), ("WT", (1, 2, 4))]
+
+
+def test_a_region_run_builds_a_per_region_loader(data):
+    """`build_train_data` (what train, cv and compare call) hands a region model's regions to the dataset."""
+    from train_helpers import tiny_config
+
+    from brats_swap.train.data import build_train_data
+
+    root, cache = data
+    ids = list_prepared(cache)
+    for outputs, expected in (("regions", default_regions("2021")), ("labels", None)):
+        config = tiny_config(root, cache, f"model.outputs={outputs}", "train.mode=patch", "train.patch=[16,16,16]",
+                             "train.patch_foreground=nnunet", "train.batch_size=2")
+        built = build_train_data(config, ids[:2], ids[2:], edition="2021", fold=0, device=torch.device("cpu"))
+        try:
+            assert built.train_dataset.regions == expected and built.train_dataset.foreground == "nnunet"
+        finally:
+            built.close()
+
+
+def test_a_region_dataset_centres_its_forced_patches_on_region_rows(data, monkeypatch):
+    from brats_swap.data import cache as cache_module
+
+    _, cache = data
+    ids = list_prepared(cache)
+    regions = default_regions(load_prepared(cache, ids[0]).meta["edition"])
+    read = []
+    real = cache_module.PreparedCase.region_locations
+    monkeypatch.setattr(cache_module.PreparedCase, "region_locations",
+                        lambda case, names: read.append(case.case_id) or real(case, names))
+    dataset = CubeDataset(cache, ids, crop=(16, 16, 16), seed=3, foreground="nnunet", batch_size=2, regions=regions)
+    for position in range(8):
+        sample = collate_samples([dataset[SampleKey(0, position, position % len(ids))]])
+        if position % 2:  # the forced sample of each batch of 2: centred on a region's row
+            assert sample.label[0].any() and read[-1] == sample.case_id[0]
+    assert len(read) == 4
+    numeric = CubeDataset(cache, ids, crop=(16, 16, 16), seed=3, foreground=1.0, regions=regions)
+    assert numeric.regions is None  # a numeric patch_foreground keeps `tumour_patch_start` per label
+
+
+def test_a_region_run_whose_regions_the_cache_lacks_is_refused_before_it_starts(data, tmp_path):
+    """Other regions than the table's defaults (stored at prepare), or entries written before region locations
+    were stored: one line at start, never a silent per-label draw."""
+    import json
+    import shutil
+
+    _, prepared = data
+    cache = tmp_path / "cache"
+    shutil.copytree(prepared, cache)
+    ids = list_prepared(cache)
+    with pytest.raises(DataError, match=r"stores region locations for WT, TC, ET .*not for this run's regions ET, "
+                                        r"TC, WT \(model.regions\)") as error:
+        CubeDataset(cache, ids, crop=(16, 16, 16), foreground="nnunet", batch_size=2,
+                    regions={"ET": (4,), "TC": (1, 4), "WT": (1, 2, 4)})
+    assert "\n" not in str(error.value)
+    meta = json.loads((cache / ids[1] / "meta.json").read_text())
+    del meta["region_locations"]
+    (cache / ids[1] / "meta.json").write_text(json.dumps(meta))
+    (cache / ids[1] / "region_locations.npy").unlink()
+    with pytest.raises(DataError, match=rf"cache {cache}: 1 of 4 case\(s\) \(e.g. {ids[1]}\) have no tumour-class or "
+                                        r"region locations .*run `brats-swap data prepare`"):
+        CubeDataset(cache, ids, crop=(16, 16, 16), foreground="nnunet", batch_size=2, regions=default_regions("2021"))
+    # a label model does not read them
+    assert CubeDataset(cache, ids, crop=(16, 16, 16), foreground="nnunet", batch_size=2).regions is None

@@ -8,6 +8,7 @@ Layout (stable, documented in docs/data.md), format 2:
     CACHE/<case_id>/label.b2nd       (d, h, w) uint8, raw label values of meta["edition"]'s table (absent: no seg)
     CACHE/<case_id>/class_locations.npy  nnU-Net's sample of each tumour class's voxels, cube coordinates
                                      (class_locations.py; absent: no seg, or an entry written before them)
+    CACHE/<case_id>/region_locations.npy  the same per region of the table's default regions (region models)
     CACHE/<case_id>/meta.json        what `to_original_grid` needs + sources' fingerprints + settings + the
                                      stored box (`stored_box`) and `cache_format`
 
@@ -16,9 +17,9 @@ tests) gets the arrays from it, as `CachedVolume`s the size of the cube. Entries
 `image.npy` of the whole cube) are recognised by their meta.json and never read: `prepare` rebuilds them
 (one line says so) and `load_prepared` refuses them.
 
-Entries written before the class locations were stored are brought up to date by the next `prepare` (or a
-run's prepare step, also with `data.cache_only` when the cache is writable) from their own label: the
-NIfTI files are not read and the image is not compressed again (`add_locations_one`).
+Entries written before the class (or region) locations were stored are brought up to date by the next
+`prepare` (or a run's prepare step, also with `data.cache_only` when the cache is writable) from their own
+label: the NIfTI files are not read and the image is not compressed again (`add_locations_one`).
 
 `prepare_missing(data_cfg)` is what train/cv/compare call: it prepares whatever cases of `data.root` the
 cache lacks (or holds stale) before they read it, so one command goes from a download to a run.
@@ -56,10 +57,15 @@ from brats_swap.atomic import DISK_PROBLEMS, atomic_write_json, remove_stale_tem
 from brats_swap.data.class_locations import (
     LOCATIONS_FILE,
     META_KEY,
+    REGIONS_FILE,
+    REGIONS_KEY,
     ClassLocations,
+    default_regions,
     read_locations,
     recorded_counts,
+    recorded_regions,
     sample_locations,
+    sample_region_locations,
     write_locations,
 )
 from brats_swap.data.compressed import CachedVolume, content_box, write_volume
@@ -101,6 +107,18 @@ class PreparedCase:
         cube = tuple(self.meta["cube"])
         return read_locations(self.folder / LOCATIONS_FILE, recorded_counts(self.meta, cube, where), cube)
 
+    def region_locations(self, regions: dict[str, tuple[int, ...]]) -> ClassLocations:
+        """The entry's locations per region (class_locations.py), keyed by the region's position in `regions`
+        (the run's regions: name -> label values, in order), the regions present only; read and checked now.
+        DataError for an entry without them (`prepare` adds them), damaged, or storing other regions."""
+        where = f"cache {self.folder.parent if self.folder else '?'}: case {self.case_id}"
+        if REGIONS_KEY not in self.meta or self.folder is None:
+            raise DataError(f"{where} has no region locations (prepared before the cache stored them); "
+                            f"{LOCATIONS_HINT}")
+        cube = tuple(self.meta["cube"])
+        counts = recorded_regions(self.meta, regions, recorded_counts(self.meta, cube, where), where)
+        return read_locations(self.folder / REGIONS_FILE, counts, cube)
+
 
 @dataclass
 class PrepareReport:
@@ -112,7 +130,7 @@ class PrepareReport:
     editions: dict[str, str] = field(default_factory=dict)  # case id -> label table, every case found
     removed_temp: int = 0  # stale temp folders of interrupted runs that were deleted
     old_format: int = 0  # entries of an older cache format found (rebuilt by this run)
-    located: list[str] = field(default_factory=list)  # up-to-date entries given their class locations by this run
+    located: list[str] = field(default_factory=list)  # up-to-date entries given their class/region locations by this run
     seconds: float = 0.0
 
     @property
@@ -233,7 +251,8 @@ def add_locations(cache_dir: Path, case_ids: list[str], workers: int, report: Pr
     if not case_ids:
         return {}
     _say(console, f"{cache_dir}: {len(case_ids)} case(s) were prepared before the cache stored their tumour-class "
-                  "locations; adding them from the cached labels (images and NIfTI files are not read again)")
+                  "and region locations; adding them from the cached labels (images and NIfTI files are not read "
+                  "again)")
     broken: dict[str, str] = {}
 
     def finished(result: tuple[str, str | None]) -> None:
@@ -252,20 +271,23 @@ def add_locations(cache_dir: Path, case_ids: list[str], workers: int, report: Pr
 
 
 def add_locations_one(cache_dir: str, case_id: str) -> tuple[str, str | None]:
-    """Sample one entry's class locations from its cached label (only the stored box is decompressed), write
-    them, then its meta.json (last: it marks the entry complete). (case_id, problem or None)."""
+    """Sample one entry's class and region locations from its cached label (only the stored box is
+    decompressed), write them, then its meta.json (last: it marks the entry complete). (case_id, problem or
+    None)."""
     folder = entry_folder(Path(cache_dir), case_id)
     remove_stale_temp_files(folder)  # a locations file an earlier, killed run was writing
     try:
         prepared = load_prepared(cache_dir, case_id)
         box = prepared.meta["stored_box"]
         label = prepared.label[tuple(slice(a, b) for a, b in box)]
+        sampled = sample_all_locations(label, prepared.meta["edition"], box)
     except DataError as exc:
         return case_id, str(exc)
-    locations = sample_locations(label, offset=tuple(a for a, _ in box))
+    except KeyError as exc:  # an edition no table has: the entry is prepared again from its files
+        return case_id, f"cache {cache_dir}: case {case_id}: meta.json {exc.args[0]}"
     try:
-        write_locations(folder / LOCATIONS_FILE, locations)
-        atomic_write_json(folder / META_FILE, {**prepared.meta, META_KEY: locations.counts()})
+        write_all_locations(folder, sampled)
+        atomic_write_json(folder / META_FILE, {**prepared.meta, **{key: record for key, (record, _) in sampled.items()}})
     except OSError as exc:
         problem = DISK_PROBLEMS.get(exc.errno) or exc.strerror or exc
         raise CacheWriteError(f"cache {cache_dir}: cannot write the class locations of case {case_id} "
@@ -273,19 +295,45 @@ def add_locations_one(cache_dir: str, case_id: str) -> tuple[str, str | None]:
     return case_id, None
 
 
-def require_locations(cache: str | os.PathLike, case_ids: list[str]) -> None:
+def sample_all_locations(label, edition: str, box) -> dict[str, tuple[Any, ClassLocations]]:
+    """An entry's locations from the label of its stored `box`: meta.json key -> (what meta.json records, the
+    locations the .npy holds), per label value and per default region of the `edition`'s table."""
+    offset = tuple(a for a, _ in box)
+    per_label = sample_locations(label, offset=offset)
+    return {META_KEY: (per_label.counts(), per_label),
+            REGIONS_KEY: sample_region_locations(label, default_regions(edition), offset=offset)}
+
+
+def write_all_locations(folder: Path, sampled: dict[str, tuple[Any, ClassLocations]]) -> None:
+    """The .npy files of `sample_all_locations`, into the entry `folder` (each written atomically)."""
+    write_locations(folder / LOCATIONS_FILE, sampled[META_KEY][1])
+    write_locations(folder / REGIONS_FILE, sampled[REGIONS_KEY][1])
+
+
+def require_locations(cache: str | os.PathLike, case_ids: list[str],
+                      regions: dict[str, tuple[int, ...]] | None = None) -> None:
     """DataError in one line when some of `case_ids` have a label but no class locations (what patch training
-    with forced-foreground patches reads): refused before training starts, not in a loader worker mid-epoch."""
-    lacking = [case_id for case_id in case_ids if _lacks_locations(entry_folder(Path(cache), case_id))]
+    with forced-foreground patches reads), or, for a run drawing per region (`regions`: name -> label values,
+    in order), no region locations or region locations of other regions: refused before training starts, not
+    in a loader worker mid-epoch."""
+    keys = (META_KEY,) if regions is None else (META_KEY, REGIONS_KEY)
+    lacking = [case_id for case_id in case_ids if _lacks_locations(entry_folder(Path(cache), case_id), keys)]
     if lacking:
+        what = "tumour-class" if regions is None else "tumour-class or region"
         raise DataError(f"cache {cache}: {len(lacking)} of {len(case_ids)} case(s) (e.g. {lacking[0]}) have no "
-                        "tumour-class locations (prepared before the cache stored them), which patches on "
+                        f"{what} locations (prepared before the cache stored them), which patches on "
                         f"tumour (train.patch_foreground) need; {LOCATIONS_HINT}")
+    for case_id in case_ids if regions is not None else ():
+        meta = _read_meta(entry_folder(Path(cache), case_id))
+        if meta is not None and meta.get("has_label"):  # the counts are checked now, the rows when read
+            where, cube = f"cache {cache}: case {case_id}", tuple(meta["cube"])
+            recorded_regions(meta, regions, recorded_counts(meta, cube, where), where)
 
 
-def _lacks_locations(folder: Path) -> bool:
+def _lacks_locations(folder: Path, keys: tuple[str, ...] = (META_KEY, REGIONS_KEY)) -> bool:
+    """Whether the entry has a label but lacks some of the locations `keys` (meta.json keys)."""
     meta = _read_meta(folder)
-    return meta is not None and bool(meta.get("has_label")) and META_KEY not in meta
+    return meta is not None and bool(meta.get("has_label")) and any(key not in meta for key in keys)
 
 
 def _finished_on_disk(cache_dir: Path, todo, settings: dict, index_cases: dict, failed: dict) -> list[str]:
@@ -385,8 +433,8 @@ def prepare_one(case: Case, cache_dir: str, settings: dict, sources: dict) -> tu
 
 def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndarray | None, meta: dict) -> None:
     """Write one case into a temp folder, then swap it into place (old entry removed afterwards). Only the
-    cube's content box is stored (compressed.py), with the label's class locations (class_locations.py);
-    `meta` gains `stored_box`, `cache_format` and `class_locations`.
+    cube's content box is stored (compressed.py), with the label's class and region locations
+    (class_locations.py); `meta` gains `stored_box`, `cache_format`, `class_locations` and `region_locations`.
 
     CacheWriteError when a folder of that name is there and is not an entry the cache wrote."""
     final = entry_folder(cache_dir, case_id)
@@ -395,10 +443,9 @@ def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndar
                               f"of case {case_id}); not replaced: move it away or use another cache folder")
     box = content_box(image, label)
     inside = tuple(slice(a, b) for a, b in box)
-    locations = sample_locations(label[inside], offset=tuple(a for a, _ in box)) if label is not None else None
+    sampled = sample_all_locations(label[inside], meta["edition"], box) if label is not None else {}
     meta.update(stored_box=box, cache_format=CACHE_FORMAT)
-    if locations is not None:
-        meta[META_KEY] = locations.counts()
+    meta.update({key: record for key, (record, _) in sampled.items()})
     nonce = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp = cache_dir / f".tmp-{case_id}-{nonce}"
     try:
@@ -406,7 +453,7 @@ def write_entry(cache_dir: Path, case_id: str, image: np.ndarray, label: np.ndar
         write_volume(temp / IMAGE_FILE, image[(slice(None), *inside)])
         if label is not None:
             write_volume(temp / LABEL_FILE, label[inside])
-            write_locations(temp / LOCATIONS_FILE, locations)
+            write_all_locations(temp, sampled)
         atomic_write_json(temp / META_FILE, meta)  # written last: its presence marks a complete entry
         old = cache_dir / f".old-{case_id}-{nonce}"
         if final.exists():
@@ -647,6 +694,6 @@ def _say(console: Console | None, line: str) -> None:
 __all__ = [
     "CacheWriteError", "INDEX_FILE", "PrepareReport", "PreparedCase", "cache_source", "check_source",
     "add_locations", "add_locations_one", "clean_stale_temp", "estimate_case_bytes", "recorded_source",
-    "require_locations",
+    "require_locations", "sample_all_locations",
     "list_prepared", "load_prepared", "prepare_dataset", "prepare_missing", "prepare_one", "source_fingerprints", "write_entry",
 ]

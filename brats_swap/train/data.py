@@ -45,6 +45,7 @@ from brats_swap.data.discovery import resolve_convention
 from brats_swap.data.workers import available_cpus
 from brats_swap.distributed import DistContext, RankShardSampler, make_sampler
 from brats_swap.errors import DataError
+from brats_swap.model.targets import region_tree
 from brats_swap.run.console import console, warn
 from brats_swap.train.device_augment import DeviceBatches, arrived_batch_bytes
 from brats_swap.train.shared_batches import (
@@ -79,9 +80,9 @@ def nnunet_forced_foreground(position_in_batch: int, batch_size: int) -> bool:
 
 def class_patch_start(shape: Sequence[int], patch: Sequence[int], locations: ClassLocations,
                       rng: np.random.Generator) -> tuple[int, int, int]:
-    """nnU-Net's forced-foreground patch (`nnUNetDataLoader.get_bbox`): a tumour class present in the case drawn
-    uniformly, then one of its stored voxels (`ClassLocations`, sampled at prepare), the patch centred on it;
-    a case without tumour gets a uniform patch."""
+    """nnU-Net's forced-foreground patch (`nnUNetDataLoader.get_bbox`): a tumour class (or, for a region model,
+    a region) present in the case drawn uniformly, then one of its stored voxels (`ClassLocations`, sampled at
+    prepare), the patch centred on it; a case without tumour gets a uniform patch."""
     classes = locations.classes
     if not classes:
         return random_patch_start(shape, patch, rng)
@@ -198,9 +199,12 @@ class CubeDataset(Dataset):
             nnU-Net's enlarged patch around the patch.
         seed: base seed of every random choice.
         foreground: share of patches centred on a tumour voxel, or "nnunet" (nnU-Net's rule: the last third
-            of every batch holds a voxel of a tumour class present in the case). Both draw the voxel from the
-            class locations the cache stores per case (`PreparedCase.class_locations`): DataError at once when
-            a case lacks them (`require_locations`).
+            of every batch holds a voxel of a tumour class present in the case, or of a region with `regions`).
+            Both draw the voxel from the class locations the cache stores per case
+            (`PreparedCase.class_locations`, `region_locations`): DataError at once when a case lacks them
+            (`require_locations`).
+        regions: for a region model, its regions (name -> label values, channel order): "nnunet" then draws
+            per region, as nnU-Net does for a region dataset; None (label and softmax models): per label.
         batch_size, world_size: the per-rank batch and the ranks, where a sample sits in its batch ("nnunet").
         channels: the image channels (the nnU-Net recipes draw per-channel parameters).
 
@@ -214,7 +218,7 @@ class CubeDataset(Dataset):
     def __init__(
         self, cache: Path, case_ids: Sequence[str], *, crop: Sequence[int] | None = None, patches_per_case: int = 1,
         augment: str = "none", seed: int = 0, foreground: float | str = 0.33, batch_size: int = 1,
-        world_size: int = 1, channels: int = 4,
+        world_size: int = 1, channels: int = 4, regions: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         if not case_ids:
             raise DataError(f"{cache}: no cases to load for this split")
@@ -226,8 +230,9 @@ class CubeDataset(Dataset):
         self.seed = seed
         self.foreground = foreground
         self.batch_size, self.world_size, self.channels = batch_size, world_size, channels
+        self.regions = dict(regions) if regions and foreground == "nnunet" else None
         if self.crop is not None and self.draws_tumour_patches():
-            require_locations(self.cache, self.case_ids)
+            require_locations(self.cache, self.case_ids, self.regions)
 
     def draws_tumour_patches(self) -> bool:
         """Whether some patches are centred on tumour (they read the cases' class locations)."""
@@ -276,7 +281,8 @@ class CubeDataset(Dataset):
         global_batch = self.batch_size * self.world_size  # RankShardSampler deals positions round-robin
         assert isinstance(key, SampleKey)
         if nnunet_forced_foreground((key.position % global_batch) // self.world_size, self.batch_size):
-            return class_patch_start(shape, self.crop, case.class_locations(), rng)
+            locations = case.region_locations(self.regions) if self.regions else case.class_locations()
+            return class_patch_start(shape, self.crop, locations, rng)
         return random_patch_start(shape, self.crop, rng)
 
 
@@ -502,6 +508,14 @@ class TrainData:
         self.val_loader.close()
 
 
+def sampled_regions(config: Config, edition: str) -> dict[str, tuple[int, ...]] | None:
+    """What `train.patch_foreground: nnunet` draws per, nnU-Net's way: a region model's regions (name -> label
+    values, channel order, which is nnU-Net's `foreground_regions` order), None (per label) otherwise."""
+    if config.model.outputs != "regions":
+        return None
+    return {name: region.values for name, region in region_tree(edition, config.model.regions).items()}
+
+
 def build_train_data(
     config: Config, train_ids: Sequence[str], val_ids: Sequence[str], *, edition: str, fold: int, device: torch.device,
     ctx: DistContext | None = None,
@@ -520,7 +534,7 @@ def build_train_data(
     train_dataset = CubeDataset(
         cache, train_ids, crop=crop, patches_per_case=train_cfg.patches_per_case, augment=train_cfg.augment,
         seed=seed, foreground=train_cfg.patch_foreground, batch_size=train_cfg.batch_size, world_size=world_size,
-        channels=config.model.in_channels,
+        channels=config.model.in_channels, regions=sampled_regions(config, edition),
     )
     # Validation sees whole cubes, not augmented: the cube Dice is the model selection signal in both modes.
     val_dataset = CubeDataset(cache, val_ids, seed=seed)
