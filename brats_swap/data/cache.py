@@ -54,6 +54,7 @@ import numpy as np
 from rich.console import Console
 
 from brats_swap.atomic import DISK_PROBLEMS, atomic_write_json, remove_stale_temp_files
+from brats_swap.config.schema import INTEGER_LIMITS
 from brats_swap.data.class_locations import (
     LOCATIONS_FILE,
     META_KEY,
@@ -74,7 +75,7 @@ from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
 from brats_swap.data.workers import log_console, resolve_workers, run_cases
 from brats_swap.errors import DataError, case_problem
-from brats_swap.foreign_files import open_regular
+from brats_swap.foreign_files import parse_json, read_text
 from brats_swap.names import name_problem, path_inside
 
 INDEX_FILE = "index.json"
@@ -326,7 +327,9 @@ def require_locations(cache: str | os.PathLike, case_ids: list[str],
     for case_id in case_ids if regions is not None else ():
         meta = _read_meta(entry_folder(Path(cache), case_id))
         if meta is not None and meta.get("has_label"):  # the counts are checked now, the rows when read
-            where, cube = f"cache {cache}: case {case_id}", tuple(meta["cube"])
+            where = f"cache {cache}: case {case_id}"
+            check_entry_meta(meta, f"{where}: {entry_folder(Path(cache), case_id) / META_FILE}")
+            cube = tuple(meta["cube"])
             recorded_regions(meta, regions, recorded_counts(meta, cube, where), where)
 
 
@@ -475,10 +478,11 @@ def list_prepared(cache: str | os.PathLike) -> list[str]:
         raise DataError(f"{cache_dir}: prepared cache not found (run `brats-swap data prepare DIR --out {cache_dir}`)")
     index_path = cache_dir / INDEX_FILE
     if index_path.is_file():
-        try:
-            candidates = list(json.loads(index_path.read_text(encoding="utf-8"))["cases"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise DataError(f"{index_path}: unreadable cache index ({exc})") from exc
+        index = parse_json(read_text(index_path, what="cache index"), str(index_path))
+        candidates = index.get("cases") if isinstance(index, dict) else None
+        if not (isinstance(candidates, dict | list) and all(isinstance(c, str) for c in candidates)):
+            raise DataError(f"{index_path}: unreadable cache index (its \"cases\" are not case ids); run "
+                            "`brats-swap data prepare` to write it again")
     else:
         candidates = [p.name for p in cache_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
     return sorted(c for c in candidates if (entry_folder(cache_dir, c) / META_FILE).is_file())
@@ -496,6 +500,7 @@ def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> 
     if meta.get("cache_format") != CACHE_FORMAT:
         raise DataError(f"cache {Path(cache)}: case {case_id} is in an older cache format ({OLD_FORMAT_IMAGE}); "
                         "rebuild it with `brats-swap data prepare` (train and cv do it when data.root is set)")
+    check_entry_meta(meta, f"cache {Path(cache)}: case {case_id}: {folder / META_FILE}")
     cube, box = tuple(meta["cube"]), meta["stored_box"]
     image = CachedVolume(folder / IMAGE_FILE, (len(meta["modalities"]), *cube), meta["image_dtype"], box)
     label = CachedVolume(folder / LABEL_FILE, cube, np.uint8, box) if meta.get("has_label") else None
@@ -506,6 +511,43 @@ def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> 
             raise DataError(f"cache {Path(cache)}: case {case_id}: unreadable arrays ({exc}); "
                             "re-run `brats-swap data prepare`") from exc
     return PreparedCase(case_id=case_id, image=image, label=label, meta=meta, folder=folder)
+
+
+MAX_MODALITIES = 64  # image channels an entry may declare: BraTS has 4
+
+
+def check_entry_meta(meta: dict, where: str) -> None:
+    """DataError naming `where` (the entry's meta.json) when `entry_meta_problem` finds one: a cache copied from
+    elsewhere is someone else's file."""
+    problem = entry_meta_problem(meta)
+    if problem is not None:
+        raise DataError(f"{where} {problem}; prepare the case again (`brats-swap data prepare`, or remove its "
+                        "folder from the cache)")
+
+
+def entry_meta_problem(meta: dict) -> str | None:
+    """What is wrong with the fields of an entry's meta.json that say what to allocate and read (the cube, the
+    stored box, the channels, the dtype), in words; None when they are sound. The cube is bounded as
+    `data.cube` is, so a forged entry cannot ask for more memory than any prepared one."""
+    def ints(value: object, count: int) -> bool:
+        return isinstance(value, list) and len(value) == count and all(type(v) is int for v in value)
+
+    largest = INTEGER_LIMITS["data.cube"]
+    cube, box = meta.get("cube"), meta.get("stored_box")
+    if not ints(cube, 3) or not all(1 <= s <= largest for s in cube):
+        return f"gives the cube as {str(cube)[:60]}, not 3 sizes of 1 to {largest} voxels"
+    if not (isinstance(box, list) and len(box) == 3 and all(ints(pair, 2) for pair in box)
+            and all(0 <= a <= b <= s for (a, b), s in zip(box, cube, strict=True))):
+        return f"gives the stored box as {str(box)[:60]}, not 3 [start, stop] pairs inside the cube {cube}"
+    modalities = meta.get("modalities")
+    if not (isinstance(modalities, list) and 1 <= len(modalities) <= MAX_MODALITIES
+            and all(isinstance(m, str) for m in modalities)):
+        return f"gives the modalities as {str(modalities)[:60]}, not a list of 1 to {MAX_MODALITIES} names"
+    if meta.get("image_dtype") not in ("float16", "float32"):
+        return f"gives the image dtype as {str(meta.get('image_dtype'))[:30]!r}, not float16 or float32"
+    if type(meta.get("has_label", False)) is not bool:
+        return "gives has_label as something other than true or false"
+    return None
 
 
 def source_fingerprints(case: Case) -> dict[str, dict[str, Any]]:
@@ -591,11 +633,10 @@ def _read_meta(folder: Path) -> dict | None:
 
 def _read_json_object(path: Path) -> dict | None:
     """A cache JSON file's object; None when it is missing, unreadable, not a regular file (a FIFO would block
-    the reader) or not a JSON object."""
+    the reader), too large or too deeply nested to be ours (`foreign_files` limits), or not a JSON object."""
     try:
-        with open_regular(path, str(path)) as handle:
-            value = json.loads(handle.read().decode("utf-8"))
-    except (OSError, ValueError, DataError):
+        value = parse_json(read_text(path), str(path))
+    except DataError:
         return None
     return value if isinstance(value, dict) else None
 
