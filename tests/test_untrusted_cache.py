@@ -94,3 +94,41 @@ def test_a_forged_cube_is_one_line_before_a_region_run_reads_its_locations(cache
     with pytest.raises(DataError, match=rf"case {CASE}: .*meta.json gives the cube as 16x16x16, not 3 sizes"):
         CubeDataset(cache, [CASE], crop=(8, 8, 8), foreground="nnunet", batch_size=2,
                     regions=default_regions("2021"))
+
+
+def test_a_cache_used_alone_must_hold_the_runs_cube_and_modalities(cache, tmp_path):
+    """`data.cache_only`: the entries are read as they stand, so an entry prepared for another cube (a cache
+    made for another config, or a forged one that would allocate 1000³) is one line before anything is read."""
+    from brats_swap.data.cache import prepare_missing
+
+    alone = DataConfig(cube=[16, 16, 16], cache=str(cache), root=str(tmp_path / "absent"), cache_only=True)
+    assert prepare_missing(alone, workers=1, progress=False).up_to_date == [CASE]
+    for config, message in (
+        (DataConfig(cube=[32, 32, 32], cache=str(cache), cache_only=True),
+         "was prepared for cube [16, 16, 16], and this run's data.cube is [32, 32, 32]: set data.cube to the "
+         "cache's, or prepare the data again"),
+        (DataConfig(cube=[16, 16, 16], modalities=["t1", "t2"], cache=str(cache), cache_only=True),
+         "was prepared for modalities ['t1', 't1ce', 't2', 'flair'], and this run's data.modalities is "
+         "['t1', 't2']"),
+    ):
+        with pytest.raises(DataError) as caught:
+            prepare_missing(config, workers=1, progress=False)
+        assert str(caught.value).startswith(f"cache {cache}: case {CASE}: {cache / CASE / 'meta.json'} ")
+        assert message in str(caught.value)
+    meta_path = cache / CASE / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "cube": [1000, 1000, 1000], "stored_box": [[0, 1000]] * 3}))
+    with pytest.raises(DataError, match=r"was prepared for cube \[1000, 1000, 1000\]"):
+        prepare_missing(alone, workers=1, progress=False)
+
+
+def test_an_altered_entry_is_prepared_again_from_the_dataset(cache, tmp_path):
+    """With data.root, an entry whose cube no longer agrees with its settings is not up to date: prepared
+    again from the NIfTI files, never allocated as it says."""
+    meta_path = cache / CASE / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "cube": [1000, 1000, 1000], "stored_box": [[0, 1000]] * 3}))
+    report = prepare_dataset(tmp_path / "raw", cache, DataConfig(cube=[16, 16, 16], prepare_workers=1), workers=1,
+                             progress=False)
+    assert report.prepared == [CASE]
+    assert load_prepared(cache, CASE, mmap=False).image.shape == (4, 16, 16, 16)

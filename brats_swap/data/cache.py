@@ -364,6 +364,8 @@ def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool =
         if not prepared:
             raise DataError(f"{cache}: no prepared cases (data.cache), and data.cache_only is set")
         report = PrepareReport(cache=cache, up_to_date=prepared)
+        for case_id in prepared:  # a cache copied from elsewhere: its entries must be what this run reads
+            check_entry_fits_run(cache, case_id, data_cfg)
         lacking = [case_id for case_id in prepared if _lacks_locations(entry_folder(cache, case_id))]
         # Derived from the cache's own labels, so the cache alone can bring itself up to date; a read-only
         # cache stays as it is (whole-cube runs do not need them; a patch run says so, `require_locations`).
@@ -516,6 +518,23 @@ def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> 
 MAX_MODALITIES = 64  # image channels an entry may declare: BraTS has 4
 
 
+def check_entry_fits_run(cache: Path, case_id: str, data_cfg) -> None:
+    """DataError (one line naming the entry's meta.json) when the entry is unsound (`check_entry_meta`) or was
+    prepared for another cube or other modalities than the run's `data.cube` and `data.modalities`: the run
+    would allocate, or train on, what the cache says rather than what its config says."""
+    path = entry_folder(cache, case_id) / META_FILE
+    meta = _read_meta(path.parent)
+    if meta is None:
+        return  # not ours: `load_prepared` says the case is not prepared
+    where = f"cache {cache}: case {case_id}: {path}"
+    check_entry_meta(meta, where)
+    for key, setting in (("cube", "data.cube"), ("modalities", "data.modalities")):
+        if list(meta[key]) != list(getattr(data_cfg, key)):
+            raise DataError(f"{where} was prepared for {key} {meta[key]}, and this run's {setting} is "
+                            f"{list(getattr(data_cfg, key))}: set {setting} to the cache's, or prepare the data "
+                            "again for this run (data.root, without data.cache_only)")
+
+
 def check_entry_meta(meta: dict, where: str) -> None:
     """DataError naming `where` (the entry's meta.json) when `entry_meta_problem` finds one: a cache copied from
     elsewhere is someone else's file."""
@@ -615,10 +634,13 @@ def _process_alive(pid: int) -> bool:
 
 
 def _is_up_to_date(folder: Path, sources: dict, settings: dict) -> bool:
+    """Whether the entry holds these sources prepared with these settings, and its own description of what to
+    allocate agrees with them (an entry whose `cube` was altered is prepared again, never allocated)."""
     meta = _read_meta(folder)
     return (meta is not None and meta.get("cache_format") == CACHE_FORMAT and meta.get("sources") == sources
-            and meta.get("settings") == settings and (folder / IMAGE_FILE).is_file()
-            and ((folder / LABEL_FILE).is_file() or not meta.get("has_label")))
+            and meta.get("settings") == settings and entry_meta_problem(meta) is None
+            and meta["cube"] == list(settings["cube"]) and meta["modalities"] == list(settings["modalities"])
+            and (folder / IMAGE_FILE).is_file() and ((folder / LABEL_FILE).is_file() or not meta.get("has_label")))
 
 
 def _is_old_format(folder: Path) -> bool:
