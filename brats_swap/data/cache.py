@@ -101,24 +101,24 @@ class PreparedCase:
     def class_locations(self) -> ClassLocations:
         """The entry's tumour-class locations (class_locations.py), read and checked now. DataError for an
         entry without them (written before the cache stored them: `prepare` adds them) or damaged."""
-        where = f"cache {self.folder.parent if self.folder else '?'}: case {self.case_id}"
-        if META_KEY not in self.meta or self.folder is None:
-            raise DataError(f"{where} has no tumour-class locations (prepared before the cache stored them); "
-                            f"{LOCATIONS_HINT}")
-        cube = tuple(self.meta["cube"])
-        return read_locations(self.folder / LOCATIONS_FILE, recorded_counts(self.meta, cube, where), cube)
+        where, cube, counts = self._recorded(META_KEY, "tumour-class")
+        return read_locations(self.folder / LOCATIONS_FILE, counts, cube)
 
     def region_locations(self, regions: dict[str, tuple[int, ...]]) -> ClassLocations:
         """The entry's locations per region (class_locations.py), keyed by the region's position in `regions`
         (the run's regions: name -> label values, in order), the regions present only; read and checked now.
         DataError for an entry without them (`prepare` adds them), damaged, or storing other regions."""
+        where, cube, counts = self._recorded(REGIONS_KEY, "region")
+        return read_locations(self.folder / REGIONS_FILE, recorded_regions(self.meta, regions, counts, where), cube)
+
+    def _recorded(self, key: str, what: str) -> tuple[str, tuple[int, ...], dict[int, tuple[int, int]]]:
+        """(where, cube, the checked per-label counts) for reading the locations meta.json records under `key`."""
         where = f"cache {self.folder.parent if self.folder else '?'}: case {self.case_id}"
-        if REGIONS_KEY not in self.meta or self.folder is None:
-            raise DataError(f"{where} has no region locations (prepared before the cache stored them); "
+        if key not in self.meta or self.folder is None:
+            raise DataError(f"{where} has no {what} locations (prepared before the cache stored them); "
                             f"{LOCATIONS_HINT}")
         cube = tuple(self.meta["cube"])
-        counts = recorded_regions(self.meta, regions, recorded_counts(self.meta, cube, where), where)
-        return read_locations(self.folder / REGIONS_FILE, counts, cube)
+        return where, cube, recorded_counts(self.meta, cube, where)
 
 
 @dataclass
@@ -167,7 +167,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
         _say(console, f"{cache_dir}: {report.old_format} case(s) are in an older cache format (uncompressed "
                       f"image.npy); rebuilding them in format {CACHE_FORMAT} (compressed, docs/data.md)")
     count = resolve_workers(workers if workers is not None else data_cfg.prepare_workers)
-    lacking = [case_id for case_id in report.up_to_date if _lacks_locations(entry_folder(cache_dir, case_id))]
+    lacking = [case_id for case_id in report.up_to_date if _meta_lacks_locations(_read_meta(entry_folder(cache_dir, case_id)))]
     broken = add_locations(cache_dir, lacking, count, report, progress=progress, console=console)
     if broken:  # an entry whose label cannot be read: prepared again from its files
         report.up_to_date = [case_id for case_id in report.up_to_date if case_id not in broken]
@@ -318,14 +318,14 @@ def require_locations(cache: str | os.PathLike, case_ids: list[str],
     in order), no region locations or region locations of other regions: refused before training starts, not
     in a loader worker mid-epoch."""
     keys = (META_KEY,) if regions is None else (META_KEY, REGIONS_KEY)
-    lacking = [case_id for case_id in case_ids if _lacks_locations(entry_folder(Path(cache), case_id), keys)]
+    metas = {case_id: _read_meta(entry_folder(Path(cache), case_id)) for case_id in case_ids}
+    lacking = [case_id for case_id, meta in metas.items() if _meta_lacks_locations(meta, keys)]
     if lacking:
         what = "tumour-class" if regions is None else "tumour-class or region"
         raise DataError(f"cache {cache}: {len(lacking)} of {len(case_ids)} case(s) (e.g. {lacking[0]}) have no "
                         f"{what} locations (prepared before the cache stored them), which patches on "
                         f"tumour (train.patch_foreground) need; {LOCATIONS_HINT}")
-    for case_id in case_ids if regions is not None else ():
-        meta = _read_meta(entry_folder(Path(cache), case_id))
+    for case_id, meta in metas.items() if regions is not None else ():
         if meta is not None and meta.get("has_label"):  # the counts are checked now, the rows when read
             where = f"cache {cache}: case {case_id}"
             check_entry_meta(meta, f"{where}: {entry_folder(Path(cache), case_id) / META_FILE}")
@@ -333,9 +333,8 @@ def require_locations(cache: str | os.PathLike, case_ids: list[str],
             recorded_regions(meta, regions, recorded_counts(meta, cube, where), where)
 
 
-def _lacks_locations(folder: Path, keys: tuple[str, ...] = (META_KEY, REGIONS_KEY)) -> bool:
-    """Whether the entry has a label but lacks some of the locations `keys` (meta.json keys)."""
-    meta = _read_meta(folder)
+def _meta_lacks_locations(meta: dict | None, keys: tuple[str, ...] = (META_KEY, REGIONS_KEY)) -> bool:
+    """Whether the entry of `meta` (its meta.json) has a label but lacks some of the locations `keys`."""
     return meta is not None and bool(meta.get("has_label")) and any(key not in meta for key in keys)
 
 
@@ -364,9 +363,9 @@ def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool =
         if not prepared:
             raise DataError(f"{cache}: no prepared cases (data.cache), and data.cache_only is set")
         report = PrepareReport(cache=cache, up_to_date=prepared)
-        for case_id in prepared:  # a cache copied from elsewhere: its entries must be what this run reads
-            check_entry_fits_run(cache, case_id, data_cfg)
-        lacking = [case_id for case_id in prepared if _lacks_locations(entry_folder(cache, case_id))]
+        # A cache copied from elsewhere: its entries must be what this run reads.
+        lacking = [case_id for case_id in prepared
+                   if _meta_lacks_locations(check_entry_fits_run(cache, case_id, data_cfg))]
         # Derived from the cache's own labels, so the cache alone can bring itself up to date; a read-only
         # cache stays as it is (whole-cube runs do not need them; a patch run says so, `require_locations`).
         if lacking and os.access(cache, os.W_OK):
@@ -518,14 +517,15 @@ def load_prepared(cache: str | os.PathLike, case_id: str, mmap: bool = True) -> 
 MAX_MODALITIES = 64  # image channels an entry may declare: BraTS has 4
 
 
-def check_entry_fits_run(cache: Path, case_id: str, data_cfg) -> None:
-    """DataError (one line naming the entry's meta.json) when the entry is unsound (`check_entry_meta`) or was
-    prepared for another cube or other modalities than the run's `data.cube` and `data.modalities`: the run
-    would allocate, or train on, what the cache says rather than what its config says."""
+def check_entry_fits_run(cache: Path, case_id: str, data_cfg) -> dict | None:
+    """The entry's meta.json (None: not ours, which `load_prepared` reports as not prepared). DataError (one
+    line naming it) when the entry is unsound (`check_entry_meta`) or was prepared for another cube or other
+    modalities than the run's `data.cube` and `data.modalities`: the run would allocate, or train on, what the
+    cache says rather than what its config says."""
     path = entry_folder(cache, case_id) / META_FILE
     meta = _read_meta(path.parent)
     if meta is None:
-        return  # not ours: `load_prepared` says the case is not prepared
+        return None
     where = f"cache {cache}: case {case_id}: {path}"
     check_entry_meta(meta, where)
     for key, setting in (("cube", "data.cube"), ("modalities", "data.modalities")):
@@ -533,6 +533,7 @@ def check_entry_fits_run(cache: Path, case_id: str, data_cfg) -> None:
             raise DataError(f"{where} was prepared for {key} {meta[key]}, and this run's {setting} is "
                             f"{list(getattr(data_cfg, key))}: set {setting} to the cache's, or prepare the data "
                             "again for this run (data.root, without data.cache_only)")
+    return meta
 
 
 def check_entry_meta(meta: dict, where: str) -> None:
