@@ -109,7 +109,13 @@ from brats_swap.train.optim import (
     step_after_epoch,
     step_after_validation,
 )
-from brats_swap.train.planning import out_of_memory_error, plan_memory, swap_arena_bytes, training_input_shape
+from brats_swap.train.planning import (
+    out_of_memory_error,
+    plan_memory,
+    prediction_out_of_memory_error,
+    swap_arena_bytes,
+    training_input_shape,
+)
 from brats_swap.train.report import TrainLog
 
 
@@ -631,7 +637,11 @@ class FoldRecipe:
     def validate(self) -> dict[str, Any]:
         """Whole-cube validation and what it decides: LR on plateau, early stopping, the best checkpoint."""
         started = time.perf_counter()
-        val = validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device, self.ctx)
+        try:
+            val = validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device, self.ctx)
+        except torch.cuda.OutOfMemoryError:  # as a training step's: one line, failed.txt, exit 3 (`fit`)
+            raise prediction_out_of_memory_error(
+                self.device, self.config, f"{self.folder.root}: epoch {self.loop.epoch + 1} validation") from None
         record: dict[str, Any] = {**val, "val_seconds": time.perf_counter() - started}
         step_after_validation(self.scheduler, val["val_loss"])
         mean_dice = float(np.mean([val[dice_column(r)] for r in self.regions]))

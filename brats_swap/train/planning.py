@@ -247,6 +247,24 @@ def out_of_memory_error(device: torch.device, config: Config, where: str,
     return DeviceOutOfMemoryError(f"{where}: {device} ran out of memory with memory.mode={mode};{needs} {advice}")
 
 
+def prediction_out_of_memory_error(device: torch.device, config: Config, where: str) -> DeviceOutOfMemoryError:
+    """The OOM message of validation's prediction, in the form of a training step's (`out_of_memory_error`). It
+    runs without gradients, so nothing is saved for backward and the memory policy has nothing to act on: the
+    advice is the prediction's own sizes (the whole `data.cube` at once, or `evaluate.sw_batch_size` windows of
+    `train.patch` for patch models) and, where it is off, `train.amp`."""
+    train = config.train
+    if train.mode == "patch":
+        what = f"the sliding window ({config.evaluate.sw_batch_size} window(s) of {list(train.patch)} at once)"
+        advice = "try a smaller evaluate.sw_batch_size or train.patch"
+    else:
+        what = f"the whole cube {list(config.data.cube)} in one pass"
+        advice = "try a smaller data.cube, or train.mode=patch (sliding-window validation)"
+    if train.amp == "none":
+        advice += ", or train.amp=bf16 (fp16 before Ampere: half the activation bytes)"
+    return DeviceOutOfMemoryError(f"{where}: {device} ran out of memory predicting {what}; validation keeps no "
+                                  f"activations for backward, so memory.mode does not change its peak; {advice}")
+
+
 def plan_for_config(config: Config, *, batch: int | None = None,
                     budget_gib: float | None = None, dtype: str | None = None,
                     bandwidth_gbs: float | None = None, device: str = "auto",

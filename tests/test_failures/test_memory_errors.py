@@ -1,6 +1,7 @@
 """Exhausted memory: a device out-of-memory error during training is exit 3 with the planner's advice for
-this model, size and device, and the last good checkpoint is kept; anywhere else (validation, evaluation)
-it is still one line and exit 3. A prepared cache that would not fit on the disk is refused before
+this model, size and device, and the last good checkpoint is kept; in validation's prediction it is the same
+one line, failed.txt and exit 3 with the prediction's own advice; anywhere else (evaluation) it is still one
+line and exit 3. A prepared cache that would not fit on the disk is refused before
 anything is written.
 """
 
@@ -37,10 +38,18 @@ def test_oom_in_a_training_step_gives_the_planners_advice(prepared_cache, tmp_pa
     assert load_checkpoint(run / "fold_0" / LATEST)["epoch"] == 1  # the last good checkpoint is kept
 
 
-def test_oom_during_validation_is_exit_3(prepared_cache, tmp_path, monkeypatch):
+def test_oom_during_validation_is_a_training_steps_line_failed_txt_and_exit_3(prepared_cache, tmp_path, monkeypatch):
+    """Validation's prediction running out of memory ends the fold as a training step's does: one line naming the
+    fold, the epoch and what was predicted, written to failed.txt and train.log too, exit 3, no traceback."""
     monkeypatch.setattr(loop, "predict_cube", _raise_oom)
-    result = invoke("train", "--run", tmp_path / "run", *set_args(prepared_cache, "train.max_epochs=1"))
-    error_line(result, EXIT_OUT_OF_MEMORY, "ran out of memory", "memory.mode=auto")
+    run = tmp_path / "run"
+    result = invoke("train", "--run", run, *set_args(prepared_cache, "train.max_epochs=2", "train.val_every=2"))
+    line = error_line(result, EXIT_OUT_OF_MEMORY, "fold_0: epoch 2 validation: cpu ran out of memory",
+                      "predicting the whole cube", "data.cube")
+    message = line.removeprefix("error:").strip()
+    assert (run / "fold_0" / "failed.txt").read_text() == message + "\n"
+    assert f"error: {message}" in (run / "fold_0" / "train.log").read_text()
+    assert load_checkpoint(run / "fold_0" / LATEST)["epoch"] == 1  # the last good checkpoint is kept
 
 
 def test_oom_during_evaluation_is_exit_3(run_copy, phantom_root, monkeypatch):
