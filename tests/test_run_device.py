@@ -134,3 +134,42 @@ def test_torch_settings_enters_the_mode_for_bf16_on_a_cpu_and_leaves_it():
     assert _get_current_dispatch_mode() is None
     with torch_settings(load_config(None, ["train.amp=none", "train.device=cpu"]), CPU):
         assert _get_current_dispatch_mode() is None
+
+
+@pytest.mark.parametrize(("capability", "runs"), [((7, 5), "fp16"), ((7, 0), "fp16"), ((8, 0), "bf16"), ((9, 0), "bf16")])
+def test_bf16_on_a_card_before_ampere_trains_in_fp16_said_in_one_line_and_recorded(capability, runs, monkeypatch,
+                                                                                  capsys):
+    """A card's capability is torch's answer, here a fake one (no GPU in CI): before Ampere (8.0) `train.amp:
+    bf16` runs fp16, said once; the config the run records (config.yaml, checkpoints, env.json's "amp", the
+    train.log start line) is the one `_amp_that_runs` returns."""
+    from types import SimpleNamespace
+
+    from brats_swap.run.device import amp_on_device
+    from brats_swap.train import loop
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    card = torch.device("cuda", 0)
+    amp, reason = amp_on_device("bf16", card)
+    assert amp == runs and asked == [card]
+    assert (reason is None) == (runs == "bf16")
+    assert amp_on_device("fp16", card) == ("fp16", None)  # fp16 runs everywhere on CUDA
+    assert amp_on_device("none", card) == ("none", None)
+
+    ran = loop._amp_that_runs(load_config(None, ["train.amp=bf16"]), SimpleNamespace(device=card, is_main=True))
+    assert ran.train.amp == runs
+    said = [line for line in capsys.readouterr().err.splitlines() if "train.amp" in line]
+    if runs == "bf16":
+        assert said == []
+    else:
+        assert len(said) == 1, said
+        assert f"{capability[0]}.{capability[1]}" in said[0] and "fp16" in said[0] and "records fp16" in said[0]
+
+
+def test_the_rehearsed_card_answers_its_capability():
+    from brats_swap.memory import cuda_device
+
+    with cuda_device.rehearsal(16 << 30) as card:
+        assert cuda_device.capability(torch.device("cuda")) == (8, 6)
+        assert card.calls[-1] == ("get_device_capability", 0, None)
+    assert cuda_device.capability(CPU) is None

@@ -26,8 +26,9 @@ class RehearsedCuda:
     """The part of `torch.cuda` this module calls, for a card of `total_bytes` that holds nothing: argument
     checks as torch 2.13 makes them, every call recorded in `calls` as (function, device index, argument)."""
 
-    def __init__(self, total_bytes: int, device_count: int = 1) -> None:
+    def __init__(self, total_bytes: int, device_count: int = 1, capability: tuple[int, int] = (8, 6)) -> None:
         self.total_bytes = int(total_bytes)
+        self.capability = capability  # (8, 6): the A10G the dry run of scripts/gpu_check.py rehearses
         self.count = device_count
         self.current = 0
         self.fractions: dict[int, float] = {}
@@ -64,6 +65,10 @@ class RehearsedCuda:
     def get_device_properties(self, device=None):
         self._record("get_device_properties", device, optional=True)
         return _Properties(name="rehearsed card", total_memory=self.total_bytes)
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        self._record("get_device_capability", device, optional=True)
+        return self.capability
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
         self._record("mem_get_info", device, optional=True)
@@ -151,6 +156,14 @@ def total_bytes(device: torch.device | str) -> int | None:
     if not is_cuda(device):
         return None
     return int(_cuda().get_device_properties(indexed(device)).total_memory)
+
+
+def capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The card's compute capability (major, minor), e.g. (7, 5) for a T4, (8, 0) for an A100; None for a CPU."""
+    if not is_cuda(device):
+        return None
+    major, minor = _cuda().get_device_capability(indexed(device))
+    return int(major), int(minor)
 
 
 def free_bytes(device: torch.device | str) -> int | None:

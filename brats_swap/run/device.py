@@ -45,16 +45,32 @@ def amp_dtype(amp: str) -> torch.dtype:
         raise ConfigError(f"train.amp: {amp!r} is not one of {sorted(_AMP_DTYPES)}") from None
 
 
+# The first compute capability with bf16 tensor cores (Ampere: A100 8.0, A10G/RTX 30xx 8.6).
+BF16_CAPABILITY = (8, 0)
+
+
 def amp_on_device(amp: str, device: torch.device) -> tuple[str, str | None]:
     """The `train.amp` that runs on `device`, and a one-line reason when it is not the one asked for.
 
     A CPU has no fast fp16 kernels: a Conv3d 32->32 step at 48³ took 19.9 s under fp16 autocast against
     0.17 s in fp32 and 0.12 s in bf16. So fp16 runs as bf16 there, which saves tensors of the same size (the
     memory plan is unchanged) and needs no loss scaling.
+
+    A CUDA card before Ampere (V100 7.0, T4 7.5) has no bf16 tensor cores: `torch.cuda.is_bf16_supported()`
+    is true there only counting torch's emulation (`including_emulation=False` says false), and its fp16
+    tensor cores are what it has. So bf16 runs as fp16 there, with the GradScaler that fp16 training uses;
+    tensors keep their size, so the plan holds. ROCm (`torch.version.hip`, whose cards torch counts as
+    bf16-capable) is left as asked.
     """
     if amp == "fp16" and device.type == "cpu":
         return "bf16", ("train.amp: fp16 has no fast kernels on the CPU (about 100x slower than fp32); "
                         "training in bf16 instead (the run's config records bf16)")
+    if amp == "bf16" and device.type == "cuda" and not torch.version.hip:
+        card = cuda_device.capability(device)
+        if card is not None and card < BF16_CAPABILITY:
+            return "fp16", (f"train.amp: bf16 needs an Ampere or newer card (compute capability 8.0), {device} is "
+                            f"{card[0]}.{card[1]}; training in fp16 with loss scaling instead (the run's config "
+                            "records fp16)")
     return amp, None
 
 
