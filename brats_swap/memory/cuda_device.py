@@ -102,6 +102,10 @@ class RehearsedCuda:
         self._record("memory_reserved", device, optional=True)
         return 0
 
+    def memory_allocated(self, device=None) -> int:
+        self._record("memory_allocated", device, optional=True)
+        return 0
+
 
 class _Properties:
     def __init__(self, name: str, total_memory: int) -> None:
@@ -222,3 +226,10 @@ def reserved_bytes(device: torch.device | str) -> int | None:
     if not is_cuda(device):
         return None
     return int(_cuda().memory_reserved(indexed(device)))
+
+
+def allocated_bytes(device: torch.device | str) -> int | None:
+    """What tensors hold now; None for a CPU."""
+    if not is_cuda(device):
+        return None
+    return int(_cuda().memory_allocated(indexed(device)))
