@@ -36,6 +36,11 @@ measurements at the deadline and lists what it skipped):
    (`DeviceBatches.prepare`, synchronised) beside the step's forward + backward.
 8. `mednext`: MedNeXt-L with 5³ kernels at 128³ batch 2, fp16: the plan `auto` chooses for the 16 GiB cap,
    its measured step time and peak against the plan's prediction, and the no-policy step (uncapped).
+9. `compile`: compiled against eager training, `train.compile=true|false` passed as a dotted override as
+   `--set` does, each row a real fold (`train_fold`) of the U-Net at 128³ batch 1, fp16, under no policy and
+   under auto planned for a budget that makes it act: the timed second epoch's step and peak, the first
+   epoch's (compilation included), compiled/eager ratios. A build without `train.compile` skips the stage in
+   one line; the dry run measures the eager rows only.
 
 Every swapping engine borrows one host arena, pinned once from the largest plan and reused (so no
 step pins or unpins memory); every global setting the script changes is restored when it is done.
@@ -121,6 +126,8 @@ class Sizes:
     mednext_batch: int
     mednext_tiny: bool  # 2 initial filters and one block per stage instead of MedNeXt-L's 32 and 3-4-8-8-8-8-8-4-3
     mednext_half: bool  # fp16 autocast (its paper's setting); fp32 on the CPU
+    compile_cube: int = 128
+    compile_steps: int = 4  # per epoch, of 2 epochs: the first compiles, the second is timed
     augment_batch: int = 2
     card_limit_bytes: int | None = None  # what a step's tensors may use on the card (None: not checked)
 
@@ -133,7 +140,8 @@ DRY_SIZES = Sizes(base_filters=2, bandwidth_bytes=512 << 10, bandwidth_repeats=4
                   peak_cube=16,
                   peak_batches=(1,), cap_gib=16.0, time_cube=16, time_steps=1, delay_s=1e-3, min_bytes=0,
                   emulate_gbs=1.0, augment_cube=16, augment_steps=3, augment_phantom=(24, 24, 20),
-                  augment_prepare_workers=1, mednext_cube=32, mednext_batch=1, mednext_tiny=True, mednext_half=False)
+                  augment_prepare_workers=1, mednext_cube=32, mednext_batch=1, mednext_tiny=True, mednext_half=False,
+                  compile_cube=16, compile_steps=1)
 
 
 FALLBACK_CUBES = (192, 160, 128)  # what a stage steps down to when its size does not fit the machine
@@ -284,7 +292,8 @@ class Check:
             section["rehearsed_cuda_calls"] = [list(call) for call in self.rehearsed.calls[calls_before:]]
         self.document["stages"][name] = section
         atomic_write_json(self.path, self.document)
-        print(f"{name}: {section['status']} in {section['seconds']} s", flush=True)
+        reason = f": {section['reason']}" if "reason" in section else ""
+        print(f"{name}: {section['status']}{reason} in {section['seconds']} s", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -600,8 +609,7 @@ def stage_augment(check: Check) -> dict:
     import tempfile
 
     from brats_swap.config import DataConfig
-    from brats_swap.data.cache import list_prepared, prepare_dataset
-    from brats_swap.data.phantom import synthesize_dataset
+    from brats_swap.data.cache import list_prepared
     from brats_swap.train.data import (
         CubeDataset,
         EpochSampler,
@@ -617,11 +625,7 @@ def stage_augment(check: Check) -> dict:
     model = check.model()
     waits, augments, computes = [], [], []
     with tempfile.TemporaryDirectory(prefix="gpu_check_augment_") as tmp:
-        root, cache = Path(tmp) / "raw", Path(tmp) / "cache"
-        synthesize_dataset(root, cases=2, seed=0, edition="2021", shape=sizes.augment_phantom)
-        workers_prepare = sizes.augment_prepare_workers  # the dry run's pool would cost more than its cases
-        prepare_dataset(root, cache, DataConfig(cube=[cube] * 3, prepare_workers=workers_prepare),
-                        workers=workers_prepare, progress=False)
+        cache = _prepared_phantoms(Path(tmp), cube, sizes)
         dataset = CubeDataset(cache, list_prepared(cache), augment="nnunet", batch_size=batch, channels=4)
         pinned = device.type == "cuda"  # the pin thread copies each batch out of its worker's slot
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=EpochSampler(len(dataset), batch * steps, 0),
@@ -653,6 +657,133 @@ def stage_augment(check: Check) -> dict:
             "mean_augment_s": mean(augments), "mean_step_s": mean(computes),
             "augment_over_step": round(mean(augments) / mean(computes), 4) if mean(computes) else None,
             "note": "the U-Net of the other stages (not ResEnc L); scripts/bench_pipeline.py has ResEnc L"}
+
+
+def _prepared_phantoms(folder: Path, cube: int, sizes: Sizes) -> Path:
+    """2 phantom cases of `sizes.augment_phantom` prepared to cube³ (float16) in `folder`; the cache's path."""
+    from brats_swap.config import DataConfig
+    from brats_swap.data.cache import prepare_dataset
+    from brats_swap.data.phantom import synthesize_dataset
+
+    root, cache = folder / "raw", folder / "cache"
+    synthesize_dataset(root, cases=2, seed=0, edition="2021", shape=sizes.augment_phantom)
+    workers = sizes.augment_prepare_workers  # the dry run's pool would cost more than its cases
+    prepare_dataset(root, cache, DataConfig(cube=[cube] * 3, prepare_workers=workers), workers=workers, progress=False)
+    return cache
+
+
+# What the auto rows of the compile stage plan for: the first of these shares of the no-policy step's planned
+# tensors that the planner finds a plan for, so that auto must swap or recompute where it can (at the whole card
+# it would pick no policy; at 1.0 no policy fits, the dry run's tiny network, whose in-flight window is large).
+COMPILE_AUTO_SHARES = (0.6, 0.8, 1.0)
+
+
+def _compile_row_overrides(check: Check, cache: Path, policy: str, compiled: bool,
+                           budget_gib: float | None) -> list[str]:
+    """The dotted overrides (`--set` keys) of one compile-stage fold: the U-Net of the other stages at
+    `compile_cube`³, batch 1, fp16 (fp32 in the dry run), no augmentation, 2 epochs of `compile_steps`, under
+    `policy` (none or auto for `budget_gib`), `train.compile` on or off."""
+    sizes, cuda = check.sizes, check.device.type == "cuda"
+    cube = sizes.compile_cube
+    overrides = [f"data.cache={cache}", "data.cache_only=true", f"data.cube=[{cube},{cube},{cube}]", "cv.folds=2",
+                 f"model.base_filters={sizes.base_filters}", f"train.device={check.device.type}",
+                 f"train.amp={'fp16' if cuda else 'none'}", "train.augment=none", "train.batch_size=1",
+                 "train.max_epochs=2", f"train.steps_per_epoch={sizes.compile_steps}", "train.val_every=2",
+                 f"memory.mode={policy}", f"train.compile={'true' if compiled else 'false'}"]
+    if budget_gib is not None:
+        overrides.append(f"memory.budget_gib={budget_gib}")
+    if not cuda:
+        overrides += ["data.loader_workers=0", "train.threads=1",
+                      f"memory.swap.emulate_gbs={sizes.emulate_gbs}", f"memory.swap.min_bytes={sizes.min_bytes}"]
+    return overrides
+
+
+def _compile_auto_budget(config) -> float | None:
+    """GiB for the auto rows: the budget whose tensor limit (`tensor_limit`: the budget less the device overhead,
+    times the planner's headroom) is the first of `COMPILE_AUTO_SHARES` of the no-policy step's planned tensors
+    that the planner of `plan` finds a policy for (None: none of them)."""
+    import math
+
+    from brats_swap.train.planning import plan_for_config
+
+    device = "gpu" if config.train.device.startswith("cuda") else "cpu"  # peaks do not depend on the time model
+    report, planner = plan_for_config(config, device=device)
+    memory = with_inflight_window(with_overhead(config.memory, device), device)  # as `plan_for_config` prices
+    tensors = planner.memory(named_policies(memory)["none"]).peak_bytes
+    for share in COMPILE_AUTO_SHARES:
+        # Rounded up to 1e-4 GiB (100 KiB): fine enough for the dry run's tiny network.
+        budget = math.ceil((report.device_overhead_gib + share * tensors / BUDGET_HEADROOM / GIB) * 1e4) / 1e4
+        if planner.auto(budget * GIB, replace(memory, budget_gib=budget))[0] is not None:
+            return budget
+    return None
+
+
+def stage_compile(check: Check) -> dict:
+    """Compiled against eager training (`train.compile`, a dotted override as `--set` passes it) at 128³,
+    batch 1, fp16, under no policy and under auto planned for a budget that makes it act: each row a real
+    fold (`train_fold`, 2 epochs): the second epoch's mean step time and peak (its validation included), the
+    first epoch's (compilation included), the policy auto chose and what env.json records about compiling.
+    The dry run measures the eager rows only: compiling on a CPU takes minutes, and the stage is about a GPU."""
+    import tempfile
+
+    from brats_swap.config import load_config
+    from brats_swap.errors import ConfigError
+    from brats_swap.train.loop import train_fold
+
+    try:
+        load_config(None, ["train.compile=false"])
+    except ConfigError:
+        return {"status": "skipped", "reason": "this build has no train.compile"}
+    sizes, cuda = check.sizes, check.device.type == "cuda"
+    rows, skipped = [], []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_compile_") as tmp:
+        cache = _prepared_phantoms(Path(tmp), sizes.compile_cube, sizes)
+        budget = _compile_auto_budget(load_config(None, _compile_row_overrides(check, cache, "none", False, None)))
+        for policy in ("none", "auto"):
+            for compiled in (False, True):
+                name = f"{policy} {'compiled' if compiled else 'eager'}"
+                row = {"policy": policy, "compiled": compiled, "budget_gib": budget if policy == "auto" else None}
+                if compiled and not cuda:
+                    row.update(status="skipped", reason="dry run: compiling is measured on a GPU only")
+                elif policy == "auto" and budget is None:
+                    row.update(status="no plan", reason=f"no plan at {COMPILE_AUTO_SHARES} of the no-policy tensors")
+                elif check.time_left() < 0:
+                    row.update(status="skipped", reason="past --time-limit")
+                if "reason" in row:
+                    skipped.append(f"{name}: {row['reason']}")
+                    rows.append(row)
+                    continue
+                run = Path(tmp) / name.replace(" ", "_")
+                config = load_config(None, _compile_row_overrides(check, cache, policy, compiled, row["budget_gib"]))
+                try:
+                    result = train_fold(config, run, 0, progress=False)
+                except torch.cuda.OutOfMemoryError:
+                    row.update(status="oom")
+                    rows.append(row)
+                    continue
+                except Exception as error:  # noqa: BLE001 - one failing row (a compile error) must not hide the others
+                    row.update(status="error", error=f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
+                    rows.append(row)
+                    continue
+                first, timed = result.history[0], result.history[-1]
+                environment = json.loads((run / "env.json").read_text())
+                plan = run / "fold_0" / "memory_plan.json"
+                row.update(status="ok", step_s=round(timed["step_s"], 4), first_epoch_step_s=round(first["step_s"], 4),
+                           peak_bytes=int(timed["peak_memory_gib"] * GIB),
+                           mode=json.loads(plan.read_text())["memory"]["mode"] if plan.exists() else policy,
+                           compile_record={key: value for key, value in environment.items() if "compil" in key})
+                rows.append(row)
+                print(f"compile: {name}: {row['step_s']} s/step, peak {timed['peak_memory_gib']:.2f} GiB, "
+                      f"first epoch {row['first_epoch_step_s']} s/step", flush=True)
+    eager = {row["policy"]: row for row in rows if not row["compiled"] and row["status"] == "ok"}
+    for row in rows:
+        base = eager.get(row["policy"])
+        if row["compiled"] and row["status"] == "ok" and base is not None:
+            row["step_vs_eager"] = round(row["step_s"] / base["step_s"], 3)
+            row["peak_vs_eager"] = round(row["peak_bytes"] / base["peak_bytes"], 3) if base["peak_bytes"] else None
+    return {"cube": sizes.compile_cube, "batch": 1, "dtype": "fp16" if cuda else "fp32",
+            "steps_per_epoch": sizes.compile_steps, "rows": rows, "skipped": skipped,
+            "status": "failed" if any(row["status"] in ("oom", "no plan", "error") for row in rows) else "ok"}
 
 
 def stage_mednext(check: Check) -> dict:
@@ -724,7 +855,7 @@ def _synchronize(device: torch.device) -> None:
 
 STAGES = {"environment": stage_environment, "bandwidth": stage_bandwidth, "bitwise": stage_bitwise,
           "peak": stage_peak, "step_time": stage_step_time, "pinned": stage_pinned, "augment": stage_augment,
-          "mednext": stage_mednext}
+          "mednext": stage_mednext, "compile": stage_compile}
 
 
 def summary(document: dict) -> tuple[str, int]:

@@ -23,6 +23,17 @@ def _load():
     return module
 
 
+def _has_train_compile() -> bool:
+    from brats_swap.config import load_config
+    from brats_swap.errors import ConfigError
+
+    try:
+        load_config(None, ["train.compile=false"])
+    except ConfigError:
+        return False
+    return True
+
+
 def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
     gpu_check = _load()
     threads = torch.get_num_threads()
@@ -33,10 +44,14 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
     assert flags == (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
                      torch.are_deterministic_algorithms_enabled())  # every global setting restored
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # one summary line, last
-    assert last["gpu_check"] == "ok" and last["failed_stages"] == [] and document["exit_code"] == 0
+    # A build without train.compile skips the compile stage (said in its section): the run is "incomplete".
+    compile_status = "ok" if _has_train_compile() else "skipped"
+    assert last["gpu_check"] == ("ok" if compile_status == "ok" else "incomplete")
+    assert last["failed_stages"] == [] and document["exit_code"] == 0
     written = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
     assert written["stages"].keys() == set(gpu_check.STAGES)
-    assert {name: stage["status"] for name, stage in written["stages"].items()} == dict.fromkeys(gpu_check.STAGES, "ok")
+    assert {name: stage["status"] for name, stage in written["stages"].items()} == {
+        **dict.fromkeys(gpu_check.STAGES, "ok"), "compile": compile_status}
     assert written["dry_run"] is True and document["stages"].keys() == written["stages"].keys()
     stages = written["stages"]
 
@@ -92,6 +107,58 @@ def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
     fit = written["fit"]
     assert fit["applied"] is False and fit["changed"]["peak_batches"] == [[1, 2], [1]]
     assert fit["arena_gib"] <= fit["pin_limit_gib"] and "batch 2" in fit["skipped"][0]
+
+
+def _compile_keys_seen(monkeypatch, *, known: bool) -> list[str]:
+    """Route the compile stage's `load_config` through a wrapper that records each `train.compile=...` it is
+    given; `known=False` refuses it as a build without the key does, `known=True` drops it before the real
+    loader (eager rows train as they would with the key off, whichever build this is)."""
+    import brats_swap.config as config_package
+    from brats_swap.errors import ConfigError
+
+    real, seen = config_package.load_config, []
+
+    def load_config(path=None, overrides=(), **kwargs):
+        kept = []
+        for item in overrides:
+            if item.startswith("train.compile="):
+                seen.append(item)
+                if not known:
+                    raise ConfigError("train.compile: unknown key")
+            else:
+                kept.append(item)
+        return real(path, kept, **kwargs)
+
+    monkeypatch.setattr(config_package, "load_config", load_config)
+    return seen
+
+
+def test_a_build_without_train_compile_skips_the_compile_stage_in_one_line(tmp_path, monkeypatch, capsys):
+    seen = _compile_keys_seen(monkeypatch, known=False)
+    document = _load().main(["--dry-run", "--out", str(tmp_path), "--stages", "compile"])
+    stage = document["stages"]["compile"]
+    assert stage["status"] == "skipped" and stage["reason"] == "this build has no train.compile"
+    assert seen == ["train.compile=false"] and document["exit_code"] == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("compile:")]
+    assert len(lines) == 1 and lines[0].startswith("compile: skipped: this build has no train.compile in ")
+
+
+def test_the_compile_stage_drives_train_compile_and_measures_its_eager_rows_in_the_dry_run(tmp_path, monkeypatch):
+    seen = _compile_keys_seen(monkeypatch, known=True)
+    document = _load().main(["--dry-run", "--out", str(tmp_path), "--stages", "compile"])
+    stage = document["stages"]["compile"]
+    assert stage["status"] == "ok" and document["exit_code"] == 0, stage
+    rows = {(row["policy"], row["compiled"]): row for row in stage["rows"]}
+    assert rows.keys() == {(policy, compiled) for policy in ("none", "auto") for compiled in (False, True)}
+    # Every fold got the key as a dotted override: the probe, the budget's plan, then each eager row.
+    assert seen == ["train.compile=false"] * 4
+    for policy in ("none", "auto"):
+        eager, compiled = rows[policy, False], rows[policy, True]
+        assert eager["status"] == "ok" and eager["step_s"] > 0 and eager["first_epoch_step_s"] > 0
+        assert eager["peak_bytes"] > 0 and "step_vs_eager" not in compiled
+        assert compiled["status"] == "skipped" and "GPU" in compiled["reason"]
+    assert rows["auto", False]["budget_gib"] > 0 and rows["none", False]["mode"] == "none"
+    assert len(stage["skipped"]) == 2
 
 
 def test_a_failing_stage_exits_1_and_the_json_names_it(tmp_path):
