@@ -240,3 +240,16 @@ def test_a_call_on_some_folds_summarises_every_fold_and_is_complete_only_when_al
     run_cv(config, run_dir, folds=[2])
     final = json.loads((run_dir / "cv_summary.json").read_text())
     assert final["complete"] and final["folds_done"] == [0, 1, 2]
+
+
+def test_a_case_prepared_after_the_folds_were_made_is_named_with_how_to_include_it(fake, config, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """Issue 54: a case fixed after splits.json was written was prepared but never used, without a word."""
+    run_dir = tmp_path / "run"
+    run_cv(config, run_dir, folds=[0])
+    assert "in no fold" not in capsys.readouterr().err
+    monkeypatch.setattr(splits, "list_prepared", lambda cache: [*CASE_IDS, "BraTS2021_00099"])
+    run_cv(config, run_dir, folds=[0])
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"{run_dir / 'splits.json'}: 1 prepared case(s) with a segmentation are in no fold (BraTS2021_00099)" in said
+    assert "add each to one fold's \"val\" list and to the other folds' \"train\" lists" in said

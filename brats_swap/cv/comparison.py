@@ -17,9 +17,10 @@ from brats_swap.cv.compare_figures import overlay_figure, paired_boxplot, traini
 from brats_swap.cv.fold_progress import FoldState, read_fold_state
 from brats_swap.cv.summary import METRIC_TITLES, METRICS, format_mean_std, mean_std, read_case_rows
 from brats_swap.evaluate.official import (
-    format_official,
+    OFFICIAL_RULE,
     json_safe,
     merge_groups,
+    official_cell,
     read_official_rows,
     read_official_summary,
     summarize_official,
@@ -174,13 +175,13 @@ def _official_table(official: dict | None) -> list[str]:
              "| group | metric | whole volume | patches | difference (whole − patch) |", "|---|---|---|---|---|"]
     for group in official["groups"]:
         for title, stem, digits in _OFFICIAL_COMPARED:
-            means = {arm: official[arm].get(f"{stem}_{group.lower()}", {}).get("mean") for arm in COMPARE_ARMS}
-            finite = all(value is not None and math.isfinite(value) for value in means.values())
-            difference = means["full"] - means["patch"] if finite else None
-            lines.append(f"| {group} | {title} | {format_official(means['full'], digits)} "
-                         f"| {format_official(means['patch'], digits)} | {_fmt(difference, digits, signed=True)} |")
-    return [*lines, "", "A case without a lesion of the group in either map is left out of that group's mean; inf: "
-            "some case has lesions but no matched pair.", ""]
+            stats = {arm: official[arm].get(f"{stem}_{group.lower()}", {}) for arm in COMPARE_ARMS}
+            means = [stats[arm].get("mean") for arm in COMPARE_ARMS]
+            finite = all(value is not None and math.isfinite(value) for value in means)
+            difference = means[0] - means[1] if finite else None  # none where a case is infinite
+            lines.append(f"| {group} | {title} | {official_cell(stats['full'], digits)} "
+                         f"| {official_cell(stats['patch'], digits)} | {_fmt(difference, digits, signed=True)} |")
+    return [*lines, "", OFFICIAL_RULE, ""]
 
 
 def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:

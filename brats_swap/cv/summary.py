@@ -19,7 +19,9 @@ from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.cv.fold_progress import FoldStanding, fold_standing
 from brats_swap.data.challenges import REGIONS
 from brats_swap.errors import DataError
+from brats_swap.evaluate.metrics import LEGACY_RULE
 from brats_swap.evaluate.official import (
+    OFFICIAL_RULE,
     json_safe,
     merge_groups,
     official_markdown_table,
@@ -80,10 +82,12 @@ def finite_values(values: list[float]) -> list[float]:
 
 
 def mean_std(values: list[float]) -> dict:
+    """Mean and std of the finite values; "infinite" counts the infinite ones (left out, named in the tables)."""
     finite = finite_values(values)
+    infinite = sum(1 for v in values if v is not None and math.isinf(v))
     if not finite:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(finite), "std": sample_std(finite), "n": len(finite)}
+        return {"mean": None, "std": None, "n": 0, "infinite": infinite}
+    return {"mean": statistics.fmean(finite), "std": sample_std(finite), "n": len(finite), "infinite": infinite}
 
 
 def fold_means(rows: list[dict]) -> dict[str, float | None]:
@@ -114,15 +118,19 @@ def aggregate(case_rows_by_fold: dict[int, list[dict]]) -> dict:
                 "case_mean": over_cases["mean"],
                 "case_std": over_cases["std"],
                 "cases": over_cases["n"],
+                "infinite": over_cases["infinite"],  # cases left out of every mean here, named in the tables
             }
     return table
 
 
 def format_mean_std(cell: dict | None, digits: int = 3) -> str:
+    """"mean ± std", never "inf": infinite values are left out of both and counted ("+K inf")."""
+    infinite = int((cell or {}).get("infinite") or 0)
+    suffix = f" (+{infinite} inf)" if infinite else ""
     if not cell or cell.get("mean") is None:
-        return "—"
+        return "—" + suffix
     text = f"{cell['mean']:.{digits}f}"
-    return text + (f" ± {cell['std']:.{digits}f}" if cell.get("std") is not None else "")
+    return text + (f" ± {cell['std']:.{digits}f}" if cell.get("std") is not None else "") + suffix
 
 
 def metric_table_rows(table: dict, digits: int = 3) -> tuple[list[str], list[list[str]]]:
@@ -204,7 +212,8 @@ def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
         "",
         markdown_metric_table(summary["table"]) if summary["table"] else "No fold evaluated yet.",
         "",
-        f"{STD_NOTE}.",
+        f"{STD_NOTE}. Per fold: the mean over its cases; the table: the mean over folds of those, ± their std "
+        f"(+K inf: K cases with an infinite value, left out). {LEGACY_RULE}",
         "",
         "## Folds",
         "",
@@ -260,9 +269,7 @@ def official_markdown_lines(official: dict | None) -> list[str]:
         "",
         official_markdown_table(official["summary"], official["groups"]).rstrip("\n"),
         "",
-        "Means over cases (a case without a lesion of the group on either side is left out; inf: some case has "
-        "lesions but no matched pair, so no lesion-wise HD95); TP / FP / FN are lesion counts summed over cases. "
-        "Computed with panoptica as the BraTS 2023+ evaluation configures it.",
+        f"Means over cases. {OFFICIAL_RULE}",
     ]
 
 
