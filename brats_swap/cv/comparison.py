@@ -248,9 +248,12 @@ def _cost_table(timing: dict) -> list[str]:
 
 
 def print_comparison(comparison: dict, console) -> None:
-    """compare.md's two tables on `console` (validation metrics over the paired cases, training cost)."""
+    """compare.md's two tables on `console` (validation metrics over the paired cases, training cost); nothing
+    for an empty comparison."""
     from brats_swap.evaluate.tables import print_results_table
 
+    if not comparison:
+        return
     if comparison["paired_cases"]:
         print_results_table(console, *metric_table_rows(comparison),
                             title=f"whole volume vs patches: {comparison['paired_cases']} paired validation cases",

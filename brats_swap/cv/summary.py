@@ -227,7 +227,7 @@ def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
 
         epoch_s = record["median_epoch_seconds"]
         lines.append(
-            f"| {record['fold']} | {record['status']} | {record['train_cases']}/{record['val_cases']} "
+            f"| {record['fold']} | {record['status'].replace('|', '/')} | {record['train_cases']}/{record['val_cases']} "
             f"| {record['epochs']} | {record['best_epoch'] if record['best_epoch'] is not None else '—'} "
             f"| {'yes' if record['stopped_early'] else 'no'} | {record['train_hours']:.3f} "
             f"| {f'{epoch_s:.1f}' if epoch_s is not None else '—'} | " + " | ".join(dice[r] for r in regions) + " |"
