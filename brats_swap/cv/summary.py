@@ -194,8 +194,8 @@ def _fold_list(folds: list[int]) -> str:
     return ("fold " if len(folds) == 1 else "folds ") + ", ".join(map(str, folds))
 
 
-def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
-    """cv_summary.md; `boxplot_link` is the box plot's path relative to the run folder."""
+def render_cv_markdown(summary: dict, boxplot_link: str, run_dir: Path | str = "RUN") -> str:
+    """cv_summary.md; `boxplot_link` is the box plot's path relative to the run folder `run_dir`."""
     done, total = len(summary["folds_done"]), len(summary["folds"])
     regions = summary["regions"]
     not_done = [record["fold"] for record in summary["folds"] if record["fold"] not in summary["folds_done"]]
@@ -204,7 +204,7 @@ def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
         "",
         f"{done} of {total} folds trained and evaluated"
         + ("." if summary["complete"] else f"; {_fold_list(not_done)} not yet (see the table below): `brats-swap cv "
-           "run --run RUN` continues them, `--folds` names some."),
+           f"run --run {run_dir}` continues them, `--folds` names some."),
         f"Summary written {summary['generated_at']}.",
         "",
         f"## Validation metrics, mean ± std over {done} fold{'s' if done != 1 else ''}"
@@ -358,7 +358,7 @@ def write_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict,
     run = RunFolder.of(run_dir)
     summary, rows_by_fold = build_cv_summary(name, run, splits, postprocessing_not_tuned)
     atomic_write_json(run.cv_summary_json, json_safe(summary))  # NaN -> null, inf -> "inf"
-    atomic_write_text(run.cv_summary_md, render_cv_markdown(summary, run.relative(run.cv_boxplot)))
+    atomic_write_text(run.cv_summary_md, render_cv_markdown(summary, run.relative(run.cv_boxplot), run.root))
     all_rows = [r for k in sorted(rows_by_fold) for r in rows_by_fold[k]]
     if all_rows:
         dice_boxplot(all_rows, run.cv_boxplot, f"{name}: per-case Dice, {len(rows_by_fold)} fold(s)")
