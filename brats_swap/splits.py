@@ -19,6 +19,7 @@ from brats_swap.atomic import atomic_write_json
 from brats_swap.config import Config
 from brats_swap.data.cache import list_prepared, load_prepared
 from brats_swap.errors import ConfigError, DataError
+from brats_swap.run.console import warn
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
 
 # BraTS 2023+ ids are BraTS-GLI-<subject>-<timepoint>; older editions have one scan per subject.
@@ -64,10 +65,29 @@ def load_or_create_splits(run: RunFolder | Path, case_ids: list[str], folds: int
                                 "prediction only); remove it from the file, or train in a new --run folder")
             if unknown:
                 raise DataError(f"{path}: fold {k} names case {unknown[0]!r} that is not in the prepared data")
+        _say_cases_in_no_fold(path, splits, case_ids)
         return splits
     splits = make_splits(sorted(case_ids), folds, seed)
     atomic_write_json(path, splits)
     return splits
+
+
+_SAID_IN_NO_FOLD: set[tuple[str, tuple[str, ...]]] = set()  # said once per process, not once per caller
+
+
+def _say_cases_in_no_fold(path: Path, splits: dict, case_ids: list[str]) -> None:
+    """One warning when labelled cases are in no fold of an existing splits.json: typically cases prepared (or
+    fixed) after the folds were made, which the run would otherwise leave out without a word."""
+    in_folds = {case for entry in splits["folds"] for case in (*entry["train"], *entry["val"])}
+    outside = tuple(sorted(set(case_ids) - in_folds))
+    if not outside or (str(path), outside) in _SAID_IN_NO_FOLD:
+        return
+    _SAID_IN_NO_FOLD.add((str(path), outside))
+    shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
+    warn(f"{path}: {len(outside)} prepared case(s) with a segmentation are in no fold ({shown}), e.g. fixed or "
+         "added after the folds were made, so this run does not use them; to include them, add each to one fold's "
+         "\"val\" list and to the other folds' \"train\" lists in that file (folds already trained keep what they "
+         "learnt), or train in a new --run folder")
 
 
 def _prepared(cache: Path) -> list[str]:

@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     from brats_swap.atomic import atomic_write_json
 
     atomic_write_json(run_dir / "demo.json", json_safe(record))  # a group without lesions: null, not NaN
+    fold = RunFolder(run_dir).fold(0)
+    console.print(f"report: {fold.summary_md} (per case: {fold.metrics_csv}, official: {fold.official_csv}); "
+                  f"timings and means: {run_dir / 'demo.json'}", soft_wrap=True)
     return record
 
 

@@ -157,7 +157,7 @@ def test_compare_takes_cvs_fold_selection_and_a_bare_count_once_more_with_a_noti
 
     asked: list = []
     monkeypatch.setattr(compare, "run_compare", lambda config, run_dir, folds, **_: asked.append(folds) or
-                        SimpleNamespace(describe=lambda: "done", seconds=0.0))
+                        SimpleNamespace(describe=lambda: "done", seconds=0.0, comparison={}))
     base = ["compare", "--patch", "--run", str(tmp_path / "cmp")]
     named = CliRunner().invoke(app, [*base, "--folds", "0,2"])
     single = CliRunner().invoke(app, [*base, "--folds", "2,"])

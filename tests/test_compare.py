@@ -25,11 +25,14 @@ def fake(monkeypatch, tmp_path):
     return install_fake_training(monkeypatch, tmp_path)
 
 
+def overrides(tmp_path) -> list[str]:
+    return [f"data.cache={tmp_path / 'cache'}", f"data.root={tmp_path / 'no-data'}", "cv.folds=3", "train.max_epochs=2",
+            "name=cmp", "data.cube=[64,64,64]", "train.patch=[32,32,32]", "memory.mode=swap"]
+
+
 @pytest.fixture
 def config(tmp_path):
-    return load_config(None, [f"data.cache={tmp_path / 'cache'}", f"data.root={tmp_path / 'no-data'}", "cv.folds=3",
-                              "train.max_epochs=2", "name=cmp", "data.cube=[64,64,64]", "train.patch=[32,32,32]",
-                              "memory.mode=swap"])
+    return load_config(None, overrides(tmp_path))
 
 
 def test_compare_trains_both_arms_on_the_same_folds_and_writes_the_comparison(fake, config, tmp_path):
@@ -55,7 +58,8 @@ def test_compare_trains_both_arms_on_the_same_folds_and_writes_the_comparison(fa
     assert result["timing"]["patch"]["median_epoch_seconds"] == pytest.approx(0.5)
     markdown = (run_dir / "compare.md").read_text()
     assert "| Dice | WT |" in markdown and f"{PATCH_PENALTY:+.3f}" in markdown
-    assert "one epoch (median, s) | 0.5 | 0.5" in markdown
+    assert "| epoch without validation (median, s) | 0.5 | 0.5 |" in markdown
+    assert "| validation (median, s) | — (0 runs) | — (0 runs) |" in markdown
     for figure in (BOXPLOT, CURVES):
         assert (run_dir / figure).read_bytes()[:4] == b"\x89PNG"
         assert f"({figure})" in markdown
@@ -116,3 +120,37 @@ def test_arm_configs_reject_a_patch_larger_than_the_cube(config):
     config.train.patch = [128, 128, 128]
     with pytest.raises(ConfigError, match="train.patch"):
         compare.arm_configs(config)
+
+
+def test_the_cost_table_times_steps_epochs_and_validation_apart_and_compare_prints_its_tables(fake, tmp_path):
+    """Issue 54, point 6: "one epoch" included validation, "one pass over the training cases" was claimed under
+    train.steps_per_epoch, and `compare` printed only the report's path."""
+    from typer.testing import CliRunner
+
+    from brats_swap.cli.main import app
+    from brats_swap.cv.comparison import write_comparison
+
+    run_dir = tmp_path / "cmp"
+    settings = [*overrides(tmp_path), "train.steps_per_epoch=4"]
+    result = CliRunner().invoke(app, ["compare", "--patch", "--run", str(run_dir), "--folds", "0,",
+                                      *(arg for item in settings for arg in ("--set", item))])
+    assert result.exit_code == 0, result.output
+    printed = result.output
+    assert "whole volume vs patches: 2 paired validation cases" in printed and "+0.050" in printed  # WT Dice
+    assert "training step (median, s)" in printed and "epoch without validation" in printed
+    assert printed.index("training cost") < printed.index(f"comparison: {run_dir / 'compare.md'}")
+
+    # Two epochs per arm: 4 steps of 0.25 s, the first validated in 2 s.
+    for arm in COMPARE_ARMS:
+        state_path = run_dir / arm / "fold_0" / "state.json"
+        state = json.loads(state_path.read_text())
+        state["history"] = [{"epoch": 1, "step_s": 0.25, "val_seconds": 2.0, "epoch_s": 3.0},
+                            {"epoch": 2, "step_s": 0.25, "epoch_s": 1.0}]
+        state_path.write_text(json.dumps(state))
+    write_comparison(load_config(None, settings), run_dir, [0])
+    markdown = (run_dir / "compare.md").read_text()
+    assert "| training step (median, s) | 0.25 | 0.25 |" in markdown
+    assert "| epoch without validation (median, s) | 1.0 | 1.0 |" in markdown
+    assert "| validation (median, s) | 2.0 (1 run) | 2.0 (1 run) |" in markdown
+    assert "An epoch is `train.steps_per_epoch` = 4 training step(s) in both arms, not a pass" in markdown
+    assert "one pass over the training cases" not in markdown

@@ -79,7 +79,7 @@ def test_max_hours_stops_at_an_epoch_boundary_and_the_next_call_continues(fake, 
     assert not (run_dir / "fold_1").exists()
     assert "--max-hours window closed" in (run_dir / "cv.log").read_text()
     summary = json.loads((run_dir / "cv_summary.json").read_text())
-    assert not summary["complete"] and summary["folds"][0]["status"] == "training"
+    assert not summary["complete"] and [f["status"] for f in summary["folds"]] == ["stopped", "not started", "not started"]
 
     second = run_cv(config, run_dir)
     assert second.complete and second.resumed == [0] and second.started == [1, 2]
@@ -218,3 +218,38 @@ def test_the_one_entry_refuses_parallel_folds_it_cannot_run(fake, config, tmp_pa
     with pytest.raises(ConfigError, match="--parallel-folds: not under torchrun"):
         run_cv(config, run_dir, parallel_folds=2)
     assert not run_dir.exists() and fake.calls == []
+
+
+def test_a_call_on_some_folds_summarises_every_fold_and_is_complete_only_when_all_are_done(fake, config, tmp_path):
+    # Issue 54, point 1: `cv run --folds 0,1` on a 3-fold run wrote "complete": true over folds 0 and 1 alone,
+    # and a later `--folds 1` summarised fold 1 only.
+    run_dir = tmp_path / "run"
+    assert run_cv(config, run_dir, folds=[0, 1]).complete  # the call's own folds: done
+    summary = json.loads((run_dir / "cv_summary.json").read_text())
+    assert not summary["complete"] and summary["folds_done"] == [0, 1]
+    assert [(f["fold"], f["status"]) for f in summary["folds"]] == [(0, "done"), (1, "done"), (2, "not started")]
+    markdown = (run_dir / "cv_summary.md").read_text()
+    assert "2 of 3 folds trained and evaluated; fold 2 not yet" in markdown
+    assert "mean ± std over 2 folds of 3" in markdown
+
+    run_cv(config, run_dir, folds=[1])  # nothing to do: the summary still covers every fold
+    again = json.loads((run_dir / "cv_summary.json").read_text())
+    assert [f["fold"] for f in again["folds"]] == [0, 1, 2] and again["folds_done"] == [0, 1]
+    assert not again["complete"] and again["table"] == summary["table"]
+
+    run_cv(config, run_dir, folds=[2])
+    final = json.loads((run_dir / "cv_summary.json").read_text())
+    assert final["complete"] and final["folds_done"] == [0, 1, 2]
+
+
+def test_a_case_prepared_after_the_folds_were_made_is_named_with_how_to_include_it(fake, config, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """Issue 54: a case fixed after splits.json was written was prepared but never used, without a word."""
+    run_dir = tmp_path / "run"
+    run_cv(config, run_dir, folds=[0])
+    assert "in no fold" not in capsys.readouterr().err
+    monkeypatch.setattr(splits, "list_prepared", lambda cache: [*CASE_IDS, "BraTS2021_00099"])
+    run_cv(config, run_dir, folds=[0])
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"{run_dir / 'splits.json'}: 1 prepared case(s) with a segmentation are in no fold (BraTS2021_00099)" in said
+    assert "add each to one fold's \"val\" list and to the other folds' \"train\" lists" in said

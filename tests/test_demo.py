@@ -26,7 +26,7 @@ def test_quickstart_holds_out_a_fifth_of_the_phantoms():
     assert config.train.device == "cpu" and config.model.base_filters < 16
 
 
-def test_demo_runs_synth_prepare_train_evaluate(tmp_path, monkeypatch):
+def test_demo_runs_synth_prepare_train_evaluate(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("demo", REPO / "scripts" / "demo.py")
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
@@ -38,6 +38,9 @@ def test_demo_runs_synth_prepare_train_evaluate(tmp_path, monkeypatch):
     assert set(record["dice"]) == {"wt", "tc", "et"} and all(0.0 <= d <= 1.0 for d in record["dice"].values())
     assert json.loads((tmp_path / "run" / "demo.json").read_text())["epochs"] == 1
     assert (tmp_path / "run" / "fold_0" / "metrics.csv").exists()
+    # It says where its report went (issue 54, point 6).
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"report: {Path('run') / 'fold_0' / 'summary.md'} (per case: {Path('run') / 'fold_0' / 'metrics.csv'}" in said
     # Re-running skips synthesis and preparation and does not train a finished fold again.
     again = demo.main([arg for o in overrides for arg in ("--set", o)] + ["--run", "run"])
     assert again["dice"] == record["dice"]

@@ -66,7 +66,7 @@ def test_status_of_a_finished_train_run_says_trained_then_done(tmp_path):
     first = run_status(run)
     assert [s.state for s in first] == ["trained, not evaluated", "not started"]  # 06237a0: "stopped"
     assert first[0].line().startswith("fold 0: trained, not evaluated, 3 epoch(s) done")
-    run.fold(0).summary_json.write_text("{}")  # `brats-swap evaluate --run` wrote its report
+    run.fold(0).metrics_csv.write_text("case_id,dice_wt\ncase0,0.5\n")  # `brats-swap evaluate --run` scored it
     assert run_status(run)[0].state == "done"
     save_checkpoint({"epoch": 2, "step_in_epoch": 5, "finished": False}, run.fold(1).root / "checkpoint_latest.pt")
     assert run_status(run)[1].state == "stopped"  # unfinished and nobody on it: still "stopped"

@@ -236,3 +236,28 @@ def test_summary_table_shows_means_and_lesion_totals():
     console = Console(record=True, width=200)
     print_official_summary(summary, groups, console, title="official")
     assert "Lesion Dice" in console.export_text()
+
+
+def test_each_table_says_its_rule_and_never_shows_an_infinite_mean(tmp_path):
+    """Issue 54: the legacy and the official tables score the same predictions differently, each says which
+    rule it follows in one line; a mean over cases is never "inf": the infinite cases are counted instead."""
+    from brats_swap.evaluate.metrics import LEGACY_RULE, write_metrics_report
+    from brats_swap.evaluate.official import OFFICIAL_RULE, official_columns
+
+    groups = {"ET": (4,)}
+    official_rows = []
+    for case, (dsc, hd95) in {"a": (0.8, 4.0), "b": (0.6, 6.0), "c": (0.0, math.inf)}.items():
+        row = {"case": case, **{column: 1.0 for column in official_columns(groups)}}
+        row.update(lesionwise_dsc_mean_et=dsc, lesionwise_hd95_mean_et=hd95)
+        official_rows.append(row)
+    table = official_markdown_table(summarize_official(official_rows), groups)
+    et = next(line for line in table.splitlines() if line.startswith("| ET "))
+    assert "| 5.00 (+1 inf) |" in et and "inf |" not in et.replace("(+1 inf) |", "")
+
+    legacy_rows = [{"case": "a", "dice_et": 0.8, "hd95_et": 4.0}, {"case": "b", "dice_et": 0.6, "hd95_et": math.inf}]
+    write_metrics_report(legacy_rows, tmp_path, "t", official_rows=official_rows, groups=groups)
+    markdown = (tmp_path / "summary.md").read_text()
+    assert LEGACY_RULE in markdown and OFFICIAL_RULE in markdown
+    assert markdown.index(LEGACY_RULE) < markdown.index("## Official") < markdown.index(OFFICIAL_RULE)
+    assert "| 4.00 (+1 inf) |" in markdown
+    assert " inf |" not in markdown.replace("(+1 inf) |", "")  # no bare infinite mean in any cell

@@ -37,8 +37,9 @@ def test_a_harmless_set_is_recorded_and_a_training_changing_one_refused(tmp_path
     run = recorded_run(tmp_path)
     said: list[str] = []
     assert run_config(run, None, ["train.max_epochs=5"], say=said.append).train.max_epochs == 5
-    assert recorded(run)["train"]["max_epochs"] == 5 and said == [f"{run / 'config.yaml'}: recorded "
-                                                                   "train.max_epochs 2 -> 5"]
+    assert recorded(run)["train"]["max_epochs"] == 5 and said == [
+        f"{run / 'config.yaml'}: recorded train.max_epochs 2 -> 5; every later call on this run uses it, for each "
+        "of its folds, not only this call's"]
     assert run_config(run, None, []).train.max_epochs == 5  # the next plain call uses it
     # Nothing trained yet: the model may still change. Once a fold has a checkpoint, it may not.
     assert run_config(run, None, ["model.base_filters=8"]).model.base_filters == 8
@@ -118,3 +119,16 @@ def test_evaluate_run_records_a_set_in_the_run_config(monkeypatch, tmp_path):
     result = CliRunner().invoke(app, ["evaluate", "--run", str(run), "--set", "evaluate.hd95=false"])
     assert "recorded evaluate.hd95 True -> False" in " ".join(result.output.split()), result.output
     assert recorded(run)["evaluate"]["hd95"] is False
+
+
+def test_a_set_on_one_fold_says_it_reaches_every_later_fold_and_names_the_finished_ones(tmp_path):
+    """Issue 54: `train --run R --fold 1 --set ...` rewrote the config every later fold uses in one line that
+    said nothing of it."""
+    from brats_swap.cv.fold_progress import FoldState
+
+    run = recorded_run(tmp_path)
+    FoldState(fold=0, trained=True, evaluated=True).write(run)
+    said: list[str] = []
+    run_config(run, None, ["train.lr=0.01"], say=said.append)
+    assert len(said) == 1 and "every later call on this run uses it, for each of its folds" in said[0]
+    assert "(fold 0 finished training with the old value: the run's folds then differ, which `export` names)" in said[0]

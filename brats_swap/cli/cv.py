@@ -394,5 +394,8 @@ def compare(
         warn(notice)
     outcome = run_compare(resolved, run_dir, folds=selection, max_hours=max_hours, console=line_console)
     _say(f"{run_dir}: {outcome.describe()} ({outcome.seconds:.0f} s)")
+    from brats_swap.cv.comparison import print_comparison
+
+    print_comparison(outcome.comparison, line_console)  # the numbers, then where the report is
     _say(f"comparison: {RunFolder(run_dir).compare_md}")
     raise typer.Exit(0)

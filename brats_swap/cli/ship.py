@@ -44,6 +44,8 @@ def export(
     _say(f"wrote {exported.path} ({exported.size_bytes / 2**20:.1f} MiB): fold(s) "
          f"{', '.join(map(str, exported.folds))} ({checkpoint} checkpoint), {exported.challenge} table, "
          f"{len(exported.files)} files with their sha256")
+    for note in exported.notes:
+        warn(note)
 
 
 @handle_errors

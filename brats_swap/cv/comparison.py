@@ -17,9 +17,10 @@ from brats_swap.cv.compare_figures import overlay_figure, paired_boxplot, traini
 from brats_swap.cv.fold_progress import FoldState, read_fold_state
 from brats_swap.cv.summary import METRIC_TITLES, METRICS, format_mean_std, mean_std, read_case_rows
 from brats_swap.evaluate.official import (
-    format_official,
+    OFFICIAL_RULE,
     json_safe,
     merge_groups,
+    official_cell,
     read_official_rows,
     read_official_summary,
     summarize_official,
@@ -57,11 +58,25 @@ def _wilcoxon_p(differences: list[float]) -> float | None:
         return None
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _arm_timing(arm: RunFolder, folds: list[int]) -> dict:
+    """The arm's training cost over these folds, from each epoch's record: a training step, an epoch's training
+    (its steps and their wait for data) and a validation apart, since validation does not scale with the
+    steps of an epoch and runs only every `train.val_every` epochs."""
     states: list[FoldState] = [read_fold_state(arm, k) for k in folds]
     epoch_seconds = [s for state in states for s in state.epoch_seconds]
+    records = [record for state in states for record in state.history]
+    validations = [float(record["val_seconds"]) for record in records if "val_seconds" in record]
     return {
-        "median_epoch_seconds": statistics.median(epoch_seconds) if epoch_seconds else None,
+        "median_epoch_seconds": _median(epoch_seconds),  # training and, where it ran, validation
+        "median_step_seconds": _median([float(r["step_s"]) for r in records if "step_s" in r]),
+        "median_epoch_training_seconds": _median([float(r["epoch_s"]) - float(r.get("val_seconds", 0.0))
+                                                  for r in records if "epoch_s" in r]),
+        "median_validation_seconds": _median(validations),
+        "validations": len(validations),
         "total_train_hours": sum(state.train_seconds for state in states) / 3600.0,
         "epochs_per_fold": [state.epochs_completed for state in states],
         "best_epoch_per_fold": [state.best_epoch for state in states],
@@ -160,13 +175,13 @@ def _official_table(official: dict | None) -> list[str]:
              "| group | metric | whole volume | patches | difference (whole − patch) |", "|---|---|---|---|---|"]
     for group in official["groups"]:
         for title, stem, digits in _OFFICIAL_COMPARED:
-            means = {arm: official[arm].get(f"{stem}_{group.lower()}", {}).get("mean") for arm in COMPARE_ARMS}
-            finite = all(value is not None and math.isfinite(value) for value in means.values())
-            difference = means["full"] - means["patch"] if finite else None
-            lines.append(f"| {group} | {title} | {format_official(means['full'], digits)} "
-                         f"| {format_official(means['patch'], digits)} | {_fmt(difference, digits, signed=True)} |")
-    return [*lines, "", "A case without a lesion of the group in either map is left out of that group's mean; inf: "
-            "some case has lesions but no matched pair.", ""]
+            stats = {arm: official[arm].get(f"{stem}_{group.lower()}", {}) for arm in COMPARE_ARMS}
+            means = [stats[arm].get("mean") for arm in COMPARE_ARMS]
+            finite = all(value is not None and math.isfinite(value) for value in means)
+            difference = means[0] - means[1] if finite else None  # none where a case is infinite
+            lines.append(f"| {group} | {title} | {official_cell(stats['full'], digits)} "
+                         f"| {official_cell(stats['patch'], digits)} | {_fmt(difference, digits, signed=True)} |")
+    return [*lines, "", OFFICIAL_RULE, ""]
 
 
 def _fmt(value: float | None, digits: int = 3, signed: bool = False) -> str:
@@ -188,36 +203,75 @@ def _cpu_memory_note(comparison: dict) -> list[str]:
             "train in one process, the second arm's figure includes the first's, so it does not compare them.", ""]
 
 
-def _metric_table(comparison: dict) -> list[str]:
-    lines = [
-        "| metric | region | whole volume | patches | difference (whole − patch) | whole better | Wilcoxon p |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def metric_table_rows(comparison: dict) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of compare.md's validation table, which `compare` also prints."""
+    header = ["metric", "region", "whole volume", "patches", "difference (whole − patch)", "whole better", "Wilcoxon p"]
+    rows = []
     for metric, by_region in comparison["metrics"].items():
         digits = 2 if metric == "hd95" else 3
         for region, cell in by_region.items():
-            lines.append(
-                f"| {METRIC_TITLES[metric]} | {region} | {format_mean_std(cell['full'], digits)} "
-                f"| {format_mean_std(cell['patch'], digits)} | {_fmt(cell['difference'], digits, signed=True)} "
-                f"| {cell['full_better_cases']}/{cell['full']['n']} | {_fmt(cell['wilcoxon_p'], 3)} |"
-            )
-    return lines
+            rows.append([METRIC_TITLES[metric], region, format_mean_std(cell["full"], digits),
+                         format_mean_std(cell["patch"], digits), _fmt(cell["difference"], digits, signed=True),
+                         f"{cell['full_better_cases']}/{cell['full']['n']}", _fmt(cell["wilcoxon_p"], 3)])
+    return header, rows
 
 
-def _cost_table(timing: dict) -> list[str]:
-    def row(title: str, cell) -> str:
-        return f"| {title} | " + " | ".join(cell(timing[arm]) for arm in COMPARE_ARMS) + " |"
+def _markdown(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *["| " + " | ".join(cells) + " |" for cells in rows]]
 
-    return [
-        "| | whole volume | patches |",
-        "|---|---|---|",
-        row("one epoch (median, s)", lambda t: _fmt(t["median_epoch_seconds"], 1)),
+
+def _metric_table(comparison: dict) -> list[str]:
+    return _markdown(*metric_table_rows(comparison))
+
+
+def cost_table_rows(timing: dict) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of compare.md's training cost table, which `compare` also prints."""
+    def row(title: str, cell) -> list[str]:
+        return [title, *(cell(timing[arm]) for arm in COMPARE_ARMS)]
+
+    return ["", "whole volume", "patches"], [
+        row("training step (median, s)", lambda t: _fmt(t.get("median_step_seconds"), 2)),
+        row("epoch without validation (median, s)", lambda t: _fmt(t.get("median_epoch_training_seconds"), 1)),
+        row("validation (median, s)", lambda t: f"{_fmt(t.get('median_validation_seconds'), 1)} "
+            f"({t.get('validations', 0)} run{'s' if t.get('validations', 0) != 1 else ''})"),
         row("total training (h)", lambda t: _fmt(t["total_train_hours"], 3)),
         row("epochs per fold", lambda t: ", ".join(map(str, t["epochs_per_fold"]))),
         row("best epoch per fold", lambda t: ", ".join("—" if e is None else str(e) for e in t["best_epoch_per_fold"])),
         row("stopped early", lambda t: ", ".join("yes" if s else "no" for s in t["stopped_early_per_fold"])),
         row("peak memory", lambda t: _gib(t["peak_memory_bytes"])),
     ]
+
+
+def _cost_table(timing: dict) -> list[str]:
+    return _markdown(*cost_table_rows(timing))
+
+
+def print_comparison(comparison: dict, console) -> None:
+    """compare.md's two tables on `console` (validation metrics over the paired cases, training cost); nothing
+    for an empty comparison."""
+    from brats_swap.evaluate.tables import print_results_table
+
+    if not comparison:
+        return
+    if comparison["paired_cases"]:
+        print_results_table(console, *metric_table_rows(comparison),
+                            title=f"whole volume vs patches: {comparison['paired_cases']} paired validation cases",
+                            caption=f"per-case mean ± std ({STD_NOTE})")
+    print_results_table(console, *cost_table_rows(comparison["timing"]), title="training cost",
+                        caption="a step and an epoch's training timed apart from validation")
+
+
+def _epoch_note(config: Config) -> str:
+    """What an epoch is in both arms (the sentence under the cost table)."""
+    validation = ("Validation, every `train.val_every` epoch(s), is timed apart: it predicts the validation cases "
+                  "whatever the number of training steps.")
+    if config.train.steps_per_epoch is not None:
+        return (f"An epoch is `train.steps_per_epoch` = {config.train.steps_per_epoch} training step(s) in both "
+                f"arms, not a pass over the training cases, so compare the step times: a step is one batch of "
+                f"{config.train.batch_size} whole volume(s) or patch(es). {validation}")
+    return ("An epoch is one pass over the training cases in both arms (`train.patches_per_case` patch(es) per case "
+            f"for patches), so the epoch times compare the cost of one sample of each kind. {validation}")
 
 
 def render_compare_markdown(config: Config, comparison: dict, run: RunFolder) -> str:
@@ -245,8 +299,7 @@ def render_compare_markdown(config: Config, comparison: dict, run: RunFolder) ->
         *_cost_table(comparison["timing"]),
         "",
         *_cpu_memory_note(comparison),
-        "An epoch is one pass over the training cases in both arms (`train.patches_per_case` patch(es) per case "
-        "for patches), so the epoch times compare the cost of one sample of each kind.",
+        _epoch_note(config),
         "",
         f"![paired Dice]({run.relative(run.compare_boxplot)})",
         "",
@@ -281,4 +334,5 @@ def write_comparison(config: Config, run_dir: RunFolder | Path, folds: list[int]
     return comparison
 
 
-__all__ = ["build_comparison", "render_compare_markdown", "write_comparison"]
+__all__ = ["build_comparison", "cost_table_rows", "metric_table_rows", "print_comparison", "render_compare_markdown",
+           "write_comparison"]

@@ -1,9 +1,12 @@
-"""Per-fold progress of a cross-validation run: `fold_<k>/state.json`, written atomically.
+"""Per-fold progress of a cross-validation run: `fold_<k>/state.json`, written atomically, and the one rule
+for where a fold stands (`fold_standing`), which `cv status`, `cv_summary.*`, the runners and `export` share.
 
 A fold is *done* when it is trained (the training loop said `finished`) and evaluated (its metrics are
 written). The file is a record, not the source of truth for resuming: the training loop resumes from
 `checkpoint_latest.pt`, so a run killed before this file was updated simply asks the loop again, which
-answers "finished" at once.
+answers "finished" at once. A fold trained by `brats-swap train` and scored by `brats-swap evaluate` has no
+state.json: its checkpoint says how far it trained and whether it finished, and its `metrics.csv` that it was
+evaluated.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json
-from brats_swap.errors import DataError
+from brats_swap.errors import CheckpointError, DataError
+from brats_swap.run.checkpoint import load_latest
 from brats_swap.run.folder import RunFolder
 
 
@@ -76,3 +80,74 @@ def read_fold_state(run_dir: RunFolder | Path, fold: int) -> FoldState:
         raise DataError(f"{path}: expected a JSON object; delete it and re-run")
     known = {f.name for f in fields(FoldState)}
     return FoldState(**{k: v for k, v in raw.items() if k in known})
+
+
+# A fold's stage, as `cv status` prints it and cv_summary.* records it ("running" is not a stage: `cv status`
+# adds it when a process holds the fold's lock).
+DONE, TRAINED, STOPPED, NOT_STARTED, FAILED = "done", "trained, not evaluated", "stopped", "not started", "failed"
+
+
+@dataclass
+class FoldStanding:
+    """Where one fold stands (`fold_standing`): its progress, its stage and, when read, its newest checkpoint."""
+
+    state: FoldState
+    stage: str  # DONE | TRAINED | STOPPED | NOT_STARTED | FAILED
+    failure: str = ""  # FAILED: the error line of the fold's last training call (fold_<k>/failed.txt)
+    checkpoint: dict | None = None  # the newest good training state, when it was read
+    checkpoint_path: Path | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{FAILED}: {self.failure}" if self.stage == FAILED else self.stage
+
+
+def _from_checkpoint(state: FoldState, checkpoint: dict) -> None:
+    """Fill what state.json would say from the training state the loop saved (a fold `train` trained)."""
+    history = list(checkpoint.get("history") or [])
+    state.trained = bool(checkpoint.get("finished", False))
+    state.epochs_completed = int(checkpoint.get("epoch", 0))
+    state.best_epoch = checkpoint.get("best_epoch")
+    state.best_val_dice = checkpoint.get("best_val_dice")
+    state.stopped_early = bool(checkpoint.get("stopped_early", False))
+    state.peak_memory_bytes = max(state.peak_memory_bytes, int(checkpoint.get("peak_memory_bytes") or 0))
+    if history:
+        state.history = history
+        state.epoch_seconds = [float(record.get("epoch_s", 0.0)) for record in history]
+        state.train_seconds = sum(state.epoch_seconds)
+
+
+def fold_standing(run_dir: RunFolder | Path, fold: int, *, read_checkpoint: bool = False) -> FoldStanding:
+    """Where fold `fold` stands, whoever trained and evaluated it (`cv`, or `train` then `evaluate`).
+
+    state.json is the record where `cv` wrote one that says the fold is trained. Otherwise the newest
+    checkpoint says how far training went and whether it finished (a `train` fold, or a cv fold whose record
+    was not written before a kill), and the fold's metrics.csv (`brats-swap evaluate --run R --fold K`) that a
+    finished fold was evaluated. `read_checkpoint` reads the checkpoint also where state.json suffices
+    (`cv status` prints its epoch and time); an unreadable checkpoint counts as none.
+    """
+    run = RunFolder.of(run_dir)
+    folder = run.fold(fold)
+    state = read_fold_state(run, fold)
+    checkpoint = checkpoint_path = None
+    if read_checkpoint or not state.trained:
+        try:
+            loaded = load_latest(folder)
+        except CheckpointError:
+            loaded = None
+        if loaded is not None:
+            checkpoint, checkpoint_path = loaded
+            if not state.trained:
+                _from_checkpoint(state, checkpoint)
+                state.evaluated = state.trained and folder.metrics_csv.is_file()
+    standing = FoldStanding(state=state, stage=NOT_STARTED, checkpoint=checkpoint, checkpoint_path=checkpoint_path)
+    if state.done:
+        standing.stage = DONE
+    elif state.trained:
+        standing.stage = TRAINED
+    elif folder.failure.is_file():
+        standing.stage = FAILED
+        standing.failure = folder.failure.read_text(encoding="utf-8", errors="replace").strip()
+    elif checkpoint is not None or state.epochs_completed:
+        standing.stage = STOPPED
+    return standing

@@ -13,7 +13,8 @@ when that digest changes (a fold re-evaluated, e.g. with `evaluate --tta`, or a 
 re-running a finished cross-validation rewrites nothing. `predict` applies the plan.
 
 When the plan cannot be tuned (predictions not saved, no reference segmentation, cases of several
-challenges) the cross-validation is still complete: the reason is said once and no plan is written.
+challenges) the cross-validation is still complete: the reason is said once, no plan is written, and
+cv_summary.md gives that reason (or, before every fold is done, how many are).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from brats_swap.config import Config
-from brats_swap.cv.fold_progress import read_fold_state
+from brats_swap.cv.fold_progress import fold_standing
 from brats_swap.data.challenges import evaluation_groups
 from brats_swap.data.discovery import discover_cases
 from brats_swap.errors import DataError
@@ -92,30 +93,34 @@ def _saved_plan(run: RunFolder, say: Callable[[str], None]) -> PostprocessingPla
 
 
 def tune_after_cv(config: Config, run_dir: RunFolder | Path, splits: dict,
-                  say: Callable[[str], None] | None = None) -> PostprocessingPlan | None:
+                  say: Callable[[str], None] | None = None) -> tuple[PostprocessingPlan | None, str | None]:
     """Tune and save `postprocessing.json` when every fold of the run is done and the out-of-fold
-    predictions changed since the saved plan (see the module docstring); returns the run's plan, or None
-    while folds are missing or when it cannot be tuned. `say` gets the progress and skip lines."""
+    predictions changed since the saved plan (see the module docstring). Returns (the run's plan, None), or
+    (None, why it was not tuned) while folds are not done or when it cannot be tuned; cv_summary.md prints the
+    reason. `say` gets the progress and skip lines."""
     run = RunFolder.of(run_dir)
     say = say or (lambda text: None)
-    if not all(read_fold_state(run, k).done for k in range(len(splits["folds"]))):
-        return None
+    n_folds = len(splits["folds"])
+    done = sum(fold_standing(run, k).state.done for k in range(n_folds))
+    if done < n_folds:
+        return None, (f"it is tuned on the out-of-fold predictions once every fold is trained and evaluated, "
+                      f"and {done} of the run's {n_folds} folds are")
     try:
         pairs, challenge = out_of_fold_pairs(config, run, splits)
     except _NotTunable as reason:
         say(f"[{config.name}] postprocessing not tuned: {reason}")
-        return None
+        return None, str(reason)
     groups, relabel = evaluation_groups(challenge), relabel_labels(challenge)
     digest = tuning_digest(pairs, groups, relabel)
     saved = _saved_plan(run, say)
     if saved is not None and saved.tuned_on == digest:
-        return saved
+        return saved, None
     say(f"[{config.name}] tuning the postprocessing on {len(pairs)} out-of-fold predictions")
     plan = tune_postprocessing(pairs, groups, relabel=relabel, report=lambda line: say(f"[{config.name}]   {line}"))
     plan = replace(plan, tuned_on=digest)
     save_plan(plan, run.postprocessing)
     say(f"[{config.name}] postprocessing: {plan.describe()} -> {run.postprocessing}")
-    return plan
+    return plan, None
 
 
 __all__ = ["out_of_fold_pairs", "tune_after_cv", "tuning_digest"]

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from brats_swap import stop_signals
 from brats_swap.config import Config
-from brats_swap.cv.fold_progress import read_fold_state
+from brats_swap.cv.fold_progress import fold_standing
 from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import fold_locks
 from brats_swap.cv.runner import CVOutcome, FoldRunner, prepared_runner, resolve_folds
@@ -91,7 +91,7 @@ def run_parallel_folds(config: Config, run_dir: Path, folds: str | int | list[in
         runner = prepared_runner(config, run_dir, stop, console=console)
         outcome.folds, outcome.run_folds = resolve_folds(folds, runner.n_folds), runner.n_folds
         with fold_locks(run_dir, outcome.folds):  # held by this process for its workers
-            pending = [k for k in outcome.folds if not read_fold_state(run_dir, k).done]
+            pending = [k for k in outcome.folds if not fold_standing(run_dir, k).state.done]
             if pending:
                 _run_folds(config, run_dir, pending, stop, outcome, parallel, console)
             runner.finish(outcome)
@@ -269,7 +269,7 @@ def _advance_fold(config: Config, run_dir: Path, fold: int, deadline: float | No
     with _redirect_output(log_path):
         runner = FoldRunner(config, run_dir, stop, console=None)
         completed = runner.advance(fold, part)
-    state = read_fold_state(run_dir, fold)
+    state = fold_standing(run_dir, fold).state
     reason = None if completed else stop.reason
     # The parent's own stop (event) is not news to it; report only what this worker decided by itself.
     if reason is StopReason.PARENT_STOPPED:

@@ -7,7 +7,9 @@ gives that differs from the recorded config is checked against what the run has 
 - keys that change what was trained (the model, the data, the folds, the seed) are refused with a one-line
   error once any fold has a checkpoint (train those in a new run folder);
 - any other change (more epochs, a window, evaluation settings, the device, the memory policy) is recorded
-  in `R/config.yaml` and printed, so the next plain call (cron, a requeued job) uses it too.
+  in `R/config.yaml` and printed, so the next plain call (cron, a requeued job) uses it too: the line says
+  that it reaches every later call and fold (also after `train --fold 1 --set ...`), and which folds finished
+  training with the old value.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from brats_swap.atomic import atomic_write_text
 from brats_swap.config import Config, config_to_dict, config_to_yaml, diff_configs, load_config
+from brats_swap.cv.fold_progress import DONE, TRAINED, fold_standing
 from brats_swap.cv.lock import shared_files
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import RunFolder
@@ -67,8 +70,19 @@ def run_config(run_dir: RunFolder | Path, config_path: Path | None, overrides: l
         atomic_write_text(run.config, config_to_yaml(config))
     if say is not None:
         say(f"{run.config}: recorded " + ", ".join(f"{key} {_value(old, key)!r} -> {_value(new, key)!r}"
-                                                    for key in changed))
+                                                    for key in changed) + _applies_to(run))
     return config
+
+
+def _applies_to(run: RunFolder) -> str:
+    """What a recorded change reaches: every later call on the run, whatever fold this one names (a `train
+    --fold 1 --set` too); the folds that finished training keep what they were trained with."""
+    finished = [k for k in run.existing_folds() if fold_standing(run, k).stage in (DONE, TRAINED)]
+    text = "; every later call on this run uses it, for each of its folds, not only this call's"
+    if finished:
+        text += (f" ({'fold' if len(finished) == 1 else 'folds'} {', '.join(map(str, finished))} finished training "
+                 "with the old value: the run's folds then differ, which `export` names)")
+    return text
 
 
 __all__ = ["DATA_LOCATION_KEYS", "changes_what_was_trained", "run_config"]

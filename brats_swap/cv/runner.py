@@ -14,7 +14,8 @@ Each way, one invocation:
    or SIGUSR1 arrives (the checkpoint, mid-epoch if need be, is written by the training loop; the next
    invocation carries on);
 5. once every fold is done, tunes `postprocessing.json` on the out-of-fold predictions (again only when
-   they changed: cv/out_of_fold_tuning.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`;
+   they changed: cv/out_of_fold_tuning.py); rewrites `cv_summary.json`, `cv_summary.md`, `figures/dice_boxplot.png`
+   over every fold of the run, also those this call was not asked for (`"complete"` means all of them are done);
 6. appends one line to `cv.log` saying what it did, how long it took and how it ended.
 
 Steps 1, 4 (the window and SIGTERM) and 6 are set up once, by `cv_invocation` (cv/invocation.py).
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from brats_swap.config import Config
-from brats_swap.cv.fold_progress import FoldState, read_fold_state
+from brats_swap.cv.fold_progress import fold_standing
 from brats_swap.cv.invocation import cv_invocation
 from brats_swap.cv.lock import fold_locks, shared_files
 from brats_swap.cv.out_of_fold_tuning import tune_after_cv
@@ -40,7 +41,7 @@ from brats_swap.cv.stop_control import StopControl
 from brats_swap.cv.summary import write_cv_summary
 from brats_swap.evaluate.scoring import evaluate_fold
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, resolve_folds
-from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
+from brats_swap.run.folder import RunFolder
 from brats_swap.splits import fold_cases, load_run_splits
 from brats_swap.stop_reasons import StopReason
 from brats_swap.timestamps import utc_now
@@ -122,13 +123,11 @@ class FoldRunner:
         if self.console is not None:
             self.console.print(text)
 
-    def states(self, folds: list[int]) -> dict[int, FoldState]:
-        return {k: read_fold_state(self.run_dir, k) for k in folds}
-
     def advance(self, fold: int, outcome: CVOutcome) -> bool:
         """Train (or resume) and evaluate one fold; False when the run must stop here."""
         fold_cases(self.splits, fold)  # validates the fold number against the run's splits
-        state = read_fold_state(self.run_dir, fold)
+        # The rule `cv status` and the summary follow: a fold `train` finished and `evaluate` scored is done.
+        state = fold_standing(self.run_dir, fold).state
         if state.done:
             return True
         if not state.trained:
@@ -159,22 +158,14 @@ class FoldRunner:
         outcome.evaluated.append(fold)
         return True
 
-    def write_summary(self, folds: list[int]) -> dict:
-        return write_cv_summary(self.config.name, self.run_dir, self.splits, folds, self.states(folds))
-
     def finish(self, outcome: CVOutcome) -> None:
-        """Close an invocation: why it stopped, which folds are done, and the refreshed summary."""
+        """Close an invocation: why it stopped, which of its folds are done, and the refreshed summary, which
+        covers every fold of the run whichever folds this call was asked for (`build_cv_summary`)."""
         outcome.stop_reason = self.stop.reason
-        states = self.states(list(range(self.n_folds)))
-        outcome.done = [k for k in outcome.folds if (states.get(k) or read_fold_state(self.run_dir, k)).done]
-        # Whichever call finishes the run's last fold (another machine may have done the others) summarises
-        # every fold; until then a call summarises the folds it was asked for. The all-cases model is never
-        # in a cross-validation summary: its "validation" cases are its training cases.
-        summarised = list(range(self.n_folds)) if all(s.done for s in states.values()) else \
-            [k for k in outcome.folds if k != ALL_CASES_FOLD]
+        outcome.done = [k for k in outcome.folds if fold_standing(self.run_dir, k).state.done]
         with shared_files(self.run):
-            tune_after_cv(self.config, self.run, self.splits, say=self._say)  # once every fold is done
-            outcome.summary = self.write_summary(summarised)
+            _, not_tuned = tune_after_cv(self.config, self.run, self.splits, say=self._say)  # every fold done
+            outcome.summary = write_cv_summary(self.config.name, self.run_dir, self.splits, not_tuned)
 
 
 def summarise_run(config: Config, run_dir: Path, *, console=None) -> CVOutcome:

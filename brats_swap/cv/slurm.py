@@ -42,7 +42,7 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_text
 from brats_swap.config import Config
-from brats_swap.cv.fold_progress import read_fold_state
+from brats_swap.cv.fold_progress import fold_standing
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.names import checked_name, script_text, shell_word
 from brats_swap.run.folder import RunFolder
@@ -100,7 +100,7 @@ class SlurmSubmission:
 def unfinished_folds(config: Config, run: RunFolder) -> list[int]:
     """Folds of the run not yet trained and evaluated (splits.json's folds, else cv.folds of the config)."""
     n_folds = len(read_splits(run.splits)["folds"]) if run.splits.exists() else config.cv.folds
-    return [k for k in range(n_folds) if not read_fold_state(run, k).done]
+    return [k for k in range(n_folds) if not fold_standing(run, k).state.done]
 
 
 def brats_swap_command() -> str:

@@ -4,8 +4,9 @@ A fold is *done* (trained and evaluated), *running* (a process holds its lock: w
 job), *stopped* (a checkpoint, nobody working on it: the next `cv` or requeued task continues), *trained*
 (waiting for its evaluation), *failed* (its last training call ended with an error: the error's line, from
 `fold_<k>/failed.txt`) or *not started*. Where there is a checkpoint: its epoch and step and when it
-was written. A fold trained by `brats-swap train` has no cv state: its checkpoint says whether it finished,
-and its evaluation report (`brats-swap evaluate`) whether it was evaluated.
+was written. The stage is `fold_standing`'s (cv/fold_progress.py), the rule cv_summary.* follows too: a fold
+trained by `brats-swap train` has no cv state, its checkpoint says whether it finished, and its metrics
+(`brats-swap evaluate`) whether it was evaluated.
 
 The folds are those of the run's splits.json; before the first fold started (right after `cv --submit
 slurm`, which records config.yaml only) they are the `cv.folds` of the run's config, none started.
@@ -18,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from brats_swap.config import load_config
-from brats_swap.cv.fold_progress import read_fold_state
+from brats_swap.cv.fold_progress import DONE, fold_standing
 from brats_swap.cv.lock import describe_holder, fold_holder
-from brats_swap.errors import CheckpointError, DataError
-from brats_swap.run.checkpoint import load_latest
+from brats_swap.errors import DataError
 from brats_swap.run.folder import RunFolder
 from brats_swap.splits import read_splits
 
@@ -46,29 +46,16 @@ class FoldStatus:
 
 
 def fold_status(run: RunFolder, fold: int) -> FoldStatus:
-    state = read_fold_state(run, fold)
+    standing = fold_standing(run, fold, read_checkpoint=True)
     holder = fold_holder(run, fold)
-    status = FoldStatus(fold=fold, state="not started")
-    try:
-        loaded = load_latest(run.fold(fold))
-    except CheckpointError:
-        loaded = None
-    if loaded is not None:
-        checkpoint, path = loaded
+    status = FoldStatus(fold=fold, state=standing.label)
+    if standing.checkpoint is not None and standing.checkpoint_path is not None:
+        checkpoint = standing.checkpoint
         status.epoch, status.step_in_epoch = int(checkpoint["epoch"]), int(checkpoint.get("step_in_epoch", 0))
-        written = datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
+        written = datetime.datetime.fromtimestamp(standing.checkpoint_path.stat().st_mtime, datetime.timezone.utc)
         status.checkpoint_at = written.strftime("%Y-%m-%d %H:%M:%S UTC")
-    if state.done:
-        status.state = "done"
-    elif holder is not None:
+    if standing.stage != DONE and holder is not None:
         status.state, status.holder = "running", describe_holder(holder)
-    elif state.trained or (loaded is not None and loaded[0].get("finished", False)):
-        evaluated = state.evaluated or (not state.trained and run.fold(fold).summary_json.exists())
-        status.state = "done" if evaluated else "trained, not evaluated"
-    elif run.fold(fold).failure.is_file():
-        status.state = f"failed: {run.fold(fold).failure.read_text(encoding='utf-8', errors='replace').strip()}"
-    elif loaded is not None:
-        status.state = "stopped"
     return status
 
 

@@ -16,10 +16,12 @@ import statistics
 from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
-from brats_swap.cv.fold_progress import FoldState
+from brats_swap.cv.fold_progress import FoldStanding, fold_standing
 from brats_swap.data.challenges import REGIONS
 from brats_swap.errors import DataError
+from brats_swap.evaluate.metrics import LEGACY_RULE
 from brats_swap.evaluate.official import (
+    OFFICIAL_RULE,
     json_safe,
     merge_groups,
     official_markdown_table,
@@ -80,10 +82,12 @@ def finite_values(values: list[float]) -> list[float]:
 
 
 def mean_std(values: list[float]) -> dict:
+    """Mean and std of the finite values; "infinite" counts the infinite ones (left out, named in the tables)."""
     finite = finite_values(values)
+    infinite = sum(1 for v in values if v is not None and math.isinf(v))
     if not finite:
-        return {"mean": None, "std": None, "n": 0}
-    return {"mean": statistics.fmean(finite), "std": sample_std(finite), "n": len(finite)}
+        return {"mean": None, "std": None, "n": 0, "infinite": infinite}
+    return {"mean": statistics.fmean(finite), "std": sample_std(finite), "n": len(finite), "infinite": infinite}
 
 
 def fold_means(rows: list[dict]) -> dict[str, float | None]:
@@ -114,15 +118,19 @@ def aggregate(case_rows_by_fold: dict[int, list[dict]]) -> dict:
                 "case_mean": over_cases["mean"],
                 "case_std": over_cases["std"],
                 "cases": over_cases["n"],
+                "infinite": over_cases["infinite"],  # cases left out of every mean here, named in the tables
             }
     return table
 
 
 def format_mean_std(cell: dict | None, digits: int = 3) -> str:
+    """"mean ± std", never "inf": infinite values are left out of both and counted ("+K inf")."""
+    infinite = int((cell or {}).get("infinite") or 0)
+    suffix = f" (+{infinite} inf)" if infinite else ""
     if not cell or cell.get("mean") is None:
-        return "—"
+        return "—" + suffix
     text = f"{cell['mean']:.{digits}f}"
-    return text + (f" ± {cell['std']:.{digits}f}" if cell.get("std") is not None else "")
+    return text + (f" ± {cell['std']:.{digits}f}" if cell.get("std") is not None else "") + suffix
 
 
 def metric_table_rows(table: dict, digits: int = 3) -> tuple[list[str], list[list[str]]]:
@@ -143,7 +151,7 @@ def markdown_metric_table(table: dict, digits: int = 3) -> str:
 
 def print_cv_table(run_dir: RunFolder | Path, console) -> bool:
     """The validation table of the run's cv_summary.json on `console`, as cv_summary.md has it (mean ± std over
-    the folds done); False when there is none yet."""
+    the folds done, saying how many of the run's folds those are); False when there is none yet."""
     from brats_swap.evaluate.tables import print_results_table
 
     run = RunFolder.of(run_dir)
@@ -153,18 +161,20 @@ def print_cv_table(run_dir: RunFolder | Path, console) -> bool:
         return False
     if not summary.get("table"):
         return False
-    done = len(summary["folds_done"])
+    done, total = len(summary["folds_done"]), len(summary["folds"])
     header, rows = metric_table_rows(summary["table"])
+    over = f"{done} fold{'s' if done != 1 else ''}" if summary["complete"] else f"{done} of the run's {total} folds"
     print_results_table(console, header, rows, title=f"{summary['name']}: validation metrics",
-                        caption=f"mean ± std over {done} fold{'s' if done != 1 else ''} ({STD_NOTE})")
+                        caption=f"mean ± std over {over} ({STD_NOTE})")
     return True
 
 
-def fold_record(state: FoldState, rows: list[dict] | None, split_sizes: tuple[int, int]) -> dict:
+def fold_record(standing: FoldStanding, rows: list[dict] | None, split_sizes: tuple[int, int]) -> dict:
+    state = standing.state
     epoch_seconds = state.epoch_seconds
     return {
         "fold": state.fold,
-        "status": "done" if state.done else ("trained" if state.trained else "training" if state.epochs_completed else "pending"),
+        "status": standing.label,  # `cv status`'s words: fold_standing decides both
         "train_cases": split_sizes[0],
         "val_cases": split_sizes[1],
         "epochs": state.epochs_completed,
@@ -180,22 +190,30 @@ def fold_record(state: FoldState, rows: list[dict] | None, split_sizes: tuple[in
     }
 
 
-def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
-    """cv_summary.md; `boxplot_link` is the box plot's path relative to the run folder."""
+def _fold_list(folds: list[int]) -> str:
+    return ("fold " if len(folds) == 1 else "folds ") + ", ".join(map(str, folds))
+
+
+def render_cv_markdown(summary: dict, boxplot_link: str, run_dir: Path | str = "RUN") -> str:
+    """cv_summary.md; `boxplot_link` is the box plot's path relative to the run folder `run_dir`."""
     done, total = len(summary["folds_done"]), len(summary["folds"])
     regions = summary["regions"]
+    not_done = [record["fold"] for record in summary["folds"] if record["fold"] not in summary["folds_done"]]
     lines = [
         f"# Cross-validation: {summary['name']}",
         "",
         f"{done} of {total} folds trained and evaluated"
-        + ("." if summary["complete"] else " (the run continues on the next `brats-swap cv` invocation)."),
+        + ("." if summary["complete"] else f"; {_fold_list(not_done)} not yet (see the table below): `brats-swap cv "
+           f"run --run {run_dir}` continues them, `--folds` names some."),
         f"Summary written {summary['generated_at']}.",
         "",
-        f"## Validation metrics, mean ± std over {done} fold{'s' if done != 1 else ''}",
+        f"## Validation metrics, mean ± std over {done} fold{'s' if done != 1 else ''}"
+        + ("" if summary["complete"] else f" of {total}"),
         "",
         markdown_metric_table(summary["table"]) if summary["table"] else "No fold evaluated yet.",
         "",
-        f"{STD_NOTE}.",
+        f"{STD_NOTE}. Per fold: the mean over its cases; the table: the mean over folds of those, ± their std "
+        f"(+K inf: K cases with an infinite value, left out). {LEGACY_RULE}",
         "",
         "## Folds",
         "",
@@ -209,7 +227,7 @@ def render_cv_markdown(summary: dict, boxplot_link: str) -> str:
 
         epoch_s = record["median_epoch_seconds"]
         lines.append(
-            f"| {record['fold']} | {record['status']} | {record['train_cases']}/{record['val_cases']} "
+            f"| {record['fold']} | {record['status'].replace('|', '/')} | {record['train_cases']}/{record['val_cases']} "
             f"| {record['epochs']} | {record['best_epoch'] if record['best_epoch'] is not None else '—'} "
             f"| {'yes' if record['stopped_early'] else 'no'} | {record['train_hours']:.3f} "
             f"| {f'{epoch_s:.1f}' if epoch_s is not None else '—'} | " + " | ".join(dice[r] for r in regions) + " |"
@@ -251,9 +269,7 @@ def official_markdown_lines(official: dict | None) -> list[str]:
         "",
         official_markdown_table(official["summary"], official["groups"]).rstrip("\n"),
         "",
-        "Means over cases (a case without a lesion of the group on either side is left out; inf: some case has "
-        "lesions but no matched pair, so no lesion-wise HD95); TP / FP / FN are lesion counts summed over cases. "
-        "Computed with panoptica as the BraTS 2023+ evaluation configures it.",
+        f"Means over cases. {OFFICIAL_RULE}",
     ]
 
 
@@ -271,10 +287,8 @@ def postprocessing_markdown_lines(summary: dict) -> list[str]:
     value, the cases it changes, before/after and whether it was kept; then the per-group Dice before/after."""
     plan = summary.get("postprocessing")
     if plan is None:
-        if not summary["complete"]:
-            return []
-        return ["", "## Postprocessing", "", "Not tuned: the out-of-fold predictions or the reference "
-                "segmentations were not available (see the cv output)."]
+        why = summary.get("postprocessing_not_tuned")
+        return ["", "## Postprocessing", "", f"Not tuned: {why}."] if why else []
     if plan.get("not_tuned"):
         return ["", f"## Postprocessing, not tuned on the {plan['n_cases']} out-of-fold predictions", "",
                 f"No postprocessing: {plan['not_tuned']} (`{POSTPROCESSING_FILE}` holds the identity plan; "
@@ -306,13 +320,19 @@ def postprocessing_markdown_lines(summary: dict) -> list[str]:
     return lines
 
 
-def build_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: list[int],
-                     states: dict[int, FoldState]) -> tuple[dict, dict[int, list[dict]]]:
+def build_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict,
+                     postprocessing_not_tuned: str | None = None) -> tuple[dict, dict[int, list[dict]]]:
+    """The summary of every fold of the run (splits.json's; the all-cases model is never one: its "validation"
+    cases are its training cases), each in the stage `fold_standing` gives it; "complete" only when every one is
+    done. `postprocessing_not_tuned` is why there is no postprocessing.json (`tune_after_cv`'s reason)."""
+    folds = list(range(len(splits["folds"])))
+    standings = {k: fold_standing(run_dir, k) for k in folds}
+    states = {k: standings[k].state for k in folds}
     rows_by_fold = {k: read_case_rows(run_dir, k) for k in folds if states[k].evaluated}
     records = []
     for k in folds:
         entry = splits["folds"][k]
-        records.append(fold_record(states[k], rows_by_fold.get(k), (len(entry["train"]), len(entry["val"]))))
+        records.append(fold_record(standings[k], rows_by_fold.get(k), (len(entry["train"]), len(entry["val"]))))
     summary = {
         "name": name,
         "generated_at": utc_now(),
@@ -326,17 +346,19 @@ def build_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: 
         "table": aggregate(rows_by_fold) if rows_by_fold else {},
         "official": official_cv_summary(run_dir, sorted(rows_by_fold)),
         "postprocessing": postprocessing_record(run_dir),
+        "postprocessing_not_tuned": postprocessing_not_tuned,
     }
     return summary, rows_by_fold
 
 
-def write_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict, folds: list[int],
-                     states: dict[int, FoldState]) -> dict:
-    """Write cv_summary.json, cv_summary.md and figures/dice_boxplot.png (atomically); return the summary."""
+def write_cv_summary(name: str, run_dir: RunFolder | Path, splits: dict,
+                     postprocessing_not_tuned: str | None = None) -> dict:
+    """Write cv_summary.json, cv_summary.md and figures/dice_boxplot.png (atomically) of every fold of the run
+    (`build_cv_summary`); return the summary."""
     run = RunFolder.of(run_dir)
-    summary, rows_by_fold = build_cv_summary(name, run, splits, folds, states)
+    summary, rows_by_fold = build_cv_summary(name, run, splits, postprocessing_not_tuned)
     atomic_write_json(run.cv_summary_json, json_safe(summary))  # NaN -> null, inf -> "inf"
-    atomic_write_text(run.cv_summary_md, render_cv_markdown(summary, run.relative(run.cv_boxplot)))
+    atomic_write_text(run.cv_summary_md, render_cv_markdown(summary, run.relative(run.cv_boxplot), run.root))
     all_rows = [r for k in sorted(rows_by_fold) for r in rows_by_fold[k]]
     if all_rows:
         dice_boxplot(all_rows, run.cv_boxplot, f"{name}: per-case Dice, {len(rows_by_fold)} fold(s)")

@@ -29,7 +29,13 @@ import numpy as np
 
 from brats_swap.atomic import atomic_write_json, atomic_write_text
 from brats_swap.data.challenges import REGIONS, ChallengeSpec, get_challenge, isin
-from brats_swap.evaluate.official import Groups, json_safe, official_markdown_table, write_official_report
+from brats_swap.evaluate.official import (
+    OFFICIAL_RULE,
+    Groups,
+    json_safe,
+    official_markdown_table,
+    write_official_report,
+)
 from brats_swap.evaluate.tables import print_results_table
 from brats_swap.model.targets import region_names
 from brats_swap.run.dice import dice_sensitivity_specificity, regions_of_columns
@@ -38,6 +44,11 @@ from brats_swap.run.summary_stats import STD_NOTE, sample_std
 
 METRICS: tuple[str, ...] = ("dice", "sensitivity", "specificity", "hd95")
 METRIC_TITLES = {"dice": "Dice", "sensitivity": "Sensitivity", "specificity": "Specificity", "hd95": "HD95 (mm)"}
+# The rule the legacy tables follow, said in one line under each (the official tables follow OFFICIAL_RULE; the
+# two score the same predictions differently).
+LEGACY_RULE = ("Legacy rules (BraTS 2017-2021, CaPTk): per region over the whole grid, every case in the mean; a "
+               "region empty in both maps scores Dice 1 and HD95 0, empty on one side only Dice 0 and HD95 the grid's "
+               "diagonal (373.13 mm at 240×240×155, 1 mm).")
 
 
 def metric_keys(hd95: bool = True, regions: Sequence[str] = REGIONS) -> list[str]:
@@ -135,25 +146,30 @@ def summarize(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
     """Per metric key: {"mean", "std" (`sample_std`, NaN for one case), "median", "n"} over the cases.
 
     `rows` are dicts with "case" plus metric keys (as `case_metrics` returns). Non-finite values (a
-    metric that could not be computed) are left out of the statistics and of `n`.
+    metric that could not be computed) are left out of the statistics and of `n`; "infinite" counts the
+    infinite ones, which the tables name ("+K inf").
     """
     summary: dict[str, dict[str, float]] = {}
     for key in _present_keys(rows):
         values = np.array([float(row[key]) for row in rows if key in row], dtype=np.float64)
+        infinite = int(np.isinf(values).sum())
         values = values[np.isfinite(values)]
         if values.size:
             std = sample_std(values)
             summary[key] = {"mean": float(values.mean()), "std": float("nan") if std is None else std,
-                            "median": float(np.median(values)), "n": int(values.size)}
+                            "median": float(np.median(values)), "n": int(values.size), "infinite": infinite}
         else:
-            summary[key] = {"mean": float("nan"), "std": float("nan"), "median": float("nan"), "n": 0}
+            summary[key] = {"mean": float("nan"), "std": float("nan"), "median": float("nan"), "n": 0,
+                            "infinite": infinite}
     return summary
 
 
 def _format(metric: str, stats: dict[str, float]) -> str:
     digits = 2 if metric == "hd95" else 3
-    mean = f"{stats['mean']:.{digits}f}"
-    return mean if math.isnan(stats["std"]) else f"{mean} ± {stats['std']:.{digits}f}"
+    mean = "—" if math.isnan(stats["mean"]) else f"{stats['mean']:.{digits}f}"
+    text = mean if math.isnan(stats["std"]) else f"{mean} ± {stats['std']:.{digits}f}"
+    infinite = int(stats.get("infinite") or 0)
+    return f"{text} (+{infinite} inf)" if infinite else text
 
 
 def _table_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -182,7 +198,8 @@ def print_summary(summary: dict, console, title: str = "") -> None:
     """The same table as `markdown_table`, printed with rich (numbers never cut: `print_results_table`)."""
     header, body = _table_rows(summary)
     n_cases = max((stats["n"] for stats in summary.values()), default=0)
-    print_results_table(console, header, body, title=title, caption=f"mean ± std over {n_cases} cases ({STD_NOTE})")
+    print_results_table(console, header, body, title=title,
+                        caption=f"mean ± std over {n_cases} cases ({STD_NOTE}). {LEGACY_RULE}")
 
 
 def _metrics_csv(rows: Sequence[dict]) -> str:
@@ -217,12 +234,11 @@ def write_metrics_report(rows: Sequence[dict], out_dir: str | Path, title: str =
     if official_rows is not None:
         official_summary = write_official_report(official_rows, groups or {}, out_dir)
         official = (f"\n## Official BraTS metrics (lesion-wise, 2023+)\n\n{official_markdown_table(official_summary, groups or {})}"
-                    "\nMeans over cases (a case without a lesion of the group on either side is left out); TP / FP / FN "
-                    "are lesion counts summed over cases; HD95 as the official evaluation computes it (mm on 1 mm data), inf "
-                    "when some case has lesions but no matched pair.\n")
+                    f"\nMeans over cases. {OFFICIAL_RULE}\n")
     cases_section = "\n## Cases\n\n" + "".join(f"- {note}\n" for note in notes) if notes else ""
     atomic_write_text(out_dir / "summary.md",
-                      f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases ({STD_NOTE})\n{official}{cases_section}")
+                      f"{heading}{markdown_table(summary)}\nmean ± std over {n_cases} cases ({STD_NOTE}). {LEGACY_RULE}\n"
+                      f"{official}{cases_section}")
     if rows:
         dice_boxplot(rows, out_dir / "dice_boxplot.png", title)
     return summary

@@ -236,7 +236,9 @@ def summarize_official(rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
     for the TP/FP/FN counts.
 
     The same statistics as the official report's summary rows: NaN values (no lesion on either side) are
-    left out, an infinite lesion-wise HD95 makes the mean infinite, std is `sample_std` (ddof 1).
+    left out, an infinite lesion-wise HD95 makes the mean infinite, std is `sample_std` (ddof 1). Beside them,
+    "infinite" counts the infinite values and "finite_mean" is the mean of the others, which the tables show
+    (`official_cell`) instead of an infinite mean.
     """
     summary: dict[str, dict[str, float]] = {}
     columns = [key for key in (rows[0] if rows else {}) if any(key.startswith(stem + "_") for stem in OFFICIAL_METRICS)]
@@ -244,6 +246,9 @@ def summarize_official(rows: Sequence[Mapping]) -> dict[str, dict[str, float]]:
         values = np.array([float(row[key]) for row in rows if key in row], dtype=np.float64)
         values = values[~np.isnan(values)]
         stats = {"mean": float("nan"), "std": float("nan"), "median": float("nan"), "n": int(values.size)}
+        finite = values[np.isfinite(values)]
+        stats["infinite"] = int(values.size - finite.size)
+        stats["finite_mean"] = float(finite.mean()) if finite.size else float("nan")
         if values.size:
             with np.errstate(invalid="ignore"):
                 stats["mean"] = float(values.mean())
@@ -277,8 +282,7 @@ def official_table_rows(summary: Mapping[str, Mapping[str, float]], groups: Grou
     for name in groups:
         cells = [name]
         for _, stem, digits in columns:
-            stats = summary.get(f"{stem}_{name.lower()}")
-            cells.append(format_official(stats["mean"], digits) if stats and stats["n"] else "—")
+            cells.append(official_cell(summary.get(f"{stem}_{name.lower()}"), digits))
         for stem in COUNT_METRICS:
             stats = summary.get(f"{stem}_{name.lower()}")
             cells.append(f"{int(stats['total'])}" if stats else "—")
@@ -286,12 +290,28 @@ def official_table_rows(summary: Mapping[str, Mapping[str, float]], groups: Grou
     return header, body
 
 
-def format_official(value: float | None, digits: int) -> str:
-    """A table cell: "inf" for an infinite mean (a case with lesions but no matched pair has an infinite
-    lesion-wise HD95), "—" for an undefined one (None or NaN: no case with a lesion of the group)."""
-    if value is None or math.isnan(value):
+def official_cell(stats: Mapping[str, float] | None, digits: int) -> str:
+    """A table cell of a mean over cases (`summarize_official`'s statistics), never "inf": where K cases are
+    infinite (lesions but no matched pair: an infinite lesion-wise HD95) the mean of the others and "(+K inf)";
+    "—" where no case has a lesion of the group. A summary written before the count was kept says "some"."""
+    if not stats or not stats.get("n"):
         return "—"
-    return "inf" if math.isinf(value) else f"{value:.{digits}f}"
+    mean, infinite = stats.get("mean"), int(stats.get("infinite") or 0)
+    if not infinite:
+        if mean is not None and math.isinf(mean):
+            return "— (some cases inf)"
+        return "—" if mean is None or math.isnan(mean) else f"{mean:.{digits}f}"
+    finite = stats.get("finite_mean")
+    shown = "—" if finite is None or math.isnan(finite) else f"{finite:.{digits}f}"
+    return f"{shown} (+{infinite} inf)"
+
+
+# The rule each table follows, said in one line under it: the legacy (evaluate/metrics.py) and the official
+# rules score the same predictions differently (an empty prediction, HD95's penalty, what a mean leaves out).
+OFFICIAL_RULE = ("Official rules (BraTS 2023+, panoptica): per lesion over matched pairs, a case without a lesion of "
+                 "the group on either side left out of the mean; no matched pair: lesion Dice 0 and lesion HD95 "
+                 "infinite (+K inf: K such cases, left out of the mean shown); global HD95 373 when the masks do not "
+                 "overlap; TP / FP / FN summed over cases.")
 
 
 def official_markdown_table(summary: Mapping[str, Mapping[str, float]], groups: Groups) -> str:
@@ -307,8 +327,7 @@ def print_official_summary(summary: Mapping[str, Mapping[str, float]], groups: G
     from brats_swap.evaluate.tables import print_results_table
 
     header, body = official_table_rows(summary, groups)
-    print_results_table(console, header, body, title=title,
-                        caption="official BraTS metrics: mean over cases (lesion-free cases left out)")
+    print_results_table(console, header, body, title=title, caption=f"mean over cases. {OFFICIAL_RULE}")
 
 
 # ---- the report files ---------------------------------------------------------------------------------------

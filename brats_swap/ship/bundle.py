@@ -7,7 +7,8 @@ model.zip  configs/metadata.json        format version, versions, task, architec
            configs/config.yaml          the run's resolved config (preprocessing, evaluation settings)
            configs/labels.json          the label table, evaluation groups, modalities and their file suffixes
            configs/postprocessing.json  the run's cv-tuned postprocessing (when it has one)
-           configs/cv_summary.json      the run's cross-validation summary (when it has one)
+           configs/cv_summary.json      the run's cross-validation summary (when it has one), made again at export
+                                        from the run's folds, so it says where each fold stands now
            configs/training_plan.json   the card, plan and schedule `train-challenge` chose (when it made the run)
            models/fold_<k>/model.pt     the fold's weights: a state dict, loadable with weights_only=True
            models/fold_<k>/config.yaml  the config the fold was trained with (its architecture)
@@ -40,7 +41,7 @@ import platform
 import stat
 import zipfile
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -152,6 +153,7 @@ class ExportedBundle:
     challenge: str
     files: dict[str, str]  # member -> sha256
     size_bytes: int
+    notes: list[str] = field(default_factory=list)  # what a user of the bundle should know: `fold_notes`
 
 
 def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = ALL_FOLDS,
@@ -184,10 +186,12 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
     first = trained_configs[chosen[0]]
     labels = label_record(challenge, replace(config, model=first.model))
     files[LABELS] = _json_bytes(labels)
-    for member, source in ((POSTPROCESSING, run.postprocessing), (CV_SUMMARY, run.cv_summary_json),
-                           (TRAINING_PLAN, run.training_plan)):
+    for member, source in ((POSTPROCESSING, run.postprocessing), (TRAINING_PLAN, run.training_plan)):
         if source.is_file():
             files[member] = source.read_bytes()
+    summary = current_cv_summary(run, config.name)
+    if summary is not None:
+        files[CV_SUMMARY] = _json_bytes(summary)
     for figure in sorted(run.figures.glob("*.png")) if run.figures.is_dir() else []:
         files[f"figures/{figure.name}"] = figure.read_bytes()
     metadata = {
@@ -204,7 +208,59 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
         for member in [METADATA, *sorted(m for m in files if m != METADATA)]:
             archive.writestr(zipfile.ZipInfo(member, date_time=_ENTRY_TIME), files[member],
                              compress_type=zipfile.ZIP_DEFLATED)
-    return ExportedBundle(out, chosen, challenge, metadata["files"], out.stat().st_size)
+    return ExportedBundle(out, chosen, challenge, metadata["files"], out.stat().st_size,
+                          fold_notes(run, chosen, trained_configs))
+
+
+def current_cv_summary(run: RunFolder, name: str) -> dict | None:
+    """The run's cross-validation summary as its folds stand now (`build_cv_summary`), when it has one: the
+    cv_summary.json on disk is as old as the last `cv` call and may call a fold trained by `train` since
+    "not started". The reason postprocessing was not tuned is the file's (only tuning knows it)."""
+    from brats_swap.cv.summary import build_cv_summary
+    from brats_swap.evaluate.official import json_safe
+    from brats_swap.splits import read_splits
+
+    if not run.cv_summary_json.is_file() or not run.splits.is_file():
+        return None
+    try:
+        written = json.loads(run.cv_summary_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        written = {}
+    not_tuned = written.get("postprocessing_not_tuned") if isinstance(written, dict) else None
+    summary, _ = build_cv_summary(name, run, read_splits(run.splits), not_tuned if isinstance(not_tuned, str) else None)
+    return json_safe(summary)
+
+
+def fold_notes(run: RunFolder, folds: list[int], trained_configs: dict[int, Config]) -> list[str]:
+    """One line per exported fold that is not evaluated (its quality is unknown; the all-cases model has no
+    validation cases, so never), and per fold trained with settings other than the first fold's, naming them."""
+    from brats_swap.config import diff_configs
+    from brats_swap.cv.fold_progress import DONE, fold_standing
+
+    notes = []
+    for k in folds:
+        standing = fold_standing(run, k)
+        if k != ALL_CASES_FOLD and standing.stage != DONE:
+            notes.append(f"fold {k} is {standing.label}: no validation score of it is in the bundle")
+    first = folds[0]
+    for k in folds[1:]:
+        changed = diff_configs(trained_configs[first], trained_configs[k])
+        if changed:
+            shown = "; ".join(f"{key} {_dotted(trained_configs[k], key)!r} ({_fold_label(first)}: "
+                              f"{_dotted(trained_configs[first], key)!r})" for key in changed)
+            notes.append(f"{_fold_label(k)} was trained with other settings than {_fold_label(first)}: {shown}")
+    return notes
+
+
+def _fold_label(fold: int) -> str:
+    return "the all-cases model" if fold == ALL_CASES_FOLD else f"fold {fold}"
+
+
+def _dotted(config: Config, key: str):
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 @dataclass
