@@ -214,8 +214,12 @@ class StopSignals:
         self._installed.close()
 
 
-# A data wait above this share of an epoch's steps is worth one warning (the GPU idles for its batches).
+# A data wait above this share of an epoch's steps is worth one warning (the GPU idles for its batches), once it
+# means something: an epoch of several steps that waited seconds. A 1-2 step epoch's wait is mostly its first
+# batch, which every epoch waits for (0.2-0.4 s on a CPU), not a starved device.
 DATA_WAIT_WARN_SHARE = 0.10
+DATA_WAIT_WARN_MIN_STEPS = 5
+DATA_WAIT_WARN_MIN_SECONDS = 5.0
 
 
 class _StopAtStep(Exception):
@@ -580,8 +584,11 @@ class FoldRecipe:
         return record, {k: v / max(len(step_times), 1) for k, v in memory_sums.items()}
 
     def _warn_on_data_wait(self, record: dict[str, Any]) -> None:
-        """Once per call: the steps waited for their batches more than `DATA_WAIT_WARN_SHARE` of the epoch."""
-        if self.warned_data_wait or record["data_wait_share"] <= DATA_WAIT_WARN_SHARE:
+        """Once per call: the steps waited for their batches more than `DATA_WAIT_WARN_SHARE` of an epoch of at least
+        `DATA_WAIT_WARN_MIN_STEPS` steps, and at least `DATA_WAIT_WARN_MIN_SECONDS`."""
+        if (self.warned_data_wait or record["data_wait_share"] <= DATA_WAIT_WARN_SHARE
+                or self.data.steps_per_epoch < DATA_WAIT_WARN_MIN_STEPS
+                or record["data_wait_s"] < DATA_WAIT_WARN_MIN_SECONDS):
             return
         self.warned_data_wait = True
         message = (f"{self.folder.root}: epoch {record['epoch']} waited {record['data_wait_s']:.1f} s for data "
