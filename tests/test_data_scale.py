@@ -99,7 +99,7 @@ def test_a_line_comes_even_when_no_case_has_finished():
     now[0] = 125.0
     lines.update(2, "0 failed")
     assert sink.file.getvalue().splitlines() == [
-        "prepare case 0/10, 0:01:01 elapsed, time left not known yet  0.00 cases/s  0 failed",
+        "prepare case 0/10, 0:01:01 elapsed, time left not known yet  0 failed",  # no rate before a case is done
         "prepare case 2/10, 0:02:05 elapsed, about 0:08:20 left  0.02 cases/s  0 failed"]
 
 
