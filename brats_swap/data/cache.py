@@ -25,7 +25,9 @@ label: the NIfTI files are not read and the image is not compressed again (`add_
 cache lacks (or holds stale) before they read it, so one command goes from a download to a run.
 
 Incremental: a case is redone only if its source files changed (name, size, mtime) or the preprocessing
-settings did. Atomic: each case is written into `CACHE/.tmp-<case>-<pid>-<nonce>/` and renamed into place,
+settings did. A cache holds one setting of the `data.*` keys that shape its arrays (`CONFIG_SETTINGS`): a run
+whose settings differ from its cases' is refused in one line (`settings_change`), so that two runs of two
+cubes never prepare the cache in turn; `data prepare` (asked for) replaces them, saying so. Atomic: each case is written into `CACHE/.tmp-<case>-<pid>-<nonce>/` and renamed into place,
 so an interrupted run leaves either the old complete entry or the new one; a later run deletes temp
 folders whose writer process is gone.
 
