@@ -153,10 +153,8 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
     `workers` processes prepare cases in parallel (default `data_cfg.prepare_workers`; `auto` = every CPU this
     process may use, 1 = in this process). Each case is read and validated once, as `data check` does
     (`prepare_one`): bad cases are listed in the report and skipped, or raise DataError with `strict=True`.
-    DataError when the cache was prepared from another dataset (`check_source`). A cache whose cases were
-    prepared with other `data.*` settings (another cube, ...) is prepared again with these, said in one line;
-    without `replace_settings` (a run's prepare step) it is refused in one line naming both (`settings_change`).
-    PreparationInterrupted on Ctrl-C, with the finished cases kept and listed in the index.
+    DataError when the cache was prepared from another dataset (`check_source`), or with other `data.*` settings
+    and not `replace_settings` (`_check_settings`). PreparationInterrupted on Ctrl-C, the finished cases kept.
     """
     started = time.perf_counter()
     cache_dir = Path(cache)
@@ -164,14 +162,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
     cases = discover_cases(root, data_cfg.edition, tuple(data_cfg.modalities), data_cfg.challenge)
     source = cache_source(root, cases)
     check_source(cache_dir, source)
-    change = settings_change(cache_dir, settings)
-    if change is not None and not replace_settings:
-        raise DataError(f"cache {cache_dir} holds {change}: give this run its own data.cache, or replace "
-                        f"them with `brats-swap data prepare --out {cache_dir}` and this run's settings (runs "
-                        "with the old ones then refuse the cache)")
-    if change is not None:
-        _say(console, f"cache {cache_dir} holds {change}: preparing them again with this call's settings (runs "
-                      "with the old ones will refuse the cache; give each setting its own data.cache)")
+    _check_settings(cache_dir, settings, replace_settings, console)
     report = PrepareReport(cache=cache_dir)
     _make_cache_dir(cache_dir)
     report.removed_temp = clean_stale_temp(cache_dir)
@@ -228,10 +219,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
             index_cases[case_id] = _index_entry(_read_meta(entry_folder(cache_dir, case_id)))
         _write_index(cache_dir, source, settings, index_cases, report.failed)
     if interrupted:  # the index lists every finished case: the next call prepares only the others
-        left = len(cases) - len(index_cases) - len(report.failed)
-        raise PreparationInterrupted(
-            f"{cache_dir}: interrupted; {len(index_cases)} of {len(cases)} case(s) are prepared and kept "
-            f"({len(report.prepared)} by this call), {left} not yet: run the same command again to prepare the rest")
+        raise _interrupted(cache_dir, len(cases), len(index_cases), report)
 
     report.prepared.sort()
     report.seconds = time.perf_counter() - started
@@ -417,6 +405,26 @@ def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool =
 CONFIG_SETTINGS = {"edition": "data.edition", "challenge": "data.challenge", "modalities": "data.modalities",
                    "cube": "data.cube", "fit": "data.fit", "cache_dtype": "data.cache_dtype",
                    "clip_percentiles": "data.clip_percentiles"}
+
+
+def _interrupted(cache_dir: Path, cases: int, kept: int, report: PrepareReport) -> PreparationInterrupted:
+    left = cases - kept - len(report.failed)
+    return PreparationInterrupted(f"{cache_dir}: interrupted; {kept} of {cases} case(s) are prepared and kept "
+                                  f"({len(report.prepared)} by this call), {left} not yet: run the same command "
+                                  "again to prepare the rest")
+
+
+def _check_settings(cache_dir: Path, settings: dict, replace: bool, console: Console | None) -> None:
+    """A cache whose cases were prepared with other `data.*` settings: DataError in one line naming both, or
+    with `replace` (`data prepare`, asked for) one line saying they are prepared again."""
+    change = settings_change(cache_dir, settings)
+    if change is not None and not replace:
+        raise DataError(f"cache {cache_dir} holds {change}: give this run its own data.cache, or replace "
+                        f"them with `brats-swap data prepare --out {cache_dir}` and this run's settings (runs "
+                        "with the old ones then refuse the cache)")
+    if change is not None:
+        _say(console, f"cache {cache_dir} holds {change}: preparing them again with this call's settings (runs "
+                      "with the old ones will refuse the cache; give each setting its own data.cache)")
 
 
 def settings_change(cache_dir: Path, settings: dict) -> str | None:
