@@ -91,17 +91,20 @@ class CountedProgress:
                  log: Callable[[str], None] | None, scope: str = "", rest: tuple[str, int, float] | None = None,
                  unit: str = "case") -> None:
         self.completed = 0
+        self._shows_bar = bar  # rich's bar, even disabled, prints an empty line when it stops off a terminal
         self._bar = progress_bar(description, console=console, transient=True, disable=not bar)
         self._task = self._bar.add_task(description, total=total)
         self._lines = ProgressLines(description, total, console=lines_console, log=log, scope=scope, rest=rest,
                                     unit=unit)
 
     def __enter__(self) -> CountedProgress:
-        self._bar.start()
+        if self._shows_bar:
+            self._bar.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._bar.stop()
+        if self._shows_bar:
+            self._bar.stop()
 
     def done(self, completed: int) -> None:
         self.completed = completed

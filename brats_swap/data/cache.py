@@ -408,10 +408,11 @@ CONFIG_SETTINGS = {"edition": "data.edition", "challenge": "data.challenge", "mo
 
 
 def _interrupted(cache_dir: Path, cases: int, kept: int, report: PrepareReport) -> PreparationInterrupted:
+    """Ctrl-C's one line: what is kept, and what the same command again would prepare."""
     left = cases - kept - len(report.failed)
+    rest = (f"{left} not yet: run the same command again to prepare the rest" if left else "none is left to prepare")
     return PreparationInterrupted(f"{cache_dir}: interrupted; {kept} of {cases} case(s) are prepared and kept "
-                                  f"({len(report.prepared)} by this call), {left} not yet: run the same command "
-                                  "again to prepare the rest")
+                                  f"({len(report.prepared)} by this call), {rest}")
 
 
 def _check_settings(cache_dir: Path, settings: dict, replace: bool, console: Console | None) -> None:
