@@ -84,7 +84,7 @@ class CountedProgress:
     windows): a bar on a terminal (`bar`), plain lines a minute on `lines_console` and `log` (`ProgressLines`).
 
     `done(completed)` after each unit; `tick()` in between (a unit's inner calls), so that a line still comes
-    once a minute while one long unit runs. The first tick prints a line at once: the work has started.
+    once a minute while one long unit runs. A line comes at once when the work starts.
     """
 
     def __init__(self, description: str, total: int, *, console: Console, bar: bool, lines_console: Console | None,
@@ -100,6 +100,7 @@ class CountedProgress:
     def __enter__(self) -> CountedProgress:
         if self._shows_bar:
             self._bar.start()
+        self.tick()  # the first line: the work has started
         return self
 
     def __exit__(self, *exc) -> None:
