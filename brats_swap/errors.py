@@ -67,6 +67,13 @@ class PlannedStop(TrainingInterrupted):
     state is saved as for Ctrl-C; the CLI prints the line as `stopped: ...`, not as an error."""
 
 
+class PreparationInterrupted(BratsSwapError):
+    """Ctrl-C while cases were being prepared (`data prepare`, or a run's prepare step): the finished cases are
+    kept in the cache, and the same command prepares the rest (exit 130)."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
 class NumericalError(BratsSwapError):
     """A NaN/Inf loss stopped training; the last good checkpoint is kept (exit 1)."""
 

@@ -1,5 +1,5 @@
-"""The one progress-bar layout used by long work (prepare, synth, train epochs, evaluation), and its plain-line
-form for output that is not a terminal."""
+"""The one progress-bar layout used by long work (prepare, synth, train epochs, validation, evaluation), and its
+plain-line form for output that is not a terminal."""
 
 from __future__ import annotations
 
@@ -70,13 +70,50 @@ class ProgressLines:
         if self.rest is not None and per_step is not None:
             name, steps, seconds = self.rest
             line += f", about {_clock_time(per_step * (self.total - completed + steps) + seconds)} in {name}"
-        if self.unit != "step" and elapsed > 0:
+        if self.unit != "step" and elapsed > 0 and done_here:  # no rate before the first unit is done
             line += f"  {done_here / elapsed:.2f} {self.unit}s/s"
         line += f"  {info}" if info else ""
         if self.console is not None:
             self.console.print(line)  # the consoles of run/console.py print plain, unwrapped lines
         if self.log is not None:
             self.log(line)
+
+
+class CountedProgress:
+    """Work counted in units that may each take minutes (a validation's cases, each slid over by hundreds of
+    windows): a bar on a terminal (`bar`), plain lines a minute on `lines_console` and `log` (`ProgressLines`).
+
+    `done(completed)` after each unit; `tick()` in between (a unit's inner calls), so that a line still comes
+    once a minute while one long unit runs. A line comes at once when the work starts.
+    """
+
+    def __init__(self, description: str, total: int, *, console: Console, bar: bool, lines_console: Console | None,
+                 log: Callable[[str], None] | None, scope: str = "", rest: tuple[str, int, float] | None = None,
+                 unit: str = "case") -> None:
+        self.completed = 0
+        self._shows_bar = bar  # rich's bar, even disabled, prints an empty line when it stops off a terminal
+        self._bar = progress_bar(description, console=console, transient=True, disable=not bar)
+        self._task = self._bar.add_task(description, total=total)
+        self._lines = ProgressLines(description, total, console=lines_console, log=log, scope=scope, rest=rest,
+                                    unit=unit)
+
+    def __enter__(self) -> CountedProgress:
+        if self._shows_bar:
+            self._bar.start()
+        self.tick()  # the first line: the work has started
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._shows_bar:
+            self._bar.stop()
+
+    def done(self, completed: int) -> None:
+        self.completed = completed
+        self._bar.update(self._task, completed=completed)
+        self._lines.update(completed)
+
+    def tick(self) -> None:
+        self._lines.update(self.completed)
 
 
 def _clock_time(seconds: float) -> str:

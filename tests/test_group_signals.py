@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,6 +111,34 @@ def test_sigterm_to_the_group_of_train_stops_with_a_checkpoint(data, tmp_path):
     output = _signal_group_and_wait(job, signal.SIGTERM, tmp_path / "output")
     assert job.returncode == 0, output[-3000:]
     _assert_stopped_mid_epoch(output, run / "fold_0")
+
+
+@pytest.mark.skipif(shutil.which("ps") is None, reason="procps' ps not installed")
+def test_under_a_wrapper_the_group_that_ps_names_stops_train_with_a_checkpoint(data, tmp_path):
+    """issue 54: under a wrapper (here the shell of a script) brats-swap does not lead its process group, and
+    `kill -- -<its PID>` finds nothing. The group docs/stopping.md takes from `ps -o pgid=` is the wrapper's;
+    a SIGTERM to it ends the shell at once and stops brats-swap after its step, with the checkpoint saved."""
+    run = tmp_path / "run"
+    job = _start(["bash", "-c", f"{shlex.join(_command(data, run, 'train'))}; exit $?"], tmp_path / "output")
+    _wait_for_loader_workers(job, WORKERS)
+    (brats_swap,) = [pid for pid in descendants(job.pid) if pid not in _loader_workers(job.pid)
+                     and b"brats_swap" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(brats_swap, 0)  # its PID is not a group id
+    group = int(subprocess.run(["ps", "-o", "pgid=", "-p", str(brats_swap)], capture_output=True, text=True,
+                               check=True).stdout)
+    assert group == job.pid
+    try:
+        os.killpg(group, signal.SIGTERM)
+        job.wait(timeout=60)
+        deadline = time.monotonic() + 180
+        while _state(brats_swap) not in (None, "Z"):  # not our child: watched until it has gone
+            assert time.monotonic() < deadline, "brats-swap did not stop within 180 s of the SIGTERM"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    _assert_stopped_mid_epoch((tmp_path / "output").read_text(), run / "fold_0")
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ dotted key in every error.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -184,7 +185,9 @@ def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
             raise ConfigError(f"{dotted}: {RETIRED_KEYS[dotted]}")
     if unknown:
         name = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"unknown config key {name!r} (known: {', '.join(sorted(fields))})")
+        close = difflib.get_close_matches(unknown[0], fields, n=1)
+        guess = f"did you mean {f'{prefix}.{close[0]}' if prefix else close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown config key {name!r} ({guess}known: {', '.join(sorted(fields))})")
     values = {name: _coerce(raw[name], hints[name], f"{prefix}.{name}" if prefix else name) for name in raw}
     return cls(**values)
 
@@ -216,7 +219,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is list:
         (item_type,) = get_args(annotation)
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {_describe(value)}")
+            raise ConfigError(f"{key}: expected a list, got {_describe(value)}; {_list_syntax(key, value)}")
         return [_coerce(item, item_type, f"{key}[{i}]") for i, item in enumerate(value)]
     if annotation is bool:
         if isinstance(value, bool):
@@ -265,6 +268,20 @@ def _check_integer_limits(config: Config) -> None:
             if isinstance(item, int) and item > limit:
                 raise ConfigError(f"{key}: {item} is more than {limit:,}, the most this key takes "
                                   "(docs/configs.md#limits)")
+
+
+def _list_syntax(key: str, value: Any) -> str:
+    """How to write `key` as a list, from the scalar `value` given for it: a number repeated to the length of the
+    key's default (`data.cube=64` -> `--set data.cube=[64,64,64]`), anything else once (`[t1]`)."""
+    default: Any = Config()
+    for part in key.split("."):
+        default = getattr(default, part, None)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    count = len(default) if number and isinstance(default, list) and default else 1
+    shown = value if number or isinstance(value, str) else "..."
+    items = [str(shown)] * count
+    return (f"write a list: --set {key}=[{','.join(items)}] (in a YAML file: {key.rsplit('.', 1)[-1]}: "
+            f"[{', '.join(items)}])")
 
 
 def _describe(value: Any) -> str:

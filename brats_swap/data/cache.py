@@ -25,7 +25,9 @@ label: the NIfTI files are not read and the image is not compressed again (`add_
 cache lacks (or holds stale) before they read it, so one command goes from a download to a run.
 
 Incremental: a case is redone only if its source files changed (name, size, mtime) or the preprocessing
-settings did. Atomic: each case is written into `CACHE/.tmp-<case>-<pid>-<nonce>/` and renamed into place,
+settings did. A cache holds one setting of the `data.*` keys that shape its arrays (`CONFIG_SETTINGS`): a run
+whose settings differ from its cases' is refused in one line (`settings_change`), so that two runs of two
+cubes never prepare the cache in turn; `data prepare` (asked for) replaces them, saying so. Atomic: each case is written into `CACHE/.tmp-<case>-<pid>-<nonce>/` and renamed into place,
 so an interrupted run leaves either the old complete entry or the new one; a later run deletes temp
 folders whose writer process is gone.
 
@@ -74,7 +76,7 @@ from brats_swap.data.discovery import Case, discover_cases
 from brats_swap.data.nifti import load_case
 from brats_swap.data.preprocess import describe_cropped, preprocess_case, preprocess_settings
 from brats_swap.data.workers import log_console, resolve_workers, run_cases
-from brats_swap.errors import DataError, case_problem
+from brats_swap.errors import DataError, PreparationInterrupted, case_problem
 from brats_swap.foreign_files import parse_json, read_text
 from brats_swap.names import name_problem, path_inside
 
@@ -144,13 +146,15 @@ class CacheWriteError(DataError):
 
 
 def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg, workers: int | str | None = None,
-                    strict: bool = False, progress: bool = True, console: Console | None = None) -> PrepareReport:
+                    strict: bool = False, progress: bool = True, console: Console | None = None,
+                    replace_settings: bool = True) -> PrepareReport:
     """Preprocess every case under `root` into `cache` (see the module docstring).
 
     `workers` processes prepare cases in parallel (default `data_cfg.prepare_workers`; `auto` = every CPU this
     process may use, 1 = in this process). Each case is read and validated once, as `data check` does
     (`prepare_one`): bad cases are listed in the report and skipped, or raise DataError with `strict=True`.
-    DataError when the cache was prepared from another dataset (`check_source`).
+    DataError when the cache was prepared from another dataset (`check_source`), or with other `data.*` settings
+    and not `replace_settings` (`_check_settings`). PreparationInterrupted on Ctrl-C, the finished cases kept.
     """
     started = time.perf_counter()
     cache_dir = Path(cache)
@@ -158,6 +162,7 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
     cases = discover_cases(root, data_cfg.edition, tuple(data_cfg.modalities), data_cfg.challenge)
     source = cache_source(root, cases)
     check_source(cache_dir, source)
+    _check_settings(cache_dir, settings, replace_settings, console)
     report = PrepareReport(cache=cache_dir)
     _make_cache_dir(cache_dir)
     report.removed_temp = clean_stale_temp(cache_dir)
@@ -201,15 +206,20 @@ def prepare_dataset(root: str | os.PathLike, cache: str | os.PathLike, data_cfg,
         if problem is not None and strict:
             raise DataError(problem)
 
+    interrupted = False
     try:
         run_cases(prepare_one, [(case, str(cache_dir), settings, sources) for case, sources in todo], count,
                   done=finished, failures=lambda: len(report.failed), description="prepare", progress=progress,
                   console=console)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         for case_id in _finished_on_disk(cache_dir, todo, settings, index_cases, report.failed):
             report.prepared.append(case_id)
             index_cases[case_id] = _index_entry(_read_meta(entry_folder(cache_dir, case_id)))
         _write_index(cache_dir, source, settings, index_cases, report.failed)
+    if interrupted:  # the index lists every finished case: the next call prepares only the others
+        raise _interrupted(cache_dir, len(cases), len(index_cases), report)
 
     report.prepared.sort()
     report.seconds = time.perf_counter() - started
@@ -382,11 +392,58 @@ def prepare_missing(data_cfg, workers: int | str | None = None, progress: bool =
         recorded = recorded_source(cache).get("root", "a folder it does not record")
         raise DataError(f"data.root {root} is not a folder, and the cache {cache} was prepared from {recorded}: "
                         "set data.root to that folder, or data.cache_only=true to use the cache alone")
-    report = prepare_dataset(root, cache, data_cfg, workers=workers, progress=progress, console=console)
+    report = prepare_dataset(root, cache, data_cfg, workers=workers, progress=progress, console=console,
+                             replace_settings=False)
     if not report.cases:
         first = next(iter(report.failed.values()), "no case found")
         raise DataError(f"{root}: no usable case to prepare into {cache} ({first})")
     return report
+
+
+# The preprocessing settings (`preprocess_settings`) a config sets, by the key that sets them; the others change
+# with brats-swap itself, and a new version re-prepares the cache without asking.
+CONFIG_SETTINGS = {"edition": "data.edition", "challenge": "data.challenge", "modalities": "data.modalities",
+                   "cube": "data.cube", "fit": "data.fit", "cache_dtype": "data.cache_dtype",
+                   "clip_percentiles": "data.clip_percentiles"}
+
+
+def _interrupted(cache_dir: Path, cases: int, kept: int, report: PrepareReport) -> PreparationInterrupted:
+    """Ctrl-C's one line: what is kept, and what the same command again would prepare."""
+    left = cases - kept - len(report.failed)
+    rest = (f"{left} not yet: run the same command again to prepare the rest" if left else "none is left to prepare")
+    return PreparationInterrupted(f"{cache_dir}: interrupted; {kept} of {cases} case(s) are prepared and kept "
+                                  f"({len(report.prepared)} by this call), {rest}")
+
+
+def _check_settings(cache_dir: Path, settings: dict, replace: bool, console: Console | None) -> None:
+    """A cache whose cases were prepared with other `data.*` settings: DataError in one line naming both, or
+    with `replace` (`data prepare`, asked for) one line saying they are prepared again."""
+    change = settings_change(cache_dir, settings)
+    if change is not None and not replace:
+        raise DataError(f"cache {cache_dir} holds {change}: give this run its own data.cache, or replace "
+                        f"them with `brats-swap data prepare --out {cache_dir}` and this run's settings (runs "
+                        "with the old ones then refuse the cache)")
+    if change is not None:
+        _say(console, f"cache {cache_dir} holds {change}: preparing them again with this call's settings (runs "
+                      "with the old ones will refuse the cache; give each setting its own data.cache)")
+
+
+def settings_change(cache_dir: Path, settings: dict) -> str | None:
+    """In words, what the cache's cases were prepared with that differs from `settings` in a `data.*` key
+    ("4 case(s) prepared with data.cube [64, 64, 64], not [48, 48, 48]"); None when the index lists no case or
+    records the same. The index's settings are those of every case it lists (`_write_index`)."""
+    index = _read_index(cache_dir) if cache_dir.is_dir() else {}
+    recorded, cases = index.get("settings"), index.get("cases")
+    if not (isinstance(recorded, dict) and isinstance(cases, dict) and cases):
+        return None
+    defaults = {"challenge": "auto"}  # absent while auto (`preprocess_settings`)
+    changed = [(key, recorded.get(name, defaults.get(name)), settings.get(name, defaults.get(name)))
+               for name, key in CONFIG_SETTINGS.items()]
+    changed = [(key, old, new) for key, old, new in changed if old != new]
+    if not changed:
+        return None
+    said = ", ".join(f"{key} {str(old)[:60]}, not {str(new)[:60]}" for key, old, new in changed)
+    return f"{len(cases)} case(s) prepared with {said}"
 
 
 def cache_source(root: str | os.PathLike, cases: list[Case]) -> dict[str, str]:

@@ -52,7 +52,12 @@ from brats_swap.run.console import console, warn
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import BEST, LATEST, RunFolder
 from brats_swap.run.inference import predict_cube, predict_ensemble
-from brats_swap.run.trained import load_for_inference, load_run_config
+from brats_swap.run.trained import (
+    CHECKPOINT_NAMES,
+    check_checkpoint_choice,
+    load_for_inference,
+    load_run_config,
+)
 
 
 def segment_cube(model: torch.nn.Module, image, meta: dict, edition: str, config: Config,
@@ -120,7 +125,8 @@ def select_folds(run_dir: Path | RunFolder, folds: FoldSelection = ALL_FOLDS, ch
     With a checkpoint file path there is one model: fold 0 (or the first fold given) only names it."""
     run = RunFolder.of(run_dir)
     selection = parse_fold_selection(folds, option)
-    if checkpoint not in ("best", "latest"):
+    if checkpoint not in CHECKPOINT_NAMES:
+        check_checkpoint_choice(checkpoint)
         return [0] if selection == ALL_FOLDS else selection[:1]
     name = BEST if checkpoint == "best" else LATEST
 

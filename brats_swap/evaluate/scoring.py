@@ -268,6 +268,14 @@ def evaluate_predictions(pred_dir: Path, data_root: Path, out_dir: Path, edition
     report = PredictionsReport(summary={}, references=len(cases), missing=[c.case_id for c in cases if c.case_id not in predictions],
                                unmatched=[case_id for case_id in predictions if case_id not in references],
                                failures=failures if failures is not None else CaseFailures(say=warn))
+    if not predictions:
+        raise DataError(f"{pred_dir}: no prediction file (<case id>.nii.gz) to score against the {len(cases)} "
+                        f"reference case(s) of {data_root}")
+    if len(report.unmatched) == len(predictions):
+        # Not cases to score as empty: the two folders are of different datasets (a wrong --data or --predictions).
+        raise DataError(f"none of the {len(predictions)} prediction(s) in {pred_dir} (e.g. "
+                        f"{next(iter(predictions.values())).name}) is a reference case of {data_root} ({len(cases)} case(s), e.g. "
+                        f"{cases[0].case_id}): are --predictions and --data folders of the same dataset?")
     if report.missing and missing == "error":
         raise DataError(f"{pred_dir}: no prediction for {len(report.missing)} of {len(cases)} reference cases of "
                         f"{data_root}: {_name_cases(report.missing)} (score them as empty with --missing empty)")

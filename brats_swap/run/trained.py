@@ -6,6 +6,7 @@ checkpoint's own config, so a run whose `config.yaml` was edited afterwards stil
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -79,8 +80,23 @@ def trained_model(model_cfg: ModelConfig, table: str, weights: Mapping[str, obje
     return model.to(device or torch.device("cpu")).eval()
 
 
+CHECKPOINT_NAMES = ("best", "latest")  # what --checkpoint names; anything else is a checkpoint file's path
+
+
+def check_checkpoint_choice(checkpoint: str) -> None:
+    """ConfigError in one line when `checkpoint` (--checkpoint) is neither a name of CHECKPOINT_NAMES nor an
+    existing file: a mistyped name lists the valid names (and the closest one), not a missing file."""
+    if checkpoint in CHECKPOINT_NAMES or Path(checkpoint).is_file():
+        return
+    close = difflib.get_close_matches(checkpoint, CHECKPOINT_NAMES, n=1)
+    guess = f"did you mean {close[0]}? " if close else ""
+    raise ConfigError(f"--checkpoint {checkpoint!r}: not a checkpoint name nor a file ({guess}expected "
+                      f"{' or '.join(CHECKPOINT_NAMES)}, or the path of a checkpoint file)")
+
+
 def _checkpoint_state(folder: FoldFolder, checkpoint: str) -> dict[str, Any]:
     """`best`, `latest` (falling back to the previous file) or the checkpoint file at path `checkpoint`."""
+    check_checkpoint_choice(checkpoint)
     if checkpoint == "best":
         return load_checkpoint(folder.best)
     if checkpoint == "latest":

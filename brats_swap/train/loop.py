@@ -76,7 +76,7 @@ from brats_swap.memory import MemoryEngine, cuda_device
 from brats_swap.model import build_model
 from brats_swap.model.targets import labels_from_probs, run_output_count, run_regions, targets_from_labels
 from brats_swap.model.upkern import initial_weights
-from brats_swap.progress import ProgressLines, progress_bar
+from brats_swap.progress import CountedProgress, ProgressLines, progress_bar
 from brats_swap.run.checkpoint import (
     capture_rng_states,
     load_checkpoint,
@@ -220,8 +220,12 @@ class StopSignals:
         self._installed.close()
 
 
-# A data wait above this share of an epoch's steps is worth one warning (the GPU idles for its batches).
+# A data wait above this share of an epoch's steps is worth one warning (the GPU idles for its batches), once it
+# means something: an epoch of several steps that waited seconds. A 1-2 step epoch's wait is mostly its first
+# batch, which every epoch waits for (0.2-0.4 s on a CPU), not a starved device.
 DATA_WAIT_WARN_SHARE = 0.10
+DATA_WAIT_WARN_MIN_STEPS = 5
+DATA_WAIT_WARN_MIN_SECONDS = 5.0
 
 
 class _StopAtStep(Exception):
@@ -586,8 +590,11 @@ class FoldRecipe:
         return record, {k: v / max(len(step_times), 1) for k, v in memory_sums.items()}
 
     def _warn_on_data_wait(self, record: dict[str, Any]) -> None:
-        """Once per call: the steps waited for their batches more than `DATA_WAIT_WARN_SHARE` of the epoch."""
-        if self.warned_data_wait or record["data_wait_share"] <= DATA_WAIT_WARN_SHARE:
+        """Once per call: the steps waited for their batches more than `DATA_WAIT_WARN_SHARE` of an epoch of at least
+        `DATA_WAIT_WARN_MIN_STEPS` steps, and at least `DATA_WAIT_WARN_MIN_SECONDS`."""
+        if (self.warned_data_wait or record["data_wait_share"] <= DATA_WAIT_WARN_SHARE
+                or self.data.steps_per_epoch < DATA_WAIT_WARN_MIN_STEPS
+                or record["data_wait_s"] < DATA_WAIT_WARN_MIN_SECONDS):
             return
         self.warned_data_wait = True
         message = (f"{self.folder.root}: epoch {record['epoch']} waited {record['data_wait_s']:.1f} s for data "
@@ -624,11 +631,32 @@ class FoldRecipe:
 
     def _rest_of_the_run(self) -> tuple[str, int, float]:
         """What the progress lines add for the run's time left: the later epochs' steps, and this epoch's and
-        the later ones' validations at the mean time of those so far (none timed yet: not counted)."""
+        the later ones' validations at the mean time of those so far (none timed yet: the line says how many
+        are not counted; the first validation's own lines count them)."""
         epoch, last = self.loop.epoch + 1, self.config.train.max_epochs
         timed = [record["val_seconds"] for record in self.loop.history if "val_seconds" in record]
-        validations = sum(1 for e in range(epoch, last + 1) if e % self.config.train.val_every == 0 or e == last)
-        return "the run", (last - epoch) * self.data.steps_per_epoch, validations * float(np.mean(timed or [0.0]))
+        validations = self._validations_from(epoch)
+        steps = (last - epoch) * self.data.steps_per_epoch
+        if validations and not timed:
+            return f"the run, plus {validations} validation(s) not timed yet", steps, 0.0
+        return "the run", steps, validations * float(np.mean(timed or [0.0]))
+
+    def _validations_from(self, first: int) -> int:
+        """The validations of epochs `first` to train.max_epochs, by `_validation_due`'s rule."""
+        last = self.config.train.max_epochs
+        return sum(1 for e in range(first, last + 1) if e % self.config.train.val_every == 0 or e == last)
+
+    def _validation_progress(self) -> CountedProgress:
+        """Validation's bar (on a terminal) or its lines a minute (otherwise, and in train.log), with the run's
+        time left: the later validations at this one's pace, the later epochs at this epoch's."""
+        cases = len(self.data.val_loader.sampler)  # this rank's share (all of them on one process)
+        epoch, last = self.loop.epoch + 1, self.config.train.max_epochs
+        step_s = self.loop.epoch_elapsed / max(self.loop.step_in_epoch, 1)
+        rest = ("the run", self._validations_from(epoch + 1) * cases, (last - epoch) * self.data.steps_per_epoch * step_s)
+        return CountedProgress(f"epoch {epoch}/{last} validation", cases, console=console,
+                               bar=self.show_progress and console.is_terminal,
+                               lines_console=console if self.show_progress and not console.is_terminal else None,
+                               log=self.log.line, scope="this validation", rest=rest)
 
     def _validation_due(self) -> bool:
         epoch = self.loop.epoch + 1
@@ -638,7 +666,9 @@ class FoldRecipe:
         """Whole-cube validation and what it decides: LR on plateau, early stopping, the best checkpoint."""
         started = time.perf_counter()
         try:
-            val = validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device, self.ctx)
+            with self._validation_progress() as shown, _ticking(self.model, shown.tick):
+                val = validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device,
+                                        self.ctx, on_cases=shown.done)
         except torch.cuda.OutOfMemoryError:  # as a training step's: one line, failed.txt, exit 3 (`fit`)
             raise prediction_out_of_memory_error(
                 self.device, self.config, f"{self.folder.root}: epoch {self.loop.epoch + 1} validation") from None
@@ -752,11 +782,24 @@ class FoldRecipe:
             save_checkpoint(state, path, keep_previous=keep_previous)
 
 
+@contextlib.contextmanager
+def _ticking(model: torch.nn.Module, tick: Callable[[], None]):
+    """`tick()` after every forward of `model` in the block: each window of a sliding window, so that a case
+    slid over for minutes still gets its progress line a minute."""
+    handle = model.register_forward_hook(lambda *_: tick())
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def validation_scores(config: Config, model: torch.nn.Module, loader, edition: str, device: torch.device,
-                      ctx: DistContext | None = None) -> dict[str, float]:
+                      ctx: DistContext | None = None, on_cases: Callable[[int], None] | None = None,
+                      ) -> dict[str, float]:
     """Mean val loss and Dice per region of the run (`run_regions`: `dice_wt`, `dice_tc`, `dice_et`, ...) on
-    whole cubes (sliding window for patch models), BraTS empty rules.
+    whole cubes (sliding window for patch models), BraTS empty rules. `on_cases(n)` after each batch: the
+    cases this rank has scored.
 
     Means are over cases. Distributed, each rank scores its share of the cases and the per-case results are
     gathered; DistributedSampler pads the last share with repeated cases, which are counted once.
@@ -764,6 +807,7 @@ def validation_scores(config: Config, model: torch.nn.Module, loader, edition: s
     model.eval()
     regions = run_regions(edition, config.model)
     per_case: dict[str, tuple[float, ...]] = {}
+    scored = 0
     for batch in loader:
         probs = predict_cube(model, batch.image, config, device)  # float16 as cached: converted on the device
         targets = targets_from_labels(batch.label.long(), edition, config.model.outputs, config.model.regions,
@@ -774,6 +818,9 @@ def validation_scores(config: Config, model: torch.nn.Module, loader, edition: s
             dice = region_dice(pred, true, edition, regions)
             loss = float(weighted_dice_loss(probs[i:i + 1], targets[i:i + 1].float()))
             per_case[case_id] = (loss, *(float(dice[dice_column(r)]) for r in regions))
+        scored += len(batch.case_id)
+        if on_cases is not None:
+            on_cases(scored)
     model.train()
     if ctx is not None and ctx.is_distributed:
         per_case = {case: row for part in gather_objects(per_case, ctx) for case, row in part.items()}

@@ -1,6 +1,10 @@
 """The training losses: Ellis's weighted multi-label soft Dice (the loss the IBM paper trained with), MONAI's
 Dice + cross-entropy (nnU-Net's label loss for softmax outputs) and nnU-Net's region Dice + BCE, over
-deep-supervision outputs with nnU-Net's weights."""
+deep-supervision outputs with nnU-Net's weights.
+
+nnU-Net's two losses take the Dice over the batch. Under DDP, as nnU-Net does, the Dice's sums are gathered
+from every rank (`_gathered_batch_dice`), so that a step on N ranks is the global batch's step.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from brats_swap.model import emits_logits
@@ -60,12 +65,51 @@ def _at_resolution(target: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     return F.interpolate(target, size=output.shape[2:], mode="nearest")
 
 
-def _sigmoid_dice_bce(output: torch.Tensor, target: torch.Tensor, from_logits: bool) -> torch.Tensor:
+class _AllGatherGrad(torch.autograd.Function):
+    """`all_gather` (stacked, rank order) whose backward sums the ranks' gradients and keeps this rank's
+    (nnU-Net's AllGatherGrad): a loss of the gathered values, the same on every rank, gives each rank N times
+    its share of the global gradient, which DDP's mean over the N ranks turns into the global batch's."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.rank = dist.get_rank()
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad[ctx.rank]
+
+
+def _gathered_batch_dice(probs: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
+    """MONAI's DiceLoss(batch=True, smooth 1e-5) of the global batch under DDP: each channel's sums over this
+    rank's batch, summed over the ranks (nnU-Net's MemoryEfficientSoftDiceLoss with `ddp` and `batch_dice`)."""
+    dims = (0, *range(2, probs.dim()))
+    sums = torch.stack([(probs * target).sum(dims), target.sum(dims), probs.sum(dims)])
+    intersection, truth, predicted = _AllGatherGrad.apply(sums).sum(0)
+    return (1.0 - (2.0 * intersection + smooth) / (truth + predicted + smooth)).mean()
+
+
+def _gathers(output: torch.Tensor) -> bool:
+    """Whether a loss under DDP can gather its Dice's sums here: a process group runs, and the output is real
+    (the planner traces the loss on the meta device, on rank 0 alone)."""
+    return dist.is_available() and dist.is_initialized() and output.device.type != "meta"
+
+
+def _sigmoid_dice_bce(output: torch.Tensor, target: torch.Tensor, from_logits: bool,
+                      gather: bool = False) -> torch.Tensor:
     """nnU-Net's region loss: BCE plus the soft Dice over the batch (smooth 1e-5, every channel) of the
-    sigmoid outputs. MONAI's DiceLoss is 1 + nnU-Net's (-Dice) form: the same gradients."""
+    sigmoid outputs; `gather`: the Dice of the global batch under DDP. MONAI's DiceLoss is 1 + nnU-Net's
+    (-Dice) form: the same gradients."""
     from monai.losses import DiceLoss  # imported where used: MONAI takes seconds to import
 
-    dice = DiceLoss(sigmoid=from_logits, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)(output, target)
+    if gather:
+        dice = _gathered_batch_dice(torch.sigmoid(output) if from_logits else output, target)
+    else:
+        dice = DiceLoss(sigmoid=from_logits, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)(output, target)
     if from_logits:
         return dice + F.binary_cross_entropy_with_logits(output, target)
     # A network that ends in a sigmoid: BCE on its probabilities, in fp32 (autocast refuses it in fp16). The
@@ -77,14 +121,18 @@ def _sigmoid_dice_bce(output: torch.Tensor, target: torch.Tensor, from_logits: b
         return dice + F.binary_cross_entropy(output.clamp(1e-7, 1 - 1e-7), target)
 
 
-def _softmax_dice_ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _softmax_dice_ce(output: torch.Tensor, target: torch.Tensor, gather: bool = False) -> torch.Tensor:
     """nnU-Net's label loss (`DC_and_CE_loss` as nnUNetTrainer builds it: `MemoryEfficientSoftDiceLoss` over the
     batch, smooth 1e-5, background left out, on the softmax; plus cross-entropy of the logits; weights 1 and
     1). MONAI's DiceCELoss computes the same terms; its Dice is 1 + nnU-Net's (-Dice): the same gradients
-    (tests/test_nnunet_softmax.py compares both with nnU-Net's own loss). `target`: one-hot, background first."""
+    (tests/test_nnunet_softmax.py compares both with nnU-Net's own loss). `target`: one-hot, background first.
+    `gather`: the Dice of the global batch under DDP."""
     from monai.losses import DiceCELoss  # imported where used: MONAI takes seconds to import
 
-    return DiceCELoss(softmax=True, include_background=False, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)(output, target)
+    loss = DiceCELoss(softmax=True, include_background=False, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)
+    if gather:
+        return _gathered_batch_dice(torch.softmax(output, 1)[:, 1:], target[:, 1:]) + loss.ce(output, target)
+    return loss(output, target)
 
 
 class SegmentationLoss:
@@ -113,13 +161,14 @@ class SegmentationLoss:
 
     def single(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         output = output.float()  # sums and logs in fp32 under AMP
+        gather = self.distributed and _gathers(output)
         if self.softmax:
-            return _softmax_dice_ce(output, target)
+            return _softmax_dice_ce(output, target, gather)
         if self.name == "dice":
             return self.dice(torch.sigmoid(output) if self.from_logits else output, target)
         if self.dice_ce is not None:
             return self.dice_ce(output, target)
-        return _sigmoid_dice_bce(output, target, self.from_logits)
+        return _sigmoid_dice_bce(output, target, self.from_logits, gather)
 
     def __call__(self, outputs: torch.Tensor | list[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
