@@ -31,19 +31,32 @@ def export(
     out: Annotated[Path, typer.Option("--out", "-o", help="The bundle to write, e.g. model.zip.")],
     folds: FoldsOption = "all",
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="best or latest.")] = "best",
+    onnx: Annotated[bool, flag("--onnx/--no-onnx", "Also write each fold's network as ONNX (opset 18), checked "
+                               "against torch, for predict --runtime onnxruntime (needs brats-swap[onnx]).")] = False,
 ) -> None:
     """Write a self-contained bundle of a run: each fold's weights (state dicts), the resolved config, the
     label table and modalities, postprocessing.json, the cv summary and metadata.json with versions and the
     sha256 of every file. Optimizer state and splits stay in the run.
 
-    Example: brats-swap export --run runs/cv --out model.zip
+    Example: brats-swap export --run runs/cv --out model.zip --onnx
     """
     from brats_swap.ship.bundle import export_bundle
 
-    exported = export_bundle(run, out, folds, checkpoint)
+    if onnx:
+        _require_onnx()
+    exported = export_bundle(run, out, folds, checkpoint, onnx=onnx)
     _say(f"wrote {exported.path} ({exported.size_bytes / 2**20:.1f} MiB): fold(s) "
          f"{', '.join(map(str, exported.folds))} ({checkpoint} checkpoint), {exported.challenge} table, "
-         f"{len(exported.files)} files with their sha256")
+         f"{len(exported.files)} files with their sha256{', ONNX networks checked against torch' if onnx else ''}")
+
+
+def _require_onnx() -> None:
+    """ConfigError (one line) when onnx or onnxruntime is not installed."""
+    import importlib.util
+
+    missing = [name for name in ("onnx", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"{' and '.join(missing)} not installed: pip install 'brats-swap[onnx]' (or make install)")
 
 
 @handle_errors

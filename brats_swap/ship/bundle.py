@@ -10,6 +10,7 @@ model.zip  configs/metadata.json        format version, versions, task, architec
            configs/cv_summary.json      the run's cross-validation summary (when it has one)
            configs/training_plan.json   the card, plan and schedule `train-challenge` chose (when it made the run)
            models/fold_<k>/model.pt     the fold's weights: a state dict, loadable with weights_only=True
+           models/fold_<k>/model.onnx   the fold's network as ONNX (`export --onnx`: ship/onnx_export.py)
            models/fold_<k>/config.yaml  the config the fold was trained with (its architecture)
            models/fold_<k>/train.log    the fold's training log (when the run has it)
            figures/<name>.png           the run's figures (when it has them)
@@ -92,6 +93,10 @@ def fold_config(fold: int) -> str:
     return f"models/fold_{fold_name(fold)}/config.yaml"
 
 
+def fold_onnx(fold: int) -> str:
+    return f"models/fold_{fold_name(fold)}/model.onnx"
+
+
 def fold_log(fold: int) -> str:
     return f"models/fold_{fold_name(fold)}/train.log"
 
@@ -155,8 +160,9 @@ class ExportedBundle:
 
 
 def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = ALL_FOLDS,
-                  checkpoint: str = "best") -> ExportedBundle:
-    """Write the bundle of a run's folds (see the module docstring) to `out`, atomically."""
+                  checkpoint: str = "best", *, onnx: bool = False) -> ExportedBundle:
+    """Write the bundle of a run's folds (see the module docstring) to `out`, atomically; `onnx` adds each
+    fold's network as ONNX, checked against torch (ship/onnx_export.py)."""
     if checkpoint not in CHECKPOINTS:
         raise ConfigError(f"--checkpoint {checkpoint!r}: expected one of {', '.join(CHECKPOINTS)}")
     run = RunFolder.of(run_dir)
@@ -177,6 +183,12 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
         records.append({"fold": k, "checkpoint": checkpoint, "epoch": state.get("epoch"),
                         "weights": fold_weights(k), "config": fold_config(k),
                         "architecture": architecture_record(trained.model)})
+        if onnx:
+            from brats_swap.ship.onnx_export import checked_export
+
+            files[fold_onnx(k)], record = checked_export(model, inference_config(trained, config), config,
+                                                         f"{run.root}: fold {fold_name(k)}")
+            records[-1]["onnx"] = {"file": fold_onnx(k), **record}
     if len(set(editions.values())) > 1:
         raise ConfigError(f"{run.root}: folds {', '.join(map(str, chosen))} were trained on different label tables "
                           f"({', '.join(f'fold {k}: {e}' for k, e in editions.items())}); export one (--folds K)")
@@ -282,7 +294,7 @@ def member_cap(name: str) -> int:
     """The most bytes a bundle member called `name` may inflate to."""
     if name == METADATA:
         return MAX_METADATA_BYTES
-    if name.startswith("models/") and name.endswith(".pt"):
+    if name.startswith("models/") and name.endswith((".pt", ".onnx")):
         return MAX_WEIGHTS_BYTES
     return MAX_CONFIG_BYTES
 
