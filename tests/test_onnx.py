@@ -4,19 +4,39 @@ torch (refused in one line when an operation has no ONNX form), `predict --runti
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
+from layout_helpers import nnunet_phantoms
 from tiny_cv import tiny_cv_run
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
+from brats_swap.config import load_config
+from brats_swap.config.loader import config_to_dict, config_to_yaml
 from brats_swap.errors import ConfigError
+from brats_swap.model import build_model
+from brats_swap.model.targets import run_output_count
+from brats_swap.run.checkpoint import load_checkpoint, save_checkpoint
+from brats_swap.run.folder import RunFolder
 from brats_swap.ship.bundle import METADATA, fold_onnx, open_bundle
 from brats_swap.ship.onnx_export import ATOL, OPSET, RTOL, onnx_bytes
 
 pytest.importorskip("onnxruntime")
+
+REPO = Path(__file__).resolve().parents[1]
+NNUNET_RESULTS = (REPO / "tests" / "fixtures" / "nnunet_results" / "Dataset991_BraTSPhantoms"
+                  / "nnUNetTrainerTiny__nnUNetPlans__3d_fullres")
+# The agreement `predict --runtime onnxruntime` keeps with `--runtime torch`.
+MIN_EQUAL_LABELS = 0.9999
+MAX_MEAN_PROBABILITY_DIFF = 1e-4
 
 
 def invoke(*args):
@@ -79,3 +99,124 @@ def test_a_changed_model_onnx_is_refused_by_the_sha256_check(onnx_bundle, tmp_pa
     result = invoke("predict", "--model", changed, "--input", tmp_path, "--out", tmp_path / "out")
     assert result.exit_code == 1
     assert f"{fold_onnx(0)}: sha256 differs from {METADATA}" in result.output
+
+
+# ---- predict --runtime onnxruntime equals --runtime torch -----------------------------------------------------
+
+# Untrained networks of each kind the pipeline predicts differently, on the tiny cross-validation's phantoms:
+# the sliding window (Isensee U-Net on 16³ windows of the 24³ cube, pad_crop), region outputs (nnU-Net's plain
+# U-Net, whole cube) and softmax outputs (its residual-encoder U-Net, sliding window).
+KINDS = {
+    "patch": ["train.mode=patch", "train.patch=[16,16,16]", "data.fit=pad_crop", "model.base_filters=2",
+              "model.depth=3", "model.segmentation_levels=2"],
+    "regions": ["model.name=nnunet", "model.features=[2,4,8]", "model.outputs=regions"],
+    "softmax": ["model.name=resenc_m", "model.features=[2,4,8]", "model.outputs=softmax", "train.loss=dice_ce",
+                "train.mode=patch", "train.patch=[16,16,16]", "evaluate.sw_batch_size=2"],
+}
+
+
+def _untrained_run(base: Path, kind: str, root: Path, edition: str) -> Path:
+    """A run folder of one fold of an untrained tiny network of `kind` (as training leaves it: config.yaml and a
+    checksummed checkpoint_best.pt)."""
+    config = load_config(None, [f"name=onnx-{kind}", f"data.root={root}", "data.cube=[24,24,24]", "train.device=cpu",
+                                *KINDS[kind]])
+    run = RunFolder(base / kind)
+    run.root.mkdir(parents=True)
+    run.config.write_text(config_to_yaml(config), encoding="utf-8")
+    torch.manual_seed(1)
+    model = build_model(config.model, out_channels=run_output_count(edition, config.model))
+    save_checkpoint({"model": model.state_dict(), "config": config_to_dict(config), "edition": edition, "epoch": 1,
+                     "optimizer": {"state": {}, "param_groups": []}}, run.fold(0).best)
+    return run.root
+
+
+@pytest.fixture(scope="module")
+def runs(cv_run, onnx_bundle, tmp_path_factory):
+    """kind -> (bundle exported with --onnx, the cases to predict): the tiny cross-validation (whole volume,
+    trained, two folds), the untrained kinds above and an imported nnU-Net model."""
+    _, cv, root = cv_run
+    base = tmp_path_factory.mktemp("onnx-runs")
+    edition = load_checkpoint(RunFolder(cv).fold(0).best)["edition"]
+    made = {"whole": (onnx_bundle, root)}
+    for kind in KINDS:
+        made[kind] = (base / f"{kind}.zip", root)
+        result = invoke("export", "--run", _untrained_run(base, kind, root, edition), "--out", made[kind][0], "--onnx")
+        assert result.exit_code == 0, result.output
+    imported = base / "nnunet-run"
+    result = invoke("import-nnunet", NNUNET_RESULTS, "--out", imported)
+    assert result.exit_code == 0, result.output
+    made["nnunet"] = (base / "nnunet.zip", nnunet_phantoms(base / "nnunet-data", ((41, 33, 30),), seed=5, id_offset=500))
+    result = invoke("export", "--run", imported, "--out", made["nnunet"][0], "--onnx")
+    assert result.exit_code == 0, result.output
+    return made
+
+
+def _predicted(out: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    found = {}
+    for path in sorted(out.glob("*.nii.gz")):
+        with np.load(out / f"{path.name.removesuffix('.nii.gz')}.npz") as saved:
+            found[path.name] = (np.asarray(nib.load(str(path)).dataobj), saved["probabilities"])
+    return found
+
+
+def _predict(bundle: Path, cases: Path, out: Path, runtime: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    result = invoke("predict", "--model", bundle, "--input", cases, "--out", out, "--runtime", runtime, "--tta",
+                    "--save-probabilities")
+    assert result.exit_code == 0, result.output
+    return _predicted(out)
+
+
+def assert_runtimes_agree(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys() and ours
+    for name, (labels, probs) in ours.items():
+        their_labels, their_probs = theirs[name]
+        assert labels.shape == their_labels.shape and probs.shape == their_probs.shape
+        assert np.mean(labels == their_labels) >= MIN_EQUAL_LABELS, name
+        assert np.mean(np.abs(probs - their_probs)) <= MAX_MEAN_PROBABILITY_DIFF, name
+
+
+@pytest.mark.parametrize("kind", ["whole", *KINDS, "nnunet"])
+def test_onnxruntime_predicts_what_torch_predicts(runs, kind, tmp_path):
+    bundle, cases = runs[kind]
+    theirs = _predict(bundle, cases, tmp_path / "torch", "torch")
+    ours = _predict(bundle, cases, tmp_path / "onnxruntime", "onnxruntime")
+    assert_runtimes_agree(ours, theirs)
+    assert any(labels.any() for labels, _ in theirs.values()) or kind != "whole"  # the trained run paints tumour
+
+
+BLOCK_TORCH = """\
+import sys
+
+
+class _NoTorch:
+    \"\"\"Importing torch or MONAI fails in this process: the onnxruntime path must not need them.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "monai"):
+            raise ImportError(f"{name}: blocked (this process predicts without torch)")
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def _without_torch(tmp_path: Path, *args) -> subprocess.CompletedProcess:
+    blocker = tmp_path / "blocker"
+    blocker.mkdir(exist_ok=True)
+    (blocker / "sitecustomize.py").write_text(BLOCK_TORCH, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)])}
+    return subprocess.run([sys.executable, "-m", "brats_swap", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "nnunet"])
+def test_the_onnxruntime_path_runs_where_importing_torch_fails(runs, kind, tmp_path):
+    bundle, cases = runs[kind]
+    blocked = _without_torch(tmp_path, "predict", "--model", bundle, "--runtime", "torch", "--input", cases,
+                             "--out", tmp_path / "torch")
+    assert blocked.returncode != 0 and "blocked" in blocked.stdout + blocked.stderr  # the blocker works
+    done = _without_torch(tmp_path, "predict", "--model", bundle, "--runtime", "onnxruntime", "--input", cases,
+                          "--out", tmp_path / "free", "--tta", "--save-probabilities")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_runtimes_agree(_predicted(tmp_path / "free"), _predict(bundle, cases, tmp_path / "torch", "torch"))

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from brats_swap.cli.common import FoldsOption, flag, handle_errors
+from brats_swap.cli.common import FoldsOption, RuntimeOption, flag, handle_errors
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.console import line_console, warn
 
@@ -113,6 +113,7 @@ def serve_challenge(
                                                     "when the cases so far project past it, drop TTA, then "
                                                     "folds.", show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")] = "auto",
+    runtime: RuntimeOption = "torch",
 ) -> None:
     """The BraTS challenge entrypoint (the image's; works without a container too): segment every case
     folder of --input into a flat --output/<case id>.nii.gz, case by case, under any uid and with an
@@ -130,15 +131,16 @@ def serve_challenge(
     if parameters_file is not None:
         _say(f"--parameters_file {parameters_file}: not read, the bundle holds every setting")
     budget = parse_duration(time_budget) if time_budget is not None else None
-    from brats_swap.ship.bundle import bundle_predictor, open_bundle
+    from brats_swap.ship.bundle import open_bundle
     from brats_swap.ship.container import resolve_task
+    from brats_swap.ship.onnx_runtime import runtime_predictor
     from brats_swap.ship.serve import serve
 
     bundle = open_bundle(model)
     task, task_note = resolve_task(bundle, task)
     if task_note is not None:
         _say(task_note)
-    predictor = bundle_predictor(bundle, folds, device=device, challenge=task)
+    predictor = runtime_predictor(bundle, runtime, folds, device=device, challenge=task)
     report = serve(predictor, input_dir, output_dir, tta=tta, time_budget_s=budget, say=_say)
     _say(f"wrote {len(report.written)} of {report.cases} segmentation(s) to {output_dir}")
     report.failures.raise_if_any(f"serve-challenge {input_dir}", report.cases)

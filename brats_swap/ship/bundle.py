@@ -44,24 +44,23 @@ import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from brats_swap.atomic import atomic_path
 from brats_swap.config import Config, config_from_saved
 from brats_swap.config.loader import config_to_yaml
 from brats_swap.config.networks import architecture_record
 from brats_swap.data.challenges import get_challenge
 from brats_swap.errors import CheckpointError, ConfigError
+from brats_swap.evaluate.case_prediction import Predictor, check_one_output_kind
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan
-from brats_swap.evaluate.predicting import Predictor, check_one_output_kind, select_folds
 from brats_swap.foreign_files import decode_utf8, parse_json, parse_yaml
 from brats_swap.model.targets import output_names
 from brats_swap.names import checked_name
-from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder, fold_name
-from brats_swap.run.trained import inference_config, load_run_config, load_trained_model, trained_model
 from brats_swap.timestamps import utc_now
+
+# torch, and the modules that import it, are imported by the functions that build or save a network: opening
+# and verifying a bundle, and predicting with its ONNX networks (`ship/onnx_runtime.py`), need no torch.
 
 BUNDLE_FORMAT = "brats-swap-bundle"
 BUNDLE_FORMAT_VERSION = 1
@@ -114,6 +113,7 @@ def _versions() -> dict[str, str]:
     import monai
     import nibabel
     import numpy
+    import torch
 
     from brats_swap import __version__
 
@@ -163,6 +163,11 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
                   checkpoint: str = "best", *, onnx: bool = False) -> ExportedBundle:
     """Write the bundle of a run's folds (see the module docstring) to `out`, atomically; `onnx` adds each
     fold's network as ONNX, checked against torch (ship/onnx_export.py)."""
+    import torch
+
+    from brats_swap.evaluate.predicting import select_folds
+    from brats_swap.run.trained import inference_config, load_run_config, load_trained_model
+
     if checkpoint not in CHECKPOINTS:
         raise ConfigError(f"--checkpoint {checkpoint!r}: expected one of {', '.join(CHECKPOINTS)}")
     run = RunFolder.of(run_dir)
@@ -250,6 +255,8 @@ class Bundle:
 
     def state_dict(self, fold: int) -> dict:
         """The fold's weights: a state dict of tensors (one line for a pickle, a foreign file or other values)."""
+        import torch
+
         member = fold_weights(fold)
         try:
             state = torch.load(io.BytesIO(self.members[member]), map_location="cpu", weights_only=True)
@@ -429,17 +436,27 @@ def choose_folds(bundle: Bundle, folds: FoldSelection = ALL_FOLDS) -> list[int]:
     return list(selection)
 
 
+def bundle_config(bundle: Bundle, device: str | None = None, challenge: str | None = None) -> Config:
+    """The bundle's config as a predictor reads cases with it: on `device` when given, with the label table
+    `challenge` forced when given (as `data.challenge`)."""
+    config = bundle.config()
+    if device is not None:
+        config = replace(config, train=replace(config.train, device=device))
+    if challenge is not None:
+        config = replace(config, data=replace(config.data, challenge=challenge, edition="auto"))
+    return config
+
+
 def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
                      device: str | None = None, challenge: str | None = None) -> Predictor:
     """The models of a bundle, as `evaluate.predicting.run_predictor` loads a run's: each fold built from its own
     config, its weights loaded, on the device of the bundle's config (or `device`), predicting with the
     bundle's evaluation settings. `challenge` forces the label table the cases are read with (as
     `data.challenge`)."""
-    config = bundle.config()
-    if device is not None:
-        config = replace(config, train=replace(config.train, device=device))
-    if challenge is not None:
-        config = replace(config, data=replace(config.data, challenge=challenge, edition="auto"))
+    from brats_swap.run.device import resolve_device
+    from brats_swap.run.trained import inference_config, trained_model
+
+    config = bundle_config(bundle, device, challenge)
     target = resolve_device(config.train.device)
     chosen, members = choose_folds(bundle, folds), []
     for k in chosen:
