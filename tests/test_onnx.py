@@ -220,3 +220,38 @@ def test_the_onnxruntime_path_runs_where_importing_torch_fails(runs, kind, tmp_p
                           "--out", tmp_path / "free", "--tta", "--save-probabilities")
     assert done.returncode == 0, done.stdout + done.stderr
     assert_runtimes_agree(_predicted(tmp_path / "free"), _predict(bundle, cases, tmp_path / "torch", "torch"))
+
+
+# ---- the numpy forms of what torch and MONAI did ------------------------------------------------------------
+
+def test_the_numpy_resize_is_torchs_interpolate():
+    from brats_swap.data.preprocess import _trilinear_numpy, resize_label
+
+    rng = np.random.default_rng(3)
+    for shape, size in (((30, 37, 23), (24, 24, 24)), ((24, 24, 24), (30, 37, 23)), ((64, 70, 50), (48, 48, 48))):
+        volume = rng.standard_normal(shape).astype(np.float32)
+        theirs = torch.nn.functional.interpolate(torch.from_numpy(volume)[None, None], size=size, mode="trilinear",
+                                                 align_corners=False)[0, 0].numpy()
+        np.testing.assert_allclose(_trilinear_numpy(volume, size), theirs, rtol=1e-6, atol=1e-6)  # bitwise here
+        labels = rng.integers(0, 5, shape).astype(np.uint8)
+        nearest = torch.nn.functional.interpolate(torch.from_numpy(labels.astype(np.float32))[None, None], size=size,
+                                                  mode="nearest-exact")[0, 0].numpy().astype(np.uint8)
+        assert np.array_equal(resize_label(labels, size), nearest)
+
+
+def test_the_sliding_window_is_monais():
+    from monai.inferers import sliding_window_inference
+
+    from brats_swap.run.array_inference import sliding_window
+
+    torch.manual_seed(0)
+    network = torch.nn.Sequential(torch.nn.Conv3d(2, 3, 3, padding=1), torch.nn.Sigmoid()).eval()
+    for shape, window, overlap, blend, batch in (((1, 2, 20, 17, 9), (8, 8, 8), 0.5, "gaussian", 1),
+                                                 ((2, 2, 16, 16, 16), (16, 8, 12), 0.25, "constant", 3),
+                                                 ((1, 2, 7, 30, 12), (8, 8, 8), 0.6, "gaussian", 4)):
+        images = torch.randn(shape)
+        with torch.no_grad():
+            theirs = sliding_window_inference(images, window, batch, network, overlap=overlap, mode=blend).numpy()
+            ours = sliding_window(lambda a: network(torch.from_numpy(a)).numpy(), images.numpy(), window,
+                                  overlap=overlap, blend=blend, batch_size=batch)
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
