@@ -71,6 +71,11 @@ def container(
     trainable: Annotated[bool, flag("--trainable/--inference-only", "Also give the image a `train` entry that "
                                     "retrains the bundle's recipe on /data into /output/model.zip (BraTS "
                                     "GoAT: the organisers retrain every submission).")] = False,
+    runtime: RuntimeOption = "torch",
+    weights_record: Annotated[str | None, typer.Option("--weights-record", help="The bundle's Zenodo record: the "
+                                                       "BrainLesion entry lists it as additional_files, which the "
+                                                       "orchestrator mounts and passes as --weights.",
+                                                       show_default=False)] = None,
 ) -> None:
     """Write a BraTS challenge image's build folder: Dockerfile, .dockerignore, entrypoint.sh, the bundle,
     pinned requirements, brats-swap's source and a README with the build, run and save commands; print the
@@ -83,7 +88,8 @@ def container(
     from brats_swap.ship.bundle import open_bundle
     from brats_swap.ship.container import write_container
 
-    written = write_container(open_bundle(model), out, task, image, time_budget, trainable=trainable)
+    written = write_container(open_bundle(model), out, task, image, time_budget, trainable=trainable, runtime=runtime,
+                              weights_record=weights_record)
     for note in (written.task_note, written.wheel_note):
         if note is not None:
             _say(note)
@@ -114,6 +120,9 @@ def serve_challenge(
                                                     "folds.", show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")] = "auto",
     runtime: RuntimeOption = "torch",
+    weights: Annotated[Path | None, typer.Option("--weights", help="A bundle (or a folder holding model.zip) "
+                                                 "served instead of --model: the BrainLesion orchestrator's "
+                                                 "weights mount.", show_default=False)] = None,
 ) -> None:
     """The BraTS challenge entrypoint (the image's; works without a container too): segment every case
     folder of --input into a flat --output/<case id>.nii.gz, case by case, under any uid and with an
@@ -136,6 +145,9 @@ def serve_challenge(
     from brats_swap.ship.onnx_runtime import runtime_predictor
     from brats_swap.ship.serve import serve
 
+    if weights is not None:
+        model = weights / "model.zip" if weights.is_dir() else weights
+        _say(f"--weights: serving {model}")
     bundle = open_bundle(model)
     task, task_note = resolve_task(bundle, task)
     if task_note is not None:
