@@ -290,6 +290,31 @@ def _legacy_trainable_note(bundle: Bundle) -> str:
             "is served in that table")
 
 
+# The Dockerfiles' common steps: a uv-made virtual environment of this Python (readable by any uid), and the
+# bundle copied in, verified, served by the entrypoint as any uid on a read-only root.
+_PYTHON_ENVIRONMENT = f"""\
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 UV_PYTHON_INSTALL_DIR=/opt/python
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \\
+    && rm -rf /var/lib/apt/lists/*
+COPY --from={UV_IMAGE} /uv /usr/local/bin/uv
+RUN uv venv --seed --python-preference only-managed --python ${{PYTHON_VERSION}} /opt/venv \\
+    && chmod -R a+rX /opt/python /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+"""
+_BUNDLE_AND_ENTRYPOINT = f"""\
+COPY model.zip {IMAGE_BUNDLE}
+# A damaged copy of the bundle fails the build here (every member's sha256), not the organisers' run.
+RUN python -c "from brats_swap.ship.bundle import open_bundle; open_bundle('{IMAGE_BUNDLE}')"
+COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
+
+# Any uid, read-only root file system: serve-challenge points HOME and the cache folders under /tmp when they
+# are not writable, and writes nothing but /output and /tmp.
+WORKDIR /tmp
+ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
+"""
+
+
 def _dockerfile(bundle: Bundle, name: str, task: str, no_deps: list[str]) -> str:
     no_deps_line = (f"RUN pip install --no-deps {' '.join(no_deps)}\n" if no_deps else "")
     return f"""\
@@ -306,15 +331,7 @@ ARG TORCH_INDEX={TORCH_INDEX}
 # Python {IMAGE_PYTHON}: the version requirements.txt was resolved with (the base's own Python may differ, and
 # a pin may have no wheel for it); uv installs a standalone build of it, readable by any uid.
 ARG PYTHON_VERSION={IMAGE_PYTHON}
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 UV_PYTHON_INSTALL_DIR=/opt/python
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \\
-    && rm -rf /var/lib/apt/lists/*
-COPY --from={UV_IMAGE} /uv /usr/local/bin/uv
-RUN uv venv --seed --python-preference only-managed --python ${{PYTHON_VERSION}} /opt/venv \\
-    && chmod -R a+rX /opt/python /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-
+{_PYTHON_ENVIRONMENT}
 # The exact versions of the environment this folder was written from (torch {torch_release()}, CUDA build).
 RUN pip install --index-url ${{TORCH_INDEX}} torch=={torch_release()}
 COPY requirements.txt {IMAGE_ROOT}/requirements.txt
@@ -323,16 +340,7 @@ RUN pip install -r {IMAGE_ROOT}/requirements.txt
 {no_deps_line}COPY src {IMAGE_ROOT}/src
 RUN pip install --no-deps {IMAGE_ROOT}/src
 
-COPY model.zip {IMAGE_BUNDLE}
-# A damaged copy of the bundle fails the build here (every member's sha256), not the organisers' run.
-RUN python -c "from brats_swap.ship.bundle import open_bundle; open_bundle('{IMAGE_BUNDLE}')"
-COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
-
-# Any uid, read-only root file system: serve-challenge points HOME and the torch, matplotlib and cache
-# folders under /tmp when they are not writable, and writes nothing but /output and /tmp.
-WORKDIR /tmp
-ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
-"""
+{_BUNDLE_AND_ENTRYPOINT}"""
 
 
 def _onnx_dockerfile(bundle: Bundle, name: str, task: str) -> str:
@@ -347,31 +355,14 @@ ARG BASE_IMAGE={ONNX_BASE_IMAGE}
 FROM ${{BASE_IMAGE}}
 
 ARG PYTHON_VERSION={IMAGE_PYTHON}
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 UV_PYTHON_INSTALL_DIR=/opt/python
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \\
-    && rm -rf /var/lib/apt/lists/*
-COPY --from={UV_IMAGE} /uv /usr/local/bin/uv
-RUN uv venv --seed --python-preference only-managed --python ${{PYTHON_VERSION}} /opt/venv \\
-    && chmod -R a+rX /opt/python /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-
+{_PYTHON_ENVIRONMENT}
 # What the torch-free predict path imports, at this environment's versions; onnxruntime as its GPU build.
 COPY requirements.txt {IMAGE_ROOT}/requirements.txt
 RUN pip install -r {IMAGE_ROOT}/requirements.txt
 COPY src {IMAGE_ROOT}/src
 RUN pip install --no-deps {IMAGE_ROOT}/src
 
-COPY model.zip {IMAGE_BUNDLE}
-# A damaged copy of the bundle fails the build here (every member's sha256), not the organisers' run.
-RUN python -c "from brats_swap.ship.bundle import open_bundle; open_bundle('{IMAGE_BUNDLE}')"
-COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
-
-# Any uid, read-only root file system: serve-challenge points HOME and the cache folders under /tmp when they
-# are not writable, and writes nothing but /output and /tmp.
-WORKDIR /tmp
-ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
-"""
+{_BUNDLE_AND_ENTRYPOINT}"""
 
 
 def _train_branch() -> str:
