@@ -27,7 +27,7 @@ from brats_swap.model.targets import run_output_count
 from brats_swap.run.checkpoint import load_checkpoint, save_checkpoint
 from brats_swap.run.folder import RunFolder
 from brats_swap.ship.bundle import METADATA, fold_onnx, open_bundle
-from brats_swap.ship.onnx_export import ATOL, OPSET, RTOL, onnx_bytes
+from brats_swap.ship.onnx_export import ATOL, FP16_ATOL, OPSET, RTOL, onnx_bytes
 
 pytest.importorskip("onnxruntime")
 
@@ -73,6 +73,11 @@ def test_export_onnx_adds_each_folds_checked_network_with_its_sha256(onnx_bundle
         assert [c["input"].split(" ")[0] for c in checks] == ["random", "case"]  # a real case of the run too
         assert all(0 <= c["max_abs_diff"] <= ATOL for c in checks)
         assert (record["onnx"]["rtol"], record["onnx"]["atol"]) == (RTOL, ATOL)
+        half = record["onnx"]["fp16"]  # the Isensee U-Net exports and runs in float16 too
+        assert half["written"] and half["file"] in bundle.metadata["files"], half
+        model = onnx.load_from_string(bundle.members[half["file"]])
+        assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+        assert all(c["max_abs_diff"] <= FP16_ATOL for c in half["checks"]) and len(half["checks"]) == 2
 
 
 class _FourierNet(torch.nn.Module):

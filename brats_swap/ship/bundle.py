@@ -11,6 +11,7 @@ model.zip  configs/metadata.json        format version, versions, task, architec
            configs/training_plan.json   the card, plan and schedule `train-challenge` chose (when it made the run)
            models/fold_<k>/model.pt     the fold's weights: a state dict, loadable with weights_only=True
            models/fold_<k>/model.onnx   the fold's network as ONNX (`export --onnx`: ship/onnx_export.py)
+           models/fold_<k>/model.fp16.onnx  the same in float16 (`export --onnx`, where the network allows it)
            models/fold_<k>/config.yaml  the config the fold was trained with (its architecture)
            models/fold_<k>/train.log    the fold's training log (when the run has it)
            figures/<name>.png           the run's figures (when it has them)
@@ -94,6 +95,10 @@ def fold_config(fold: int) -> str:
 
 def fold_onnx(fold: int) -> str:
     return f"models/fold_{fold_name(fold)}/model.onnx"
+
+
+def fold_onnx_half(fold: int) -> str:
+    return f"models/fold_{fold_name(fold)}/model.fp16.onnx"
 
 
 def fold_log(fold: int) -> str:
@@ -189,11 +194,8 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
                         "weights": fold_weights(k), "config": fold_config(k),
                         "architecture": architecture_record(trained.model)})
         if onnx:
-            from brats_swap.ship.onnx_export import checked_export
-
-            files[fold_onnx(k)], record = checked_export(model, inference_config(trained, config), config,
-                                                         f"{run.root}: fold {fold_name(k)}")
-            records[-1]["onnx"] = {"file": fold_onnx(k), **record}
+            records[-1]["onnx"] = _onnx_members(files, k, model, inference_config(trained, config), config,
+                                                f"{run.root}: fold {fold_name(k)}")
     if len(set(editions.values())) > 1:
         raise ConfigError(f"{run.root}: folds {', '.join(map(str, chosen))} were trained on different label tables "
                           f"({', '.join(f'fold {k}: {e}' for k, e in editions.items())}); export one (--folds K)")
@@ -222,6 +224,20 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
             archive.writestr(zipfile.ZipInfo(member, date_time=_ENTRY_TIME), files[member],
                              compress_type=zipfile.ZIP_DEFLATED)
     return ExportedBundle(out, chosen, challenge, metadata["files"], out.stat().st_size)
+
+
+def _onnx_members(files: dict[str, bytes], fold: int, model, predict_config: Config, run_config: Config,
+                  where: str) -> dict:
+    """Add the fold's ONNX networks to `files` (float32, and float16 where the network allows it); their record
+    for metadata.json (ship/onnx_export.py)."""
+    from brats_swap.ship.onnx_export import checked_export, half_export
+
+    files[fold_onnx(fold)], record = checked_export(model, predict_config, run_config, where)
+    half, half_record = half_export(model, predict_config, run_config, where)
+    if half is not None:
+        files[fold_onnx_half(fold)] = half
+        half_record["file"] = fold_onnx_half(fold)
+    return {"file": fold_onnx(fold), **record, "fp16": half_record}
 
 
 @dataclass

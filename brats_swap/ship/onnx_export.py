@@ -58,6 +58,10 @@ RANDOM_SEED = 0
 # float32 rounding of convolutions summed in another order.
 RTOL = 1e-4
 ATOL = 1e-4
+# The float16 network (`model.fp16.onnx`, for GPUs; written where the network exports and runs in float16) is
+# checked against torch's float32 output with float16's own precision (11 significant bits).
+FP16_RTOL = 1e-2
+FP16_ATOL = 1e-2
 PROBABILITIES, LOGITS = "probabilities", "logits"
 _UNSUPPORTED = re.compile(r"operator '?([\w:.]+)'? to ONNX")
 
@@ -116,12 +120,14 @@ def network_input_shape(config: Config) -> list[int]:
     return [1, len(config.data.modalities), *(int(s) for s in spatial)]
 
 
-def onnx_bytes(model: nn.Module, output: str, shape: Sequence[int], where: str) -> bytes:
-    """The ONNX model (opset `OPSET`, batch axis free) of `model`'s `output` for inputs of `shape`; ConfigError
-    naming the operation when one has no ONNX form."""
+def onnx_bytes(model: nn.Module, output: str, shape: Sequence[int], where: str, half: bool = False) -> bytes:
+    """The ONNX model (opset `OPSET`, batch axis free) of `model`'s `output` for inputs of `shape`, in float16
+    with `half`; ConfigError naming the operation when one has no ONNX form."""
     module = _Output(exportable(model), output).eval()
+    if half:
+        module = module.half()
     buffer = io.BytesIO()
-    example = torch.zeros(tuple(shape), dtype=torch.float32)
+    example = torch.zeros(tuple(shape), dtype=torch.float16 if half else torch.float32)
     try:
         # The exporter logs the whole graph when it fails (the refusal below is the one line) and warns about
         # Python values in the trace (the shapes, fixed here).
@@ -133,9 +139,10 @@ def onnx_bytes(model: nn.Module, output: str, shape: Sequence[int], where: str) 
     except Exception as exc:  # torch.onnx raises several types (UnsupportedOperatorError, SymbolicValueError, ...)
         text = str(exc)
         found = _UNSUPPORTED.search(text)
-        what = f"the operation {found[1]}" if found else (text.strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ConfigError(f"{where}: cannot export {type(model).__name__} to ONNX opset {OPSET}: {what} has no ONNX "
-                          "form; predict with --runtime torch") from None
+        what = (f"the operation {found[1]} has no ONNX form" if found
+                else (text.strip().splitlines() or [type(exc).__name__])[0][:200])
+        raise ConfigError(f"{where}: cannot export {type(model).__name__} to ONNX opset {OPSET}"
+                          f"{' in float16' if half else ''}: {what}; predict with --runtime torch") from None
     return buffer.getvalue()
 
 
@@ -170,16 +177,19 @@ class Agreement:
         return {"input": self.name, "max_abs_diff": self.max_abs_diff}
 
 
-def compare(model: nn.Module, output: str, model_bytes: bytes, image: np.ndarray, name: str) -> Agreement:
-    """onnxruntime's output of `model_bytes` against torch's `output` of `model`, on one (1, C, ...) input."""
+def compare(model: nn.Module, output: str, model_bytes: bytes, image: np.ndarray, name: str,
+            half: bool = False) -> Agreement:
+    """onnxruntime's output of `model_bytes` (a float16 network with `half`) against torch's float32 `output` of
+    `model`, on one (1, C, ...) float32 input."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
-    ours = session.run([OUTPUT_NAME], {INPUT_NAME: image})[0]
+    ours = session.run([OUTPUT_NAME], {INPUT_NAME: image.astype(np.float16) if half else image})[0]
     with torch.no_grad():
         theirs = _Output(model, output).eval()(torch.from_numpy(image)).numpy()
     difference = np.abs(ours.astype(np.float64) - theirs)
-    within = bool(np.all(difference <= ATOL + RTOL * np.abs(theirs.astype(np.float64))))
+    rtol, atol = (FP16_RTOL, FP16_ATOL) if half else (RTOL, ATOL)
+    within = bool(np.all(difference <= atol + rtol * np.abs(theirs.astype(np.float64))))
     return Agreement(name, float(difference.max()), within)
 
 
@@ -189,8 +199,10 @@ def random_input(shape: Sequence[int]) -> np.ndarray:
 
 
 def case_input(config: Config, shape: Sequence[int]) -> tuple[str, np.ndarray] | None:
-    """(case id, a (1, C, ...) network input) from the first case under the run's `data.root`, as predict feeds
-    the network: the cube (its centre `shape` for a patch model); None when the run's data is not there."""
+    """(case id, a (1, C, ...) network input) from the first case under the run's `data.root`, preprocessed by
+    brats-swap's rules as predict feeds its own models: the cube (its centre `shape` for a patch model). A model
+    under nnU-Net's rules gets the same z-scored brain, cut from the cube rather than from nnU-Net's crop. None
+    when the run's data is not there."""
     from brats_swap.data.discovery import discover_cases
     from brats_swap.data.nifti import load_case
     from brats_swap.data.preprocess import preprocess_case, preprocess_settings
@@ -240,3 +252,27 @@ def checked_export(model: nn.Module, config: Config, run_config: Config, where: 
                          "input_shape": ["batch", *shape[1:]], "dtype": "float32", "rtol": RTOL, "atol": ATOL,
                          "checks": [check.record() for check in checks],
                          "real_case": real is not None}
+
+
+def half_export(model: nn.Module, config: Config, run_config: Config, where: str) -> tuple[bytes | None, dict]:
+    """The fold's float16 network and its record, or (None, the reason) where the network does not allow it: an
+    operation without a float16 form in torch's exporter or in onnxruntime, or an output beyond float16's
+    tolerance (`FP16_RTOL`, `FP16_ATOL`) of torch's float32 output on the inputs `checked_export` uses."""
+    output, shape = network_output(config), network_input_shape(config)
+    try:
+        model_bytes = onnx_bytes(model, output, shape, where, half=True)
+        inputs = [(f"random (seed {RANDOM_SEED})", random_input(shape))]
+        real = case_input(run_config, shape)
+        if real is not None:
+            inputs.append((f"case {real[0]}", real[1]))
+        checks = [compare(model, output, model_bytes, image, name, half=True) for name, image in inputs]
+    except Exception as exc:  # the exporter's and onnxruntime's errors: this network has no float16 form here
+        # (e.g. torch's CPU kernels trace no float16 average pooling: nnU-Net's residual encoder)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, {"written": False, "reason": reason.removeprefix(f"{where}: ")[:300]}
+    outside = [check for check in checks if not check.within]
+    if outside:
+        return None, {"written": False, "reason": f"differs from torch's float32 output on the {outside[0].name} "
+                      f"input by up to {outside[0].max_abs_diff:.3g}, beyond atol {FP16_ATOL} + rtol {FP16_RTOL}"}
+    return model_bytes, {"written": True, "dtype": "float16", "rtol": FP16_RTOL, "atol": FP16_ATOL,
+                         "checks": [check.record() for check in checks]}
