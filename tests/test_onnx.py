@@ -260,3 +260,15 @@ def test_the_sliding_window_is_monais():
             ours = sliding_window(lambda a: network(torch.from_numpy(a)).numpy(), images.numpy(), window,
                                   overlap=overlap, blend=blend, batch_size=batch)
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_onnxruntime_on_a_bundle_exported_without_onnx_is_one_line(cv_run, tmp_path):
+    _, run, root = cv_run
+    plain = tmp_path / "plain.zip"
+    assert invoke("export", "--run", run, "--out", plain, "--folds", "0").exit_code == 0
+    result = invoke("predict", "--model", plain, "--runtime", "onnxruntime", "--input", root, "--out", tmp_path / "o")
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1
+    assert "fold 0 has no models/fold_0/model.onnx; export the run with --onnx" in errors[0]
+    result = invoke("predict", "--run", run, "--runtime", "onnxruntime", "--input", root, "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "give --model FILE" in result.output
