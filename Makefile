@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(BIN)/pip install --quiet "torch==2.13.0" $(QUIET_PIP); \
 	fi
 	@echo "installing brats-swap and its dependencies into $(VENV)"
-	@$(BIN)/pip install --quiet -e ".[dev]" $(QUIET_PIP)
+	@$(BIN)/pip install --quiet -e ".[dev,onnx]" $(QUIET_PIP)
 	@# nnU-Net's networks come from dynamic-network-architectures, whose metadata asks for timm, which pulls
 	@# torchvision, which pulls another (multi-GB CUDA) torch over the one installed above. The U-Nets we
 	@# build import neither: install it without its dependencies (plus einops, its one light import), and

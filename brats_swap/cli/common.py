@@ -53,6 +53,8 @@ FoldsOption = Annotated[
                                                       "option).")
 ]
 CheckpointOption = Annotated[str, typer.Option("--checkpoint", help="best, latest, or a checkpoint file.")]
+RuntimeOption = Annotated[str, typer.Option("--runtime", help="What runs a bundle's networks: torch, or onnxruntime "
+                                            "(its ONNX networks from export --onnx; imports no torch).")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from brats_swap.cli.common import CheckpointOption, FoldsOption, SetOption, flag, handle_errors
+from brats_swap.cli.common import CheckpointOption, FoldsOption, RuntimeOption, SetOption, flag, handle_errors
 from brats_swap.errors import ConfigError
 from brats_swap.run.console import line_console, warn
 
@@ -41,6 +41,7 @@ def predict(
                                                   show_default=False)] = None,
     tile_batch: Annotated[int | None, typer.Option("--tile-batch", min=1, help="Tiles per network call "
                                                    "(evaluate.sw_batch_size).", show_default=False)] = None,
+    runtime: RuntimeOption = "torch",
     overrides: SetOption = None,
 ) -> None:
     """Segment new cases as the leaderboard expects: <case id>.nii.gz in the challenge's labels, on the
@@ -49,20 +50,27 @@ def predict(
     exits 1 naming every failed case.
 
     Example: brats-swap predict --run runs/cv --input data/new_cases --out predictions/ --tta
-    (or --model model.zip, a bundle of brats-swap export: the same segmentations without the run folder)
+    (or --model model.zip, a bundle of brats-swap export: the same segmentations without the run folder;
+    --runtime onnxruntime runs its ONNX networks, exported with --onnx, without torch)
     """
+    from brats_swap.evaluate.case_prediction import predict_with, with_evaluate_settings
     from brats_swap.evaluate.failures import CaseFailures
-    from brats_swap.evaluate.predicting import predict_with, run_predictor, with_evaluate_settings
 
     if (run is None) == (model is None):
         raise ConfigError("predict: give either --run DIR (a trained run) or --model FILE (a bundle), one of them")
     if model is not None:
-        from brats_swap.ship.bundle import bundle_predictor, open_bundle
+        from brats_swap.ship.bundle import open_bundle
+        from brats_swap.ship.onnx_runtime import runtime_predictor
 
         if checkpoint != "best":
             raise ConfigError("predict --model: --checkpoint is chosen at export (brats-swap export --checkpoint)")
-        predictor = bundle_predictor(open_bundle(model), folds, postprocess=postprocessing, device=device)
+        predictor = runtime_predictor(open_bundle(model), runtime, folds, postprocess=postprocessing, device=device)
+    elif runtime != "torch":
+        raise ConfigError(f"predict --runtime {runtime}: runs a bundle's ONNX networks; give --model FILE (brats-swap "
+                          "export --onnx)")
     else:
+        from brats_swap.evaluate.predicting import run_predictor
+
         predictor = run_predictor(run, folds, checkpoint, postprocessing, device=device)
     predictor = with_evaluate_settings(predictor, evaluate_overrides(overrides, step_size, gaussian, tile_batch))
     if model is not None:  # someone else's file: one case priced before any case is read, as serve-challenge does

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from brats_swap.cli.common import FoldsOption, flag, handle_errors
+from brats_swap.cli.common import FoldsOption, RuntimeOption, flag, handle_errors
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.run.console import line_console, warn
 
@@ -31,21 +31,34 @@ def export(
     out: Annotated[Path, typer.Option("--out", "-o", help="The bundle to write, e.g. model.zip.")],
     folds: FoldsOption = "all",
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="best or latest.")] = "best",
+    onnx: Annotated[bool, flag("--onnx/--no-onnx", "Also write each fold's network as ONNX (opset 18), checked "
+                               "against torch, for predict --runtime onnxruntime (needs brats-swap[onnx]).")] = False,
 ) -> None:
     """Write a self-contained bundle of a run: each fold's weights (state dicts), the resolved config, the
     label table and modalities, postprocessing.json, the cv summary and metadata.json with versions and the
     sha256 of every file. Optimizer state and splits stay in the run.
 
-    Example: brats-swap export --run runs/cv --out model.zip
+    Example: brats-swap export --run runs/cv --out model.zip --onnx
     """
     from brats_swap.ship.bundle import export_bundle
 
-    exported = export_bundle(run, out, folds, checkpoint)
+    if onnx:
+        _require_onnx()
+    exported = export_bundle(run, out, folds, checkpoint, onnx=onnx)
     _say(f"wrote {exported.path} ({exported.size_bytes / 2**20:.1f} MiB): fold(s) "
          f"{', '.join(map(str, exported.folds))} ({checkpoint} checkpoint), {exported.challenge} table, "
-         f"{len(exported.files)} files with their sha256")
+         f"{len(exported.files)} files with their sha256{', ONNX networks checked against torch' if onnx else ''}")
     for note in exported.notes:
         warn(note)
+
+
+def _require_onnx() -> None:
+    """ConfigError (one line) when onnx or onnxruntime is not installed."""
+    import importlib.util
+
+    missing = [name for name in ("onnx", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"{' and '.join(missing)} not installed: pip install 'brats-swap[onnx]' (or make install)")
 
 
 @handle_errors
@@ -60,6 +73,11 @@ def container(
     trainable: Annotated[bool, flag("--trainable/--inference-only", "Also give the image a `train` entry that "
                                     "retrains the bundle's recipe on /data into /output/model.zip (BraTS "
                                     "GoAT: the organisers retrain every submission).")] = False,
+    runtime: RuntimeOption = "torch",
+    weights_record: Annotated[str | None, typer.Option("--weights-record", help="The bundle's Zenodo record: the "
+                                                       "BrainLesion entry lists it as additional_files, which the "
+                                                       "orchestrator mounts and passes as --weights.",
+                                                       show_default=False)] = None,
 ) -> None:
     """Write a BraTS challenge image's build folder: Dockerfile, .dockerignore, entrypoint.sh, the bundle,
     pinned requirements, brats-swap's source and a README with the build, run and save commands; print the
@@ -72,7 +90,8 @@ def container(
     from brats_swap.ship.bundle import open_bundle
     from brats_swap.ship.container import write_container
 
-    written = write_container(open_bundle(model), out, task, image, time_budget, trainable=trainable)
+    written = write_container(open_bundle(model), out, task, image, time_budget, trainable=trainable, runtime=runtime,
+                              weights_record=weights_record)
     for note in (written.task_note, written.wheel_note):
         if note is not None:
             _say(note)
@@ -102,6 +121,10 @@ def serve_challenge(
                                                     "when the cases so far project past it, drop TTA, then "
                                                     "folds.", show_default=False)] = None,
     device: Annotated[str, typer.Option("--device", help="auto (CUDA when available), cpu, cuda, cuda:N.")] = "auto",
+    runtime: RuntimeOption = "torch",
+    weights: Annotated[Path | None, typer.Option("--weights", help="A bundle (or a folder holding model.zip) "
+                                                 "served instead of --model: the BrainLesion orchestrator's "
+                                                 "weights mount.", show_default=False)] = None,
 ) -> None:
     """The BraTS challenge entrypoint (the image's; works without a container too): segment every case
     folder of --input into a flat --output/<case id>.nii.gz, case by case, under any uid and with an
@@ -119,15 +142,19 @@ def serve_challenge(
     if parameters_file is not None:
         _say(f"--parameters_file {parameters_file}: not read, the bundle holds every setting")
     budget = parse_duration(time_budget) if time_budget is not None else None
-    from brats_swap.ship.bundle import bundle_predictor, open_bundle
+    from brats_swap.ship.bundle import open_bundle
     from brats_swap.ship.container import resolve_task
+    from brats_swap.ship.onnx_runtime import runtime_predictor
     from brats_swap.ship.serve import serve
 
+    if weights is not None:
+        model = weights / "model.zip" if weights.is_dir() else weights
+        _say(f"--weights: serving {model}")
     bundle = open_bundle(model)
     task, task_note = resolve_task(bundle, task)
     if task_note is not None:
         _say(task_note)
-    predictor = bundle_predictor(bundle, folds, device=device, challenge=task)
+    predictor = runtime_predictor(bundle, runtime, folds, device=device, challenge=task)
     report = serve(predictor, input_dir, output_dir, tta=tta, time_budget_s=budget, say=_say)
     _say(f"wrote {len(report.written)} of {report.cases} segmentation(s) to {output_dir}")
     report.failures.raise_if_any(f"serve-challenge {input_dir}", report.cases)

@@ -11,9 +11,11 @@ The steps (those of Ellis's `3DUnetCNN` preprocessing, which the paper used, plu
    is the usual choice since Isensee and does not let the background dominate the statistics.)
 3. Fit the box to `data.cube`:
    - `resample` (Ellis/IBM, what the paper trained on): stretch the box anisotropically to the cube,
-     trilinear for images, nearest for labels. We use torch `F.interpolate` (`align_corners=False`, i.e.
-     voxel centres of an extent-aligned grid like SimpleITK's, and `nearest-exact`, SimpleITK's centred
-     nearest neighbour) because it is fast on CPU and the same call inverts it.
+     trilinear for images, nearest for labels: torch's `F.interpolate` (`align_corners=False`, i.e. voxel
+     centres of an extent-aligned grid like SimpleITK's, and `nearest-exact`, SimpleITK's centred nearest
+     neighbour); the same call inverts it. A process without torch (`predict --runtime onnxruntime`)
+     resizes with a numpy form of torch's CPU kernel, equal to it bit for bit here (tests/test_onnx.py) and
+     about 6x slower, so torch's runs wherever torch is already loaded.
    - `pad_crop` (keeps 1 mm voxels): centre the box in the cube, zero-padding axes that are shorter and
      centre-cropping axes that are longer.
 
@@ -26,12 +28,11 @@ original voxel grid; everything outside the bounding box is background.
 from __future__ import annotations
 
 import base64
+import sys
 from typing import Any
 
 import nibabel as nib
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from brats_swap.data.challenges import get_challenge
 from brats_swap.data.nifti import LoadedCase
@@ -179,20 +180,55 @@ def normalize_modalities(image: np.ndarray, clip_percentiles, modalities=None) -
 
 
 def resize_image(volume: np.ndarray, size) -> np.ndarray:
-    """(C, X, Y, Z) float -> (C, *size) float32, trilinear with half-voxel (extent-aligned) centres."""
+    """(C, X, Y, Z) float -> (C, *size) float32, trilinear with half-voxel (extent-aligned) centres: torch's
+    `F.interpolate(mode="trilinear", align_corners=False)`, or its numpy form without torch (module docstring)."""
     if tuple(volume.shape[1:]) == tuple(size):
         return volume.astype(np.float32, copy=False)
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return np.stack([_trilinear_numpy(channel, size) for channel in np.asarray(volume, dtype=np.float32)])
     tensor = torch.from_numpy(np.ascontiguousarray(volume, dtype=np.float32))[None]
-    return F.interpolate(tensor, size=tuple(size), mode="trilinear", align_corners=False)[0].numpy()
+    return torch.nn.functional.interpolate(tensor, size=tuple(size), mode="trilinear", align_corners=False)[0].numpy()
+
+
+def _trilinear_numpy(volume: np.ndarray, size) -> np.ndarray:
+    """torch's CPU trilinear kernel on one (X, Y, Z) float32 volume: linear along Z, then Y, then X (its nesting)."""
+    for axis in (2, 1, 0):
+        volume = _linear_along(volume, axis, int(size[axis]))
+    return volume
+
+
+def _linear_along(volume: np.ndarray, axis: int, size: int) -> np.ndarray:
+    """Linear interpolation along `axis` to `size` samples with torch's source index and weights (float32,
+    `scale * (i + 0.5) - 0.5` clamped at 0). The two products are summed as torch's kernel does, with a fused
+    multiply-add: in float64, where a float32 product is exact, rounded to float32 once."""
+    length = volume.shape[axis]
+    scale = np.float64(np.float32(length) / np.float32(size))
+    source = np.maximum((scale * (np.arange(size, dtype=np.float64) + 0.5) - 0.5).astype(np.float32), np.float32(0))
+    first = source.astype(np.int64)
+    second = np.where(first < length - 1, first + 1, first)
+    upper = np.clip(source - first.astype(np.float32), 0, 1).astype(np.float32)
+    shape = [1] * volume.ndim
+    shape[axis] = size
+    high = np.take(volume, second, axis=axis)
+    high *= upper.reshape(shape)
+    low = np.take(volume, first, axis=axis).astype(np.float64)
+    low *= (np.float32(1) - upper).astype(np.float64).reshape(shape)
+    low += high
+    return low.astype(np.float32)
 
 
 def resize_label(label: np.ndarray, size) -> np.ndarray:
-    """(X, Y, Z) integer labels -> size, nearest neighbour with centred sampling ("nearest-exact")."""
+    """(X, Y, Z) integer labels -> size, nearest neighbour with centred sampling: torch's "nearest-exact", source
+    index floor((i + 0.5) * scale) in float32, at most the last voxel (one indexing, as fast as torch's)."""
     if tuple(label.shape) == tuple(size):
         return label.astype(np.uint8, copy=False)
-    tensor = torch.from_numpy(np.ascontiguousarray(label, dtype=np.float32))[None, None]
-    resized = F.interpolate(tensor, size=tuple(size), mode="nearest-exact")[0, 0]
-    return resized.numpy().astype(np.uint8)
+    index = []
+    for length, want in zip(label.shape, size, strict=True):
+        scale = np.float32(length) / np.float32(want)
+        source = np.floor((np.arange(want, dtype=np.float32) + np.float32(0.5)) * scale).astype(np.int64)
+        index.append(np.minimum(source, length - 1))
+    return np.asarray(label, dtype=np.uint8)[np.ix_(*index)]
 
 
 def pad_crop_offsets(box_shape, cube) -> list[int]:
@@ -278,7 +314,7 @@ def _check_cube_shape(shape, meta: dict) -> None:
 
 
 def _as_numpy(array) -> np.ndarray:
-    if isinstance(array, torch.Tensor):
+    if hasattr(array, "detach"):  # a torch tensor (torch is not imported here: predicting without it)
         return array.detach().cpu().numpy()
     return np.asarray(array)
 

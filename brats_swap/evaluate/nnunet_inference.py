@@ -30,8 +30,13 @@ compares the two with nnunetv2 2.8.1 itself). The rules, in nnU-Net's order (its
 
 Why not MONAI's `sliding_window_inference`: it places tiles by its own scan interval (not nnU-Net's step
 rule), builds its Gaussian with another normalisation and clamp, pads differently and blends whatever the
-predictor returns; each changes nnU-Net's output. The pieces that are exact are reused: torch for the
-network, flips and sums, scipy for the hole filling and the Gaussian (nnU-Net's own calls).
+predictor returns; each changes nnU-Net's output. The pieces that are exact are reused: scipy for the hole
+filling and the Gaussian (nnU-Net's own calls).
+
+The rules run on numpy arrays whatever runs the network (`torch_logits`: a torch model on its device, under
+autocast on CUDA as nnU-Net; `ship/onnx_runtime.py`: an onnxruntime session), so this module imports no torch
+and predicting without it (`predict --runtime onnxruntime`) has the same code. numpy's float16 sums round as
+torch's (each addition in float32, rounded to float16 once).
 
 The sums are float16, as nnU-Net 2.8.1's (`predicted_logits` and `n_predictions`): a voxel that only
 tile edges reach (tiny weights) gets its logit rounded coarsely, to 0 near the corners of a crop, exactly as
@@ -53,8 +58,6 @@ import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
-from torch import nn
 
 from brats_swap.errors import ConfigError, DataError
 from brats_swap.evaluate import nnunet_resampling
@@ -113,22 +116,23 @@ def compute_steps(image_size: Sequence[int], patch: Sequence[int], step_size: fl
 
 
 @functools.lru_cache(maxsize=4)
-def importance_map(patch: tuple[int, ...]) -> torch.Tensor:
+def importance_map(patch: tuple[int, ...]) -> np.ndarray:
     """nnU-Net's `compute_gaussian(patch, 1/8, value_scaling_factor=10)`: a float16 map, zeros raised to the
-    smallest non-zero weight."""
+    smallest non-zero weight (read-only: the cache's one copy)."""
     from scipy.ndimage import gaussian_filter
 
     delta = np.zeros(patch)
     delta[tuple(p // 2 for p in patch)] = 1
     weights = gaussian_filter(delta, [p * SIGMA_SCALE for p in patch], 0, mode="constant", cval=0)
     weights /= np.max(weights) / GAUSSIAN_PEAK
-    half = torch.from_numpy(weights).to(torch.float16)
+    half = weights.astype(np.float16)
     zero = half == 0
-    half[zero] = torch.min(half[~zero])
+    half[zero] = np.min(half[~zero])
+    half.flags.writeable = False
     return half
 
 
-def pad_to_patch(image: torch.Tensor, patch: Sequence[int]) -> tuple[torch.Tensor, tuple[slice, ...]]:
+def pad_to_patch(image: np.ndarray, patch: Sequence[int]) -> tuple[np.ndarray, tuple[slice, ...]]:
     """Zero-pad the spatial axes of (C, X, Y, Z) to at least `patch`, centred (the odd voxel after), as
     acvl_utils' `pad_nd_image`; returns the padded image and the slices of the original inside it."""
     below, above, keep = [], [], []
@@ -139,8 +143,7 @@ def pad_to_patch(image: torch.Tensor, patch: Sequence[int]) -> tuple[torch.Tenso
         keep.append(slice(extra // 2, extra // 2 + int(size)))
     if not any(below) and not any(above):
         return image, tuple(keep)
-    pads = [p for axis in reversed(range(len(below))) for p in (below[axis], above[axis])]
-    return torch.nn.functional.pad(image, pads), tuple(keep)
+    return np.pad(image, [(0, 0), *zip(below, above, strict=True)]), tuple(keep)
 
 
 def mirror_combinations(axes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -148,63 +151,60 @@ def mirror_combinations(axes: Sequence[int]) -> list[tuple[int, ...]]:
     return [(), *(c for n in range(1, len(axes) + 1) for c in itertools.combinations(tuple(axes), n))]
 
 
-def mirrored_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], tiles: torch.Tensor,
-                    axes: Sequence[int]) -> torch.Tensor:
+def mirrored_logits(logits_of: Callable[[np.ndarray], np.ndarray], tiles: np.ndarray,
+                    axes: Sequence[int]) -> np.ndarray:
     """nnU-Net's `_internal_maybe_mirror_and_predict`: the mean of flip(net(flip(x))) over the mirrorings,
-    summed in nnU-Net's order. `axes` are spatial (0, 1, 2)."""
+    summed in float32 in nnU-Net's order. `axes` are spatial (0, 1, 2)."""
     combos = mirror_combinations([a + 2 for a in axes])
-    total = logits_of(tiles).float()
+    total = np.array(logits_of(tiles), dtype=np.float32)
     for flip in combos[1:]:
-        total += torch.flip(logits_of(torch.flip(tiles, flip)), flip).float()
+        total += np.flip(logits_of(np.ascontiguousarray(np.flip(tiles, flip))), flip).astype(np.float32)
     if len(combos) > 1:
-        total /= len(combos)
+        total /= np.float32(len(combos))
     return total
 
 
-@torch.inference_mode()
-def sliding_window_logits(logits_of: Callable[[torch.Tensor], torch.Tensor], image: torch.Tensor,
+def sliding_window_logits(logits_of: Callable[[np.ndarray], np.ndarray], image: np.ndarray,
                           patch: Sequence[int], out_channels: int, *, step_size: float = 0.5, gaussian: bool = True,
                           mirror_axes: Sequence[int] = (), batch_size: int = 1,
-                          device: torch.device = torch.device("cpu"),
-                          tile_order: Sequence[int] = (0, 1, 2)) -> torch.Tensor:
+                          tile_order: Sequence[int] = (0, 1, 2)) -> np.ndarray:
     """(K, X, Y, Z) float16 logits of a (C, X, Y, Z) image, nnU-Net's sliding window (module docstring, 3-5).
     `batch_size` tiles go through the network at once (each tile's logits are the same as alone: the network
-    normalises per instance). The sums live on `device` and come back to the CPU at the end. Tiles are
-    visited with their loops nested over the axes in `tile_order`, outermost first: nnU-Net's own axis order
-    (`evaluate.nnunet_axes`), so that each voxel's float16 sum adds its tiles in nnU-Net's order."""
+    normalises per instance). Tiles are visited with their loops nested over the axes in `tile_order`,
+    outermost first: nnU-Net's own axis order (`evaluate.nnunet_axes`), so that each voxel's float16 sum adds
+    its tiles in nnU-Net's order."""
     patch = tuple(int(p) for p in patch)
-    padded, keep = pad_to_patch(image.to(torch.float32), patch)
-    padded = padded.to(device)
+    padded, keep = pad_to_patch(np.asarray(image, dtype=np.float32), patch)
     spatial = tuple(padded.shape[1:])
     steps, order = compute_steps(spatial, patch, step_size), tuple(int(a) for a in tile_order)  # checked by the config loader
     starts = [tuple(combo[order.index(axis)] for axis in range(3))
               for combo in itertools.product(*(steps[axis] for axis in order))]
-    weights = importance_map(patch).to(device) if gaussian else None
+    weights = importance_map(patch) if gaussian else None
     # float16 sums, as nnU-Net's `predicted_logits` and `n_predictions` (module docstring).
-    total = torch.zeros((out_channels, *spatial), dtype=torch.float16, device=device)
-    norm = torch.zeros(spatial, dtype=torch.float16, device=device)
+    total = np.zeros((out_channels, *spatial), dtype=np.float16)
+    norm = np.zeros(spatial, dtype=np.float16)
     for first in range(0, len(starts), batch_size):
         chunk = starts[first:first + batch_size]
         boxes = [tuple(slice(s, s + p) for s, p in zip(start, patch, strict=True)) for start in chunk]
-        tiles = torch.stack([padded[(slice(None), *box)] for box in boxes])
-        # nnU-Net runs the network under autocast on CUDA (float16 convolutions), in float32 elsewhere.
-        with torch.autocast("cuda") if device.type == "cuda" else contextlib.nullcontext():
-            logits = mirrored_logits(logits_of, tiles, mirror_axes)
+        tiles = np.stack([padded[(slice(None), *box)] for box in boxes])
+        logits = mirrored_logits(logits_of, tiles, mirror_axes)
         if weights is not None:
             logits *= weights  # float32 logits times the float16 weights, in float32 (as nnU-Net)
         for index, box in enumerate(boxes):
             total[(slice(None), *box)] += logits[index]
-            norm[box] += weights if weights is not None else 1
-    torch.div(total, norm, out=total)
-    if torch.isinf(total).any():  # nnU-Net aborts here too: a float16 sum overflowed
+            norm[box] += weights if weights is not None else np.float16(1)
+    with np.errstate(over="ignore"):
+        np.divide(total, norm, out=total)
+    if np.isinf(total).any():  # nnU-Net aborts here too: a float16 sum overflowed
         raise DataError("the blended logits overflow float16 (as nnU-Net's would); predict with "
                         "--set evaluate.inference=brats_swap")
-    return total[(slice(None), *keep)].cpu()
+    return total[(slice(None), *keep)]
 
 
-def network_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The model's full-resolution logits (brats_swap.model.networks' `logits`); ConfigError for a network
-    that ends in a sigmoid (its logits are not there to blend)."""
+def network_logits(model) -> Callable:
+    """The model's full-resolution logits (brats_swap.model.networks' `logits`, or an onnxruntime network
+    exported with its logits); ConfigError for a network that ends in a sigmoid (its logits are not there to
+    blend)."""
     logits = getattr(model, "logits", None)
     if logits is None:
         raise ConfigError(f"evaluate.inference={NNUNET}: {type(model).__name__} returns probabilities, not logits; "
@@ -212,8 +212,32 @@ def network_logits(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return logits
 
 
-def case_logits(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
-                *, tta: bool, spacing: Sequence[float] | None = None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def torch_logits(model, device) -> Callable[[np.ndarray], np.ndarray]:
+    """A torch model's logits (`network_logits`) on numpy tiles, run on `device`: under autocast on CUDA (float16
+    convolutions, as nnU-Net runs its network there), in float32 elsewhere; float32 on the host."""
+    import torch
+
+    logits = network_logits(model)
+    model.eval()
+
+    @torch.inference_mode()
+    def predict(tiles: np.ndarray) -> np.ndarray:
+        with torch.autocast("cuda") if device.type == "cuda" else contextlib.nullcontext():
+            return logits(torch.from_numpy(tiles).to(device)).float().cpu().numpy()
+
+    return predict
+
+
+def array_logits(model, device) -> Callable[[np.ndarray], np.ndarray]:
+    """The logits of a member's network on numpy tiles: an onnxruntime network's own (`ship/onnx_runtime.py`),
+    a torch model's on `device` (`torch_logits`)."""
+    if getattr(model, "runs_on_arrays", False):
+        return network_logits(model)
+    return torch_logits(model, device)
+
+
+def case_logits(members: Sequence[tuple[object, object]], image: np.ndarray, device, *, tta: bool,
+                spacing: Sequence[float] | None = None) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """One case's logits in its non-zero crop, the mean over the members (a fold ensemble, as nnU-Net averages
     its folds' logits), and the crop's bounding box. `image`: (C, X, Y, Z) as loaded (float32, unrounded);
     `spacing`: its voxel size in mm, with which the crop is resampled to the members' `evaluate.resample_spacing`
@@ -223,21 +247,20 @@ def case_logits(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, 
     normalised = zscore_in_mask(image[(slice(None), *box)], mask, members[0][1].evaluate.nnunet_axes)
     resampling = nnunet_resampling.case_resampling(normalised.shape[1:], spacing, nnunet_resampling.target_grid(members),
                                                    normalised.shape[0], int(members[0][0].out_channels))
-    cropped = torch.from_numpy(normalised if resampling is None else resampling.image(normalised))
+    cropped = normalised if resampling is None else resampling.image(normalised)
     total = None
     for model, config in members:
         evaluate = config.evaluate
-        model.eval()
         logits = sliding_window_logits(
-            network_logits(model), cropped, config.train.patch, int(model.out_channels),
+            array_logits(model, device), cropped, config.train.patch, int(model.out_channels),
             step_size=step_size_of(evaluate.sw_overlap), gaussian=evaluate.sw_blend == "gaussian",
-            mirror_axes=evaluate.mirror_axes if tta else (), batch_size=evaluate.sw_batch_size, device=device,
+            mirror_axes=evaluate.mirror_axes if tta else (), batch_size=evaluate.sw_batch_size,
             tile_order=evaluate.nnunet_axes)
-        total = logits if total is None else total.add_(logits)  # float16, as nnU-Net sums its folds
+        total = logits if total is None else np.add(total, logits, out=total)  # float16, as nnU-Net sums its folds
     if len(members) > 1:
-        total /= len(members)
+        total /= np.float16(len(members))
     if resampling is not None:
-        total = torch.from_numpy(resampling.logits_back(total.numpy()))
+        total = resampling.logits_back(total)
     return total, bbox
 
 
@@ -247,13 +270,13 @@ def step_size_of(sw_overlap: float) -> float:
     return round(1.0 - float(sw_overlap), 10)
 
 
-def crop_probabilities(members: Sequence[tuple[nn.Module, object]], image: np.ndarray, device: torch.device,
-                       *, tta: bool, spacing: Sequence[float] | None = None) -> tuple[np.ndarray, list[tuple[int, int]]]:
+def crop_probabilities(members: Sequence[tuple[object, object]], image: np.ndarray, device, *, tta: bool,
+                       spacing: Sequence[float] | None = None) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(K, ...) float32 probabilities inside the case's non-zero crop (sigmoid, or softmax across the channels
     for `model.outputs: softmax`, of the float16 logits made float32 first, as nnU-Net), and the crop's
     bounding box."""
     logits, bbox = case_logits(members, image, device, tta=tta, spacing=spacing)
-    return probabilities_from_logits(logits.float(), members[0][1].model.outputs, channel_dim=0).numpy(), bbox
+    return probabilities_from_logits(logits.astype(np.float32), members[0][1].model.outputs, channel_dim=0), bbox
 
 
 def on_case_grid(crop: np.ndarray, bbox: Sequence[tuple[int, int]], shape: Sequence[int],

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from brats_swap.config.host import available_host_bytes
 from brats_swap.config.schema import INTEGER_LIMITS
 from brats_swap.errors import ConfigError, DataError
-from brats_swap.memory.arena import available_host_bytes
 
 ANISO_THRESHOLD = 3  # nnunetv2.configuration.ANISO_THRESHOLD
 IMAGE_ORDER = 3  # the plans' resampling_fn_data_kwargs order

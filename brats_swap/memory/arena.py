@@ -41,6 +41,7 @@ from typing import Protocol
 import torch
 
 from brats_swap.config import ConfigError
+from brats_swap.config.host import available_host_bytes
 from brats_swap.memory.budget import GIB
 
 ALIGN = 512  # bytes; keeps every slice aligned for fast DMA and for any dtype view
@@ -55,22 +56,6 @@ def _align(n: int, to: int = ALIGN) -> int:
 def arena_bytes(storage_bytes: Iterable[int]) -> int:
     """Capacity that holds the swapped storages of one step exactly (each slice aligned as `alloc` does)."""
     return sum(_align(max(int(n), 1)) for n in storage_bytes)
-
-
-def available_host_bytes() -> int | None:
-    """Host memory available to new allocations without swapping: Linux's MemAvailable, else the free
-    physical pages (`os.sysconf`); None when neither is known."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_host_memory(nbytes: int, available: int | None = None, ranks: int = 1) -> None:

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import torch
 
 from brats_swap.config import ModelConfig
 from brats_swap.data.challenges import ChallengeSpec, get_challenge, isin
@@ -155,6 +154,8 @@ def run_output_count(challenge: ChallengeSpec | str, model_cfg: ModelConfig) -> 
 def _stack(masks: list, channel_dim: int):
     if isinstance(masks[0], np.ndarray):
         return np.stack(masks, axis=channel_dim).astype(np.float32)
+    import torch  # a torch tensor's masks: torch is loaded
+
     return torch.stack(masks, dim=channel_dim).to(torch.float32)
 
 
@@ -214,10 +215,18 @@ def channel_values(challenge: ChallengeSpec | str, label_order: Sequence[int] | 
     return (0, *(int(v) for v in label_order))
 
 
-def probabilities_from_logits(logits: torch.Tensor, outputs: Outputs, channel_dim: int = 1) -> torch.Tensor:
-    """The output kind's probabilities of logits: softmax across the channels for "softmax" (nnU-Net's
-    `softmax_helper`), an elementwise sigmoid otherwise."""
+def probabilities_from_logits(logits, outputs: Outputs, channel_dim: int = 1):
+    """The output kind's probabilities of logits (a torch tensor, or a float32 numpy array: the same formulas,
+    torch's to float32 rounding): softmax across the channels for "softmax" (nnU-Net's `softmax_helper`), an
+    elementwise sigmoid otherwise."""
     _check_outputs(outputs)
+    if isinstance(logits, np.ndarray):
+        if outputs != SOFTMAX:
+            return (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
+        shifted = np.exp(logits - logits.max(axis=channel_dim, keepdims=True))
+        return (shifted / shifted.sum(axis=channel_dim, keepdims=True)).astype(np.float32)
+    import torch
+
     return torch.softmax(logits, channel_dim) if outputs == SOFTMAX else torch.sigmoid(logits)
 
 
@@ -236,8 +245,9 @@ def _argmax_labels_numpy(probs: np.ndarray, values: Sequence[int], threshold: fl
     return label
 
 
-def _argmax_labels_torch(probs: torch.Tensor, values: Sequence[int], threshold: float | None,
-                         channel_dim: int) -> torch.Tensor:
+def _argmax_labels_torch(probs, values: Sequence[int], threshold: float | None, channel_dim: int):
+    import torch
+
     max_prob, index = probs.max(dim=channel_dim)
     label = torch.tensor(values, dtype=torch.uint8, device=probs.device)[index]
     if threshold is not None:
@@ -253,8 +263,12 @@ def _labels_from_regions(probs, tree: dict[str, Region], threshold: float, chann
         return np.take(probs, region.channel, axis=channel_dim) if numpy else probs.select(channel_dim, region.channel)
 
     first = channel(next(iter(tree.values())))
-    label = np.zeros(first.shape, dtype=np.uint8) if numpy else torch.zeros(first.shape, dtype=torch.uint8,
-                                                                            device=probs.device)
+    if numpy:
+        label = np.zeros(first.shape, dtype=np.uint8)
+    else:
+        import torch
+
+        label = torch.zeros(first.shape, dtype=torch.uint8, device=probs.device)
     roots = [region for region in tree.values() if not any(region.name in r.children for r in tree.values())]
     pending = [(roots, None)]  # (siblings, mask of where their parent won; None = everywhere)
     while pending:
@@ -278,6 +292,8 @@ def _winners(sibling_probs: list, threshold: float, numpy: bool) -> list:
         scores = np.stack([np.where(a, p, -1.0) for a, p in zip(active, sibling_probs, strict=True)])
         best = np.argmax(scores, axis=0)
     else:
+        import torch
+
         scores = torch.stack([torch.where(a, p, torch.full_like(p, -1.0)) for a, p in
                               zip(active, sibling_probs, strict=True)])
         best = torch.argmax(scores, dim=0)

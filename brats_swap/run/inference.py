@@ -1,29 +1,36 @@
-"""Inference on prepared cubes: the whole cube in one pass (full models) or MONAI's sliding window (patch models),
-optionally with test-time mirroring, and the average of several models (a fold ensemble).
+"""Inference on prepared cubes with a torch network: the whole cube in one pass (full models) or the sliding
+window (patch models), optionally with test-time mirroring, and the average of several models (a fold ensemble).
 
-Training validates with it and evaluation predicts with it, so it sits under both. Every path returns
-sigmoid probabilities of shape (B, C, D, H, W) (C = the model's output channels) as float32 on the CPU,
-so the caller can map them back to the original grid without holding device memory.
+Training validates with it and evaluation predicts with it, so it sits under both. The rules themselves (MONAI's
+sliding window, the 8 mirrorings summed in float64, the fold mean) are `run/array_inference.py`'s, on numpy
+arrays, shared with the torch-free onnxruntime predictor; this module runs them with a torch network on its
+device (`torch_network`), whose sliding window is MONAI's own with the volume placed on the device once when it
+fits (`predict_sliding_window`). Every path returns probabilities of shape (B, C, D, H, W) (C = the model's output
+channels) as float32 on the CPU, so the caller can map them back to the original grid without holding device
+memory.
 
 Test-time augmentation (`tta=True`) is nnU-Net's mirroring: the network sees the cube under each of the
 8 subsets of the 3 spatial flips (none, D, H, W, DH, DW, HW, DHW), each output is flipped back, and the 8
-probability maps are averaged. The average is flip-equivariant by construction: mirroring the input only
-permutes which subset produces which (identical) term. The terms are summed in float64, so the sum does not
-depend on their order in practice, and rounded to float32 once at the end.
+probability maps are averaged (`array_inference.mirrored`).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from brats_swap.config import Config
 from brats_swap.memory import cuda_device
+from brats_swap.run import array_inference
+from brats_swap.run.array_inference import MIRROR_AXES, mirror_subsets
 from brats_swap.run.device import autocast_context
+
+__all__ = ["MIRROR_AXES", "mirror_subsets", "predict_cube", "predict_ensemble", "predict_full", "predict_mirrored",
+           "predict_sliding_window", "torch_network"]
 
 
 @torch.no_grad()
@@ -34,6 +41,31 @@ def predict_full(model: nn.Module, images: torch.Tensor, *, device: torch.device
     with autocast_context(device, amp):
         probs = model(images.to(device, non_blocking=True).float())
     return probs.float().cpu()
+
+
+class TorchNetwork:
+    """`model` as the array rules call a network (`array_inference.ArrayNetwork`): a numpy batch to float32 numpy
+    probabilities, run on `device` under the run's AMP (`predict_full`). It also runs MONAI's sliding window
+    itself (`array_inference.sliding_window` hands it over): MONAI's own windows, weights and sums, with the
+    volume moved to the device once or each window's copy overlapped (`predict_sliding_window`), instead of a
+    synchronous copy each way per window."""
+
+    def __init__(self, model: nn.Module, device: torch.device, amp: str = "none") -> None:
+        self.model, self.device, self.amp = model, device, amp
+        model.eval()
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        return predict_full(self.model, torch.from_numpy(batch), device=self.device, amp=self.amp).numpy()
+
+    def sliding_window(self, images: np.ndarray, window: Sequence[int], *, overlap: float, blend: str = "gaussian",
+                       batch_size: int = 1) -> np.ndarray:
+        return predict_sliding_window(self.model, torch.from_numpy(images), roi_size=window, device=self.device,
+                                      overlap=overlap, blend=blend, sw_batch_size=batch_size, amp=self.amp).numpy()
+
+
+def torch_network(model: nn.Module, device: torch.device, amp: str = "none") -> TorchNetwork:
+    """`model` on `device` as the array rules call a network (`TorchNetwork`)."""
+    return TorchNetwork(model, device, amp)
 
 
 # Of the memory free on the card, the share the whole volume may take when it moves there once (its float32
@@ -213,50 +245,24 @@ def window_schedule(spatial: tuple[int, ...], roi: tuple[int, ...], overlap: flo
     return [windows[first:first + sw_batch_size] for first in range(0, count, sw_batch_size)]
 
 
-# The spatial axes of a (B, C, D, H, W) batch, mirrored by test-time augmentation.
-MIRROR_AXES: tuple[int, ...] = (2, 3, 4)
-
-
-def mirror_subsets(axes: Sequence[int] = MIRROR_AXES) -> list[tuple[int, ...]]:
-    """Every subset of `axes`, the empty one first: 8 for the 3 spatial axes."""
-    return [subset for size in range(len(axes) + 1) for subset in itertools.combinations(tuple(axes), size)]
-
-
-def _flip(tensor: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-    return tensor.flip(axes) if axes else tensor
-
-
-@torch.no_grad()
 def predict_mirrored(predict: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
                      axes: Sequence[int] = MIRROR_AXES) -> torch.Tensor:
-    """The mean of `flip_S(predict(flip_S(images)))` over every subset S of `axes` (see the module docstring).
+    """The mean of `flip_S(predict(flip_S(images)))` over every subset S of `axes` (`array_inference.mirrored`).
 
     `predict` maps a (B, C_in, D, H, W) batch to CPU probabilities of the same spatial shape.
     """
-    subsets = mirror_subsets(axes)
-    total: torch.Tensor | None = None
-    for subset in subsets:
-        probs = _flip(predict(_flip(images, subset)), subset).to(torch.float64)
-        total = probs if total is None else total.add_(probs)
-    return (total / len(subsets)).to(torch.float32)
+    def on_arrays(batch: np.ndarray) -> np.ndarray:
+        return predict(torch.from_numpy(batch)).numpy()
+
+    return torch.from_numpy(array_inference.mirrored(on_arrays, images.numpy(), axes))
 
 
 def predict_cube(model: nn.Module, images: torch.Tensor, config: Config, device: torch.device, *,
                  tta: bool = False) -> torch.Tensor:
     """Inference as the config's training mode implies: whole cube for `full`, sliding window for `patch`;
     with `tta`, averaged over the mirrorings of `evaluate.mirror_axes` (8 for all three)."""
-    model.eval()
-
-    def once(batch: torch.Tensor) -> torch.Tensor:
-        if config.train.mode == "patch":
-            return predict_sliding_window(
-                model, batch, roi_size=config.train.patch, device=device, overlap=config.evaluate.sw_overlap,
-                blend=config.evaluate.sw_blend, sw_batch_size=config.evaluate.sw_batch_size, amp=config.train.amp,
-            )
-        return predict_full(model, batch, device=device, amp=config.train.amp)
-
-    axes = tuple(2 + a for a in config.evaluate.mirror_axes)  # the spatial axes of the (B, C, D, H, W) batch
-    return predict_mirrored(once, images, axes) if tta else once(images)
+    network = torch_network(model, device, config.train.amp)
+    return torch.from_numpy(array_inference.probabilities(network, images.numpy(), config, tta=tta))
 
 
 def predict_ensemble(members: Sequence[tuple[nn.Module, Config]], images: torch.Tensor, device: torch.device, *,
@@ -265,8 +271,5 @@ def predict_ensemble(members: Sequence[tuple[nn.Module, Config]], images: torch.
     its own config says (`predict_cube`); summed in float64 like the mirrorings."""
     if not members:
         raise ValueError("predict_ensemble: no model to predict with")
-    total: torch.Tensor | None = None
-    for model, config in members:
-        probs = predict_cube(model, images, config, device, tta=tta).to(torch.float64)
-        total = probs if total is None else total.add_(probs)
-    return (total / len(members)).to(torch.float32)
+    networks = [(torch_network(model, device, config.train.amp), config) for model, config in members]
+    return torch.from_numpy(array_inference.ensemble(networks, images.numpy(), tta=tta))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 import yaml
 
 from brats_swap.config import Config, ModelConfig, config_from_saved
+from brats_swap.config.inference import inference_config
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.memory import cuda_device
 from brats_swap.model import build_model
@@ -105,12 +105,6 @@ def _checkpoint_state(folder: FoldFolder, checkpoint: str) -> dict[str, Any]:
             raise CheckpointError(f"{folder.latest}: checkpoint not found; train the fold first")
         return loaded[0]
     return load_checkpoint(Path(checkpoint))
-
-
-def inference_config(trained: Config, current: Config) -> Config:
-    """Inference settings: the trained model's mode and patch, with the current evaluate.* section, device and amp."""
-    return replace(trained, evaluate=current.evaluate,
-                   train=replace(trained.train, device=current.train.device, amp=current.train.amp))
 
 
 def load_for_inference(run: RunFolder | Path, fold: int, checkpoint: str,

@@ -11,6 +11,8 @@ model.zip  configs/metadata.json        format version, versions, task, architec
                                         from the run's folds, so it says where each fold stands now
            configs/training_plan.json   the card, plan and schedule `train-challenge` chose (when it made the run)
            models/fold_<k>/model.pt     the fold's weights: a state dict, loadable with weights_only=True
+           models/fold_<k>/model.onnx   the fold's network as ONNX (`export --onnx`: ship/onnx_export.py)
+           models/fold_<k>/model.fp16.onnx  the same in float16 (`export --onnx`, where the network allows it)
            models/fold_<k>/config.yaml  the config the fold was trained with (its architecture)
            models/fold_<k>/train.log    the fold's training log (when the run has it)
            figures/<name>.png           the run's figures (when it has them)
@@ -44,24 +46,23 @@ import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from brats_swap.atomic import atomic_path
 from brats_swap.config import Config, config_from_saved
 from brats_swap.config.loader import config_to_yaml
 from brats_swap.config.networks import architecture_record
 from brats_swap.data.challenges import get_challenge
 from brats_swap.errors import CheckpointError, ConfigError
+from brats_swap.evaluate.case_prediction import Predictor, check_one_output_kind
 from brats_swap.evaluate.postprocessing_rules import PostprocessingPlan
-from brats_swap.evaluate.predicting import Predictor, check_one_output_kind, select_folds
 from brats_swap.foreign_files import decode_utf8, parse_json, parse_yaml
 from brats_swap.model.targets import output_names
 from brats_swap.names import checked_name
-from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder, fold_name
-from brats_swap.run.trained import inference_config, load_run_config, load_trained_model, trained_model
 from brats_swap.timestamps import utc_now
+
+# torch, and the modules that import it, are imported by the functions that build or save a network: opening
+# and verifying a bundle, and predicting with its ONNX networks (`ship/onnx_runtime.py`), need no torch.
 
 BUNDLE_FORMAT = "brats-swap-bundle"
 BUNDLE_FORMAT_VERSION = 1
@@ -93,6 +94,14 @@ def fold_config(fold: int) -> str:
     return f"models/fold_{fold_name(fold)}/config.yaml"
 
 
+def fold_onnx(fold: int) -> str:
+    return f"models/fold_{fold_name(fold)}/model.onnx"
+
+
+def fold_onnx_half(fold: int) -> str:
+    return f"models/fold_{fold_name(fold)}/model.fp16.onnx"
+
+
 def fold_log(fold: int) -> str:
     return f"models/fold_{fold_name(fold)}/train.log"
 
@@ -110,6 +119,7 @@ def _versions() -> dict[str, str]:
     import monai
     import nibabel
     import numpy
+    import torch
 
     from brats_swap import __version__
 
@@ -157,8 +167,14 @@ class ExportedBundle:
 
 
 def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = ALL_FOLDS,
-                  checkpoint: str = "best") -> ExportedBundle:
-    """Write the bundle of a run's folds (see the module docstring) to `out`, atomically."""
+                  checkpoint: str = "best", *, onnx: bool = False) -> ExportedBundle:
+    """Write the bundle of a run's folds (see the module docstring) to `out`, atomically; `onnx` adds each
+    fold's network as ONNX, checked against torch (ship/onnx_export.py)."""
+    import torch
+
+    from brats_swap.evaluate.predicting import select_folds
+    from brats_swap.run.trained import inference_config, load_run_config, load_trained_model
+
     if checkpoint not in CHECKPOINTS:
         raise ConfigError(f"--checkpoint {checkpoint!r}: expected one of {', '.join(CHECKPOINTS)}")
     run = RunFolder.of(run_dir)
@@ -179,6 +195,9 @@ def export_bundle(run_dir: Path | RunFolder, out: Path, folds: FoldSelection = A
         records.append({"fold": k, "checkpoint": checkpoint, "epoch": state.get("epoch"),
                         "weights": fold_weights(k), "config": fold_config(k),
                         "architecture": architecture_record(trained.model)})
+        if onnx:
+            records[-1]["onnx"] = _onnx_members(files, k, model, inference_config(trained, config), config,
+                                                f"{run.root}: fold {fold_name(k)}")
     if len(set(editions.values())) > 1:
         raise ConfigError(f"{run.root}: folds {', '.join(map(str, chosen))} were trained on different label tables "
                           f"({', '.join(f'fold {k}: {e}' for k, e in editions.items())}); export one (--folds K)")
@@ -263,6 +282,20 @@ def _dotted(config: Config, key: str):
     return value
 
 
+def _onnx_members(files: dict[str, bytes], fold: int, model, predict_config: Config, run_config: Config,
+                  where: str) -> dict:
+    """Add the fold's ONNX networks to `files` (float32, and float16 where the network allows it); their record
+    for metadata.json (ship/onnx_export.py)."""
+    from brats_swap.ship.onnx_export import checked_export, half_export
+
+    files[fold_onnx(fold)], record = checked_export(model, predict_config, run_config, where)
+    half, half_record = half_export(model, predict_config, run_config, where)
+    if half is not None:
+        files[fold_onnx_half(fold)] = half
+        half_record["file"] = fold_onnx_half(fold)
+    return {"file": fold_onnx(fold), **record, "fp16": half_record}
+
+
 @dataclass
 class Bundle:
     """An opened, verified bundle: its metadata and every member's bytes."""
@@ -294,6 +327,8 @@ class Bundle:
 
     def state_dict(self, fold: int) -> dict:
         """The fold's weights: a state dict of tensors (one line for a pickle, a foreign file or other values)."""
+        import torch
+
         member = fold_weights(fold)
         try:
             state = torch.load(io.BytesIO(self.members[member]), map_location="cpu", weights_only=True)
@@ -338,7 +373,7 @@ def member_cap(name: str) -> int:
     """The most bytes a bundle member called `name` may inflate to."""
     if name == METADATA:
         return MAX_METADATA_BYTES
-    if name.startswith("models/") and name.endswith(".pt"):
+    if name.startswith("models/") and name.endswith((".pt", ".onnx")):
         return MAX_WEIGHTS_BYTES
     return MAX_CONFIG_BYTES
 
@@ -473,17 +508,27 @@ def choose_folds(bundle: Bundle, folds: FoldSelection = ALL_FOLDS) -> list[int]:
     return list(selection)
 
 
+def bundle_config(bundle: Bundle, device: str | None = None, challenge: str | None = None) -> Config:
+    """The bundle's config as a predictor reads cases with it: on `device` when given, with the label table
+    `challenge` forced when given (as `data.challenge`)."""
+    config = bundle.config()
+    if device is not None:
+        config = replace(config, train=replace(config.train, device=device))
+    if challenge is not None:
+        config = replace(config, data=replace(config.data, challenge=challenge, edition="auto"))
+    return config
+
+
 def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
                      device: str | None = None, challenge: str | None = None) -> Predictor:
     """The models of a bundle, as `evaluate.predicting.run_predictor` loads a run's: each fold built from its own
     config, its weights loaded, on the device of the bundle's config (or `device`), predicting with the
     bundle's evaluation settings. `challenge` forces the label table the cases are read with (as
     `data.challenge`)."""
-    config = bundle.config()
-    if device is not None:
-        config = replace(config, train=replace(config.train, device=device))
-    if challenge is not None:
-        config = replace(config, data=replace(config.data, challenge=challenge, edition="auto"))
+    from brats_swap.run.device import resolve_device
+    from brats_swap.run.trained import inference_config, trained_model
+
+    config = bundle_config(bundle, device, challenge)
     target = resolve_device(config.train.device)
     chosen, members = choose_folds(bundle, folds), []
     for k in chosen:

@@ -13,6 +13,16 @@ DIR/brainlesion.yml     the entry of the BrainLesion `brats` package for this im
 DIR/README.md           build, local run (--network none, any uid, read-only root), check, save and push
 ```
 
+`--runtime onnxruntime` writes a smaller image that serves the bundle's ONNX networks (`export --onnx`):
+a CUDA 12.8 + cuDNN 9 runtime base (what onnxruntime-gpu's CUDA provider loads), onnxruntime-gpu at this
+environment's onnxruntime version, and only what the torch-free predict path imports (numpy, scipy, nibabel,
+PyYAML, typer, rich, packaging and their requirements): no torch, MONAI or CUDA wheels of torch's.
+
+The BrainLesion `brats` orchestrator runs an image with `--data_path=/mlcube_io0 --output_path=/mlcube_io2`
+and, for an entry with `additional_files`, `--weights=/mlcube_io1/<param_path>`: the entrypoint passes them
+on, and serve-challenge reads the bundle from `--weights` when given (weights downloaded by the orchestrator),
+else the one baked into the image.
+
 Everything is fetched at build time; at run time the image reads only /input and writes only /output and
 /tmp. The organisers' exact `docker run` line is not published; the README's is the one of the 2025
 template plus `--user`/`--read-only`, the stricter case.
@@ -62,6 +72,17 @@ _FROM_TORCH = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 # Makefile does; these are it and its one light import.
 NO_DEPS = ("dynamic-network-architectures", "einops")
 BUILD_FILES = ("Dockerfile", "requirements.txt", "entrypoint.sh", "model.zip", "src")
+# The onnxruntime image: cuDNN 9 and the CUDA 12 runtime libraries are what onnxruntime-gpu's CUDA provider
+# loads (torch's image gets them from torch's own wheels).
+ONNX_BASE_IMAGE = "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"
+# The distributions the torch-free predict path imports (a process where importing torch fails ran it,
+# tests/test_onnx.py); their requirements are pinned with them. onnxruntime is installed as its GPU build.
+ONNX_RUNTIME_ROOTS = ("numpy", "scipy", "nibabel", "pyyaml", "typer", "rich", "packaging", "onnxruntime")
+ONNX_GPU_BUILD = "onnxruntime-gpu"
+# The `brats` package's name for the argument its orchestrator passes the weights mount in, and the file the
+# entry asks it for (`additional_files.param_path`).
+WEIGHTS_PARAMETER = "weights"
+WEIGHTS_FILE = "model.zip"
 
 
 def _normal(name: str) -> str:
@@ -71,8 +92,26 @@ def _normal(name: str) -> str:
 def pinned_requirements(root: str = "brats-swap") -> list[str]:
     """`name==version` of every installed distribution `root` needs (its dependencies, recursively, with
     markers evaluated for this interpreter), torch and its CUDA packages left out, sorted."""
+    return sorted(f"{name}=={version}" for name, version in _closure([root]).items()
+                  if name != _normal(root) and not _FROM_TORCH.match(name))
+
+
+def onnx_runtime_requirements() -> list[str]:
+    """`name==version` of what the onnxruntime image installs: `ONNX_RUNTIME_ROOTS` and their requirements at
+    this environment's versions, onnxruntime as its GPU build of the same version; ConfigError when onnxruntime
+    is not installed here (its version is the one the bundle's networks were checked with)."""
+    pins = _closure(list(ONNX_RUNTIME_ROOTS))
+    if "onnxruntime" not in pins:
+        raise ConfigError("--runtime onnxruntime: onnxruntime is not installed here; pip install 'brats-swap[onnx]'")
+    pins[ONNX_GPU_BUILD] = pins.pop("onnxruntime")
+    return sorted(f"{name}=={version}" for name, version in pins.items() if not _FROM_TORCH.match(name))
+
+
+def _closure(roots: list[str]) -> dict[str, str]:
+    """name -> version of the installed distributions `roots` are and need, recursively (markers evaluated for
+    this interpreter, no extras)."""
     seen: dict[str, str] = {}
-    todo = [root]
+    todo = list(roots)
     while todo:
         name = _normal(todo.pop())
         if name in seen:
@@ -86,8 +125,7 @@ def pinned_requirements(root: str = "brats-swap") -> list[str]:
             requirement = Requirement(text)
             if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
                 todo.append(requirement.name)
-    return sorted(f"{name}=={version}" for name, version in seen.items()
-                  if name != _normal(root) and not _FROM_TORCH.match(name))
+    return seen
 
 
 def _installed(name: str) -> str | None:
@@ -120,16 +158,23 @@ def torch_release() -> str:
     return distributions.version("torch").split("+")[0]
 
 
-def brainlesion_entry(task: str, image: str) -> dict:
-    """The `brats` package's algorithm entry for this image (2025+ images: /input, /output, no arguments)."""
+def brainlesion_entry(task: str, image: str, weights_record: str | None = None) -> dict:
+    """The `brats` package's algorithm entry for this image: its orchestrator mounts the data at /mlcube_io0 and
+    the output at /mlcube_io2 and passes them as `--data_path`/`--output_path`, as the current uid
+    (`requires_root: false`), on the CPU too (`cpu_compatible`). With `weights_record` (the Zenodo record of the
+    bundle) the entry lists it as `additional_files`: the orchestrator downloads it, mounts it at /mlcube_io1 and
+    passes `--weights=/mlcube_io1/model.zip`; without it the image serves the bundle baked into it."""
     spec = get_challenge(task)
     schema = spec.id_format.replace("{index", "{id").replace("{number", "{id")
     year = time.gmtime().tm_year
-    return {f"brats-swap-{task}": {
-        "meta": {"challenge": f"BraTS {year} {task.upper()}", "year": year},
-        "run_args": {"docker_image": image, "input_name_schema": schema, "parameters_file": False,
-                     "requires_root": False, "shm_size": "4gb", "cpu_compatible": True,
-                     "subject_modality_separator": spec.separator}}}
+    entry = {"meta": {"challenge": f"BraTS {year} {task.upper()}", "year": year},
+             "run_args": {"docker_image": image, "input_name_schema": schema, "parameters_file": False,
+                          "requires_root": False, "shm_size": "4gb", "cpu_compatible": True,
+                          "subject_modality_separator": spec.separator}}
+    if weights_record is not None:
+        entry["additional_files"] = {"record_id": weights_record, "param_name": [WEIGHTS_PARAMETER],
+                                     "param_path": [WEIGHTS_FILE]}
+    return {f"brats-swap-{task}": entry}
 
 
 # The 2023+ task a bundle trained on a 2017-2021 table serves by default: the one with the same regions (adult
@@ -167,16 +212,21 @@ class ContainerFolder:
 
 
 def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, image: str | None = None,
-                    time_budget: str = "8h", *, trainable: bool = False) -> ContainerFolder:
+                    time_budget: str = "8h", *, trainable: bool = False, runtime: str = "torch",
+                    weights_record: str | None = None) -> ContainerFolder:
     """Write the build folder (see the module docstring) for `bundle` into `out_dir`; `trainable` adds the
-    entrypoint's `train` branch (ship/retrain.py).
+    entrypoint's `train` branch (ship/retrain.py); `runtime` "onnxruntime" writes the torch-free image of the
+    bundle's ONNX networks; `weights_record` puts the bundle's Zenodo record in the BrainLesion entry.
 
     Every value the generated files take from the bundle or the command line is checked first (no newline or
     control character; shell words quoted; `time_budget` parsed as serve-challenge will parse it), so nothing
     is written for a value that would break or inject a line."""
     task, task_note = resolve_task(bundle, task)
-    wheel_note = check_torch_wheel(torch_release())
+    onnx = _check_runtime(bundle, runtime, trainable)
+    wheel_note = None if onnx else check_torch_wheel(torch_release())
     parse_duration(time_budget)
+    if weights_record is not None:
+        weights_record = script_text(weights_record, "--weights-record", "container")
     image = script_text(image or f"brats-swap-{task}:latest", "--image", "container")
     name = script_text(bundle.metadata.get("name"), "bundle name", f"{bundle.path}: {METADATA}")
     source = Path(brats_swap.__file__).resolve().parent
@@ -195,22 +245,42 @@ def write_container(bundle: Bundle, out_dir: Path, task: str | None = None, imag
     for copied in ("pyproject.toml", "README.md"):  # not `name`: that is the bundle's, in the files below
         shutil.copy2(project / copied, out_dir / "src" / copied)
     shutil.copy2(bundle.path, out_dir / "model.zip")
-    requirements = [line for line in pinned_requirements() if line.split("==")[0] not in NO_DEPS]
+    if onnx:
+        requirements = onnx_runtime_requirements()
+        dockerfile = _onnx_dockerfile(bundle, name, task)
+    else:
+        requirements = [line for line in pinned_requirements() if line.split("==")[0] not in NO_DEPS]
+        dockerfile = _dockerfile(bundle, name, task, [f"{n}=={_installed(n)}" for n in NO_DEPS if _installed(n)])
     atomic_write_text(out_dir / "requirements.txt", "\n".join(requirements) + "\n")
-    no_deps = [f"{name}=={_installed(name)}" for name in NO_DEPS if _installed(name)]
-    atomic_write_text(out_dir / "Dockerfile", _dockerfile(bundle, name, task, no_deps))
+    atomic_write_text(out_dir / "Dockerfile", dockerfile)
     atomic_write_text(out_dir / ".dockerignore", "# The build context is this folder; only these go in.\n*\n"
                       + "".join(f"!{name}\n" for name in BUILD_FILES) + "**/__pycache__\n")
     entrypoint = out_dir / "entrypoint.sh"
-    script = _entrypoint(task, time_budget)
+    script = _entrypoint(task, time_budget, runtime)
     atomic_write_text(entrypoint, script.replace("set -e\n", "set -e\n" + _train_branch(), 1) if trainable else script)
     entrypoint.chmod(0o755)
-    entry = brainlesion_entry(task, image)
+    entry = brainlesion_entry(task, image, weights_record)
     atomic_write_text(out_dir / "brainlesion.yml", yaml.safe_dump(entry, sort_keys=False))
-    atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir, trainable))
+    atomic_write_text(out_dir / "README.md", _readme(bundle, name, task, image, out_dir, trainable, onnx))
     if trainable and bundle.challenge not in MODERN_CHALLENGES:
         task_note = "\n".join(filter(None, [task_note, _legacy_trainable_note(bundle)]))  # a line each
     return ContainerFolder(out_dir, task, image, entry, task_note, wheel_note)
+
+
+def _check_runtime(bundle: Bundle, runtime: str, trainable: bool) -> bool:
+    """Whether the image serves ONNX networks; ConfigError for an unknown runtime, a trainable onnxruntime
+    image (training needs torch) or a bundle without an ONNX network per fold."""
+    if runtime not in ("torch", "onnxruntime"):
+        raise ConfigError(f"--runtime {runtime!r}: expected torch or onnxruntime")
+    if runtime == "torch":
+        return False
+    if trainable:
+        raise ConfigError("--runtime onnxruntime --trainable: retraining needs torch; write a torch image to retrain")
+    missing = [record.get("fold") for record in bundle.metadata["folds"] if not isinstance(record.get("onnx"), dict)]
+    if missing:
+        raise ConfigError(f"{bundle.path}: fold {missing[0]} has no ONNX network; export the run with --onnx for "
+                          "--runtime onnxruntime")
+    return True
 
 
 def _legacy_trainable_note(bundle: Bundle) -> str:
@@ -218,6 +288,31 @@ def _legacy_trainable_note(bundle: Bundle) -> str:
     return (f"--trainable: the bundle was trained on the {bundle.challenge} table; the image's `train` retrains its "
             "recipe on the table of the cases in /data (GoAT's: 1 NETC, 2 SNFH, 3 ET), and the retrained model.zip "
             "is served in that table")
+
+
+# The Dockerfiles' common steps: a uv-made virtual environment of this Python (readable by any uid), and the
+# bundle copied in, verified, served by the entrypoint as any uid on a read-only root.
+_PYTHON_ENVIRONMENT = f"""\
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 UV_PYTHON_INSTALL_DIR=/opt/python
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \\
+    && rm -rf /var/lib/apt/lists/*
+COPY --from={UV_IMAGE} /uv /usr/local/bin/uv
+RUN uv venv --seed --python-preference only-managed --python ${{PYTHON_VERSION}} /opt/venv \\
+    && chmod -R a+rX /opt/python /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+"""
+_BUNDLE_AND_ENTRYPOINT = f"""\
+COPY model.zip {IMAGE_BUNDLE}
+# A damaged copy of the bundle fails the build here (every member's sha256), not the organisers' run.
+RUN python -c "from brats_swap.ship.bundle import open_bundle; open_bundle('{IMAGE_BUNDLE}')"
+COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
+
+# Any uid, read-only root file system: serve-challenge points HOME and the cache folders under /tmp when they
+# are not writable, and writes nothing but /output and /tmp.
+WORKDIR /tmp
+ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
+"""
 
 
 def _dockerfile(bundle: Bundle, name: str, task: str, no_deps: list[str]) -> str:
@@ -236,15 +331,7 @@ ARG TORCH_INDEX={TORCH_INDEX}
 # Python {IMAGE_PYTHON}: the version requirements.txt was resolved with (the base's own Python may differ, and
 # a pin may have no wheel for it); uv installs a standalone build of it, readable by any uid.
 ARG PYTHON_VERSION={IMAGE_PYTHON}
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \\
-    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 UV_PYTHON_INSTALL_DIR=/opt/python
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \\
-    && rm -rf /var/lib/apt/lists/*
-COPY --from={UV_IMAGE} /uv /usr/local/bin/uv
-RUN uv venv --seed --python-preference only-managed --python ${{PYTHON_VERSION}} /opt/venv \\
-    && chmod -R a+rX /opt/python /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-
+{_PYTHON_ENVIRONMENT}
 # The exact versions of the environment this folder was written from (torch {torch_release()}, CUDA build).
 RUN pip install --index-url ${{TORCH_INDEX}} torch=={torch_release()}
 COPY requirements.txt {IMAGE_ROOT}/requirements.txt
@@ -253,16 +340,29 @@ RUN pip install -r {IMAGE_ROOT}/requirements.txt
 {no_deps_line}COPY src {IMAGE_ROOT}/src
 RUN pip install --no-deps {IMAGE_ROOT}/src
 
-COPY model.zip {IMAGE_BUNDLE}
-# A damaged copy of the bundle fails the build here (every member's sha256), not the organisers' run.
-RUN python -c "from brats_swap.ship.bundle import open_bundle; open_bundle('{IMAGE_BUNDLE}')"
-COPY entrypoint.sh {IMAGE_ROOT}/entrypoint.sh
+{_BUNDLE_AND_ENTRYPOINT}"""
 
-# Any uid, read-only root file system: serve-challenge points HOME and the torch, matplotlib and cache
-# folders under /tmp when they are not writable, and writes nothing but /output and /tmp.
-WORKDIR /tmp
-ENTRYPOINT ["{IMAGE_ROOT}/entrypoint.sh"]
-"""
+
+def _onnx_dockerfile(bundle: Bundle, name: str, task: str) -> str:
+    return f"""\
+# BraTS challenge image: brats-swap bundle {name} ({bundle.challenge} table), task {task}, its ONNX networks
+# served by onnxruntime: no torch in the image. Written by `brats-swap container --runtime onnxruntime`; edit
+# freely. Everything is fetched while building, nothing at run time.
+#
+# CUDA 12.8 + cuDNN 9 runtime base (NVIDIA driver {REQUIRED_DRIVER} or newer): the libraries onnxruntime-gpu's CUDA
+# provider loads. Without a GPU (or --device cpu) it runs on the CPU provider. --build-arg BASE_IMAGE=... changes it.
+ARG BASE_IMAGE={ONNX_BASE_IMAGE}
+FROM ${{BASE_IMAGE}}
+
+ARG PYTHON_VERSION={IMAGE_PYTHON}
+{_PYTHON_ENVIRONMENT}
+# What the torch-free predict path imports, at this environment's versions; onnxruntime as its GPU build.
+COPY requirements.txt {IMAGE_ROOT}/requirements.txt
+RUN pip install -r {IMAGE_ROOT}/requirements.txt
+COPY src {IMAGE_ROOT}/src
+RUN pip install --no-deps {IMAGE_ROOT}/src
+
+{_BUNDLE_AND_ENTRYPOINT}"""
 
 
 def _train_branch() -> str:
@@ -277,20 +377,24 @@ fi
 """
 
 
-def _entrypoint(task: str, time_budget: str) -> str:
+def _entrypoint(task: str, time_budget: str, runtime: str = "torch") -> str:
     task_word = shell_word(task, "--task", "container")
     budget_word = shell_word(time_budget, "--time-budget", "container")
+    runtime_option = " --runtime onnxruntime" if runtime == "onnxruntime" else ""
     return f"""\
 #!/bin/sh
 # The image's entrypoint: segment /input/<case>/ into a flat /output/<case>.nii.gz with the bundle.
-# No arguments (BraTS 2025+), or MLCube's `infer --data_path=DIR --output_path=DIR` (2023-2024): passed on.
+# No arguments (BraTS 2025+), MLCube's `infer --data_path=DIR --output_path=DIR` (2023-2024), or the BrainLesion
+# brats orchestrator's `--data_path=/mlcube_io0 --output_path=/mlcube_io2 [--weights=/mlcube_io1/model.zip]`
+# (a --weights bundle replaces the one in the image): passed on.
 # Change the budget or drop test-time augmentation (--no-tta) here.
 set -e
-exec brats-swap serve-challenge --model {IMAGE_BUNDLE} --task {task_word} --time-budget {budget_word} "$@"
+exec brats-swap serve-challenge --model {IMAGE_BUNDLE} --task {task_word} --time-budget {budget_word}{runtime_option} "$@"
 """
 
 
-def _readme(bundle: Bundle, name: str, task: str, image: str, out_dir: Path, trainable: bool = False) -> str:
+def _readme(bundle: Bundle, name: str, task: str, image: str, out_dir: Path, trainable: bool = False,
+            onnx: bool = False) -> str:
     spec = get_challenge(task)
     example = spec.example_id(1)
     image_word, folder_word = shell_word(image, "--image", "container"), shell_word(out_dir, "--out", "container")
@@ -307,9 +411,9 @@ as below, before submitting.
 
     docker build -t {image_word} {folder_word}
 
-(podman: `podman build -t {image_word} {folder_word}`.) The build downloads the CUDA base image, torch
-{torch_release()} (CUDA 12.8 build), Python {IMAGE_PYTHON} (the version `requirements.txt` was resolved with,
-installed by uv) and the pinned packages.
+(podman: `podman build -t {image_word} {folder_word}`.) The build downloads the CUDA base image,
+{"onnxruntime-gpu (the bundle's ONNX networks; no torch)" if onnx else f"torch {torch_release()} (CUDA 12.8 build)"},
+Python {IMAGE_PYTHON} (the version `requirements.txt` was resolved with, installed by uv) and the pinned packages.
 
 ## Run locally as the organisers do: no network, your uid, read-only input
 
@@ -337,7 +441,9 @@ leave out `--gpus all` (it runs on the CPU, slowly). The older MLCube form works
 ## BrainLesion `brats` package
 
 `brainlesion.yml` is this image's entry for the package's algorithm list (add `authors`, `paper` and
-`rank` to `meta` as its other entries have them).
+`rank` to `meta` as its other entries have them). Its orchestrator runs the image as your uid with
+`--data_path=/mlcube_io0 --output_path=/mlcube_io2` (and `--weights=/mlcube_io1/model.zip` when the entry
+lists the bundle's Zenodo record under `additional_files`: `brats-swap container --weights-record ID`).
 """
 
 

@@ -22,10 +22,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
+from brats_swap.config.host import available_host_bytes
 from brats_swap.errors import ConfigError
-from brats_swap.memory.arena import available_host_bytes
 
 MAX_NETWORK_CALLS_PER_CASE = 100_000
 MIRRORS = 8  # test-time augmentation: every subset of the three spatial flips
@@ -48,7 +46,7 @@ def windows_per_pass(size: Sequence[int], patch: Sequence[int], overlap: float) 
     return count
 
 
-def case_cost(cube: Sequence[int], channels: int, members: Sequence[tuple[torch.nn.Module, object]],
+def case_cost(cube: Sequence[int], channels: int, members: Sequence[tuple[object, object]],
               tta: bool) -> CaseCost:
     """The host bytes and network calls of one case on `cube`, `channels` input channels, for the folds'
     `(model, config)` members (each predicting as its own config says)."""
@@ -99,8 +97,13 @@ def _settings(predictor, tta: bool) -> str:
     return ", ".join(parts)
 
 
-def _output_channels(model: torch.nn.Module) -> int:
-    """The output channels of a network: its last 3D convolution's (every network here ends in one)."""
+def _output_channels(model) -> int:
+    """The output channels of a network: an onnxruntime network's (`ship/onnx_runtime.py`), else its last 3D
+    convolution's (every torch network here ends in one)."""
+    if not hasattr(model, "modules"):  # not a torch module: torch is not imported (predicting without it)
+        return int(model.out_channels)
+    import torch
+
     convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv3d)]
     return convolutions[-1].out_channels if convolutions else 4
 

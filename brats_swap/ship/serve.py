@@ -34,8 +34,8 @@ from pathlib import Path
 
 from brats_swap.data.discovery import discover_cases
 from brats_swap.errors import ConfigError, DataError
+from brats_swap.evaluate.case_prediction import predict_case
 from brats_swap.evaluate.failures import CaseFailures
-from brats_swap.evaluate.predicting import predict_case
 from brats_swap.names import shown
 from brats_swap.ship.inference_cost import check_case_cost
 from brats_swap.ship.time_budget import TimeBudget

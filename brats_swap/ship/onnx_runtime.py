@@ -1,0 +1,107 @@
+"""Predicting with a bundle's ONNX networks (`predict --model model.zip --runtime onnxruntime`, and the same in
+`serve-challenge`): the whole predict pipeline with each fold's network run by onnxruntime.
+
+The pipeline is `evaluate/case_prediction.py`'s, the one `--runtime torch` runs (reading, cropping and
+normalising, whole cube or MONAI's sliding window with the same Gaussian and step, the mirrors, the fold mean,
+nnU-Net's rules for an imported nnU-Net model, postprocessing, labels written on the case's grid); only the
+network call differs. Nothing on this path imports torch or MONAI (tests/test_onnx.py runs it in a process
+where importing torch fails), so it runs in an environment of onnxruntime, numpy, scipy and nibabel.
+
+Each fold's `models/fold_<k>/model.onnx` was checked against torch at export (ship/onnx_export.py) and its
+sha256 against the bundle's metadata when the bundle was opened (`ship/bundle.open_bundle`), so a changed
+network is refused before it is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from brats_swap.config.inference import inference_config
+from brats_swap.errors import CheckpointError, ConfigError
+from brats_swap.evaluate.case_prediction import Predictor, check_one_output_kind
+from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection
+from brats_swap.ship.bundle import POSTPROCESSING, Bundle, bundle_config, choose_folds, fold_onnx
+
+RUNTIMES = ("torch", "onnxruntime")
+_PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+class OnnxNetwork:
+    """One fold's ONNX network as the array rules call it: a (B, C_in, ...) float32 batch to its float32 output,
+    the probabilities, or the logits for a model under nnU-Net's rules (then also its `logits`)."""
+
+    runs_on_arrays = True  # evaluate.case_prediction.array_network passes it through as it is
+
+    def __init__(self, model_bytes: bytes, record: dict, where: str, providers: list[str]):
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        # The threads the project gives torch (OMP_NUM_THREADS, e.g. the tests' 1); unset: onnxruntime's default.
+        options.intra_op_num_threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        try:
+            self.session = onnxruntime.InferenceSession(model_bytes, options, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own types for a model it cannot load
+            raise CheckpointError(f"{where}: onnxruntime cannot load it ({str(exc).strip().splitlines()[0][:200]})"
+                                  ) from None
+        self.where, self.returns = where, str(record.get("returns"))
+        self.input_name, self.output_name = str(record["input"]), str(record["output"])
+        self.spatial = [int(s) for s in record["input_shape"][2:]]
+        self.out_channels = int(self.session.get_outputs()[0].shape[1])
+        self.logits = self if self.returns == "logits" else None
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        if list(batch.shape[2:]) != self.spatial:
+            raise ConfigError(f"{self.where}: the network was exported for inputs of {self.spatial}, called on "
+                              f"{list(batch.shape[2:])}; export again with the settings predict uses")
+        feed = {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)}
+        return np.asarray(self.session.run([self.output_name], feed)[0], dtype=np.float32)
+
+
+def providers_for(device: str | None) -> list[str]:
+    """onnxruntime's execution providers for `--device`: CUDA first when asked for or (auto) when this
+    onnxruntime has it, then the CPU."""
+    import onnxruntime
+
+    kind = (device or "auto").split(":")[0]
+    if kind == "auto":
+        kind = "cuda" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "cpu"
+    if kind not in _PROVIDERS:
+        raise ConfigError(f"--device {device}: onnxruntime runs on auto, cpu or cuda")
+    return _PROVIDERS[kind]
+
+
+def onnx_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
+                   device: str | None = None, challenge: str | None = None) -> Predictor:
+    """`ship.bundle.bundle_predictor` with each fold's ONNX network in onnxruntime instead of its torch model;
+    CheckpointError naming the fold when the bundle was exported without --onnx."""
+    config = bundle_config(bundle, None, challenge)
+    providers = providers_for(device)
+    chosen, members = choose_folds(bundle, folds), []
+    records = {int(record["fold"]): record for record in bundle.metadata["folds"]}
+    for k in chosen:
+        member, record = fold_onnx(k), records[k].get("onnx")
+        if member not in bundle.members or not isinstance(record, dict):
+            raise CheckpointError(f"{bundle.path}: fold {k} has no {member}; export the run with --onnx, or "
+                                  "predict with --runtime torch")
+        network = OnnxNetwork(bundle.members[member], record, f"{bundle.path}: {member}", providers)
+        members.append((network, inference_config(bundle.fold_config(k), config)))
+    check_one_output_kind(bundle.path, chosen, members)
+    plan = bundle.postprocessing() if postprocess else None
+    return Predictor(config, members, f"onnxruntime ({providers[0]})", plan, Path(f"{bundle.path}:{POSTPROCESSING}"),
+                     f"{bundle.path.name}: fold(s) {', '.join(map(str, chosen))} ({bundle.checkpoint} checkpoint, "
+                     "ONNX in onnxruntime)")
+
+
+def runtime_predictor(bundle: Bundle, runtime: str, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
+                      device: str | None = None, challenge: str | None = None) -> Predictor:
+    """The bundle's predictor for `--runtime`: its torch models (`bundle_predictor`) or its ONNX networks."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+    if runtime == "onnxruntime":
+        return onnx_predictor(bundle, folds, postprocess=postprocess, device=device, challenge=challenge)
+    from brats_swap.ship.bundle import bundle_predictor
+
+    return bundle_predictor(bundle, folds, postprocess=postprocess, device=device, challenge=challenge)
