@@ -48,9 +48,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The suite runs one pytest worker per core (pytest-xdist), each test file on one worker so that a module's
 # fixtures are built once; each worker's torch takes one thread, so the workers do not oversubscribe the cores.
+# Files are handed out in the order tests/conftest.py collects them (the longest first, so that no long file
+# starts last while the other core idles); the 15 slowest tests are printed at the end (docs/testing.md).
 TEST_WORKERS ?= auto
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 demo: install
 	$(BIN)/python scripts/demo.py
