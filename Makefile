@@ -21,36 +21,37 @@ export OMP_NUM_THREADS ?= 2
 
 install: $(VENV)/.installed
 
-# Without CUDA, pin the CPU build of torch first (2.13.0 is on disk here) so that resolving
-# `torch>=2.4` does not download a multi-GB CUDA build; with CUDA, pip takes the normal build.
+# Without CUDA, pin the CPU build of torch (2.13.0 is on disk here) in the same pip call as the package, so
+# that resolving `torch>=2.4` does not download a multi-GB CUDA build; with CUDA, pip takes the normal build.
+# Two pip calls in all (each call costs pip's start and a look at every installed package): the resolved one,
+# and one for everything that goes in without its dependencies.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "CUDA found: installing the default torch build"; \
+		echo "CUDA found: installing brats-swap and its dependencies (the default torch build) into $(VENV)"; \
+		$(BIN)/pip install --quiet -e ".[dev,onnx]" $(QUIET_PIP); \
 	else \
-		echo "no CUDA: installing the CPU build torch==2.13.0"; \
-		$(BIN)/pip install --quiet "torch==2.13.0" $(QUIET_PIP); \
+		echo "no CUDA: installing brats-swap and its dependencies (the CPU build torch==2.13.0) into $(VENV)"; \
+		$(BIN)/pip install --quiet "torch==2.13.0" -e ".[dev,onnx]" $(QUIET_PIP); \
 	fi
-	@echo "installing brats-swap and its dependencies into $(VENV)"
-	@$(BIN)/pip install --quiet -e ".[dev,onnx]" $(QUIET_PIP)
 	@# nnU-Net's networks come from dynamic-network-architectures, whose metadata asks for timm, which pulls
 	@# torchvision, which pulls another (multi-GB CUDA) torch over the one installed above. The U-Nets we
 	@# build import neither: install it without its dependencies (plus einops, its one light import), and
 	@# record the torch it must leave in place (tests/test_install.py compares).
-	@$(BIN)/python -c "import torch; print(torch.__version__)" > $(VENV)/torch-version.txt
-	@$(BIN)/pip install --quiet --no-deps "$(DNA)" "einops>=0.7" $(QUIET_PIP)
 	@# batchgeneratorsv2 (tests only) asks for batchgenerators v1, whose own requirements (unittest2,
 	@# scikit-learn, ...) its transforms never import; the two they do import, pandas and scikit-image, are in
-	@# the dev extra.
-	@$(BIN)/pip install --quiet --no-deps "$(BGV2)" $(QUIET_PIP)
-	@$(BIN)/pip install --quiet --no-deps $(NNUNET) $(QUIET_PIP)
+	@# the dev extra. nnU-Net and its two predictor imports (NNUNET above) go in the same way.
+	@$(BIN)/python -c "import torch; print(torch.__version__)" > $(VENV)/torch-version.txt
+	@$(BIN)/pip install --quiet --no-deps "$(DNA)" "einops>=0.7" "$(BGV2)" $(NNUNET) $(QUIET_PIP)
 	@touch $@
 
 # The suite runs one pytest worker per core (pytest-xdist), each test file on one worker so that a module's
 # fixtures are built once; each worker's torch takes one thread, so the workers do not oversubscribe the cores.
+# Files are handed out in the order tests/conftest.py collects them (the longest first, so that no long file
+# starts last while the other core idles); the 15 slowest tests are printed at the end (docs/testing.md).
 TEST_WORKERS ?= auto
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 demo: install
 	$(BIN)/python scripts/demo.py

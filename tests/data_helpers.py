@@ -75,3 +75,18 @@ def write_case(folder: Path, case_id: str, edition: str, ext: str = ".nii.gz", s
     if seg and "seg" not in skip:
         paths["seg"] = write_volume(target / f"{case_id}{sep}{spec.seg_suffix}{ext}", labels)
     return paths
+
+
+def link_case(paths: dict[str, Path], folder: Path, case_id: str) -> dict[str, Path]:
+    """Another case with the same voxels as the case written at `paths` (write_case's answer): its files
+    hard-linked into `folder / case_id` under `case_id`'s names. A test that needs many cases for their number,
+    not their content, writes a few and links the rest (writing a 96x96x64 case costs half a second of CPU)."""
+    source_id = next(iter(paths.values())).parent.name
+    linked = {}
+    for role, path in paths.items():
+        target = folder / case_id / path.name.replace(source_id, case_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.hardlink_to(path)
+        linked[role] = target
+    return linked
+

@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from data_helpers import write_case
+from data_helpers import link_case, write_case
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -239,8 +239,11 @@ def test_ctrl_c_to_a_prepare_in_a_log_leaves_an_index_of_every_complete_entry(tm
 
     root, cache = tmp_path / "raw", tmp_path / "cache"
     ids = [f"BraTS2021_{k:05d}" for k in range(40)]
-    for k, case_id in enumerate(ids):
-        write_case(root, case_id, "2021", shape=(96, 96, 64), seed=k)
+    # 40 cases so that the prepare is still running when 2 are done; 4 are written, the rest linked to them
+    # (each is prepared on its own all the same).
+    written = [write_case(root, case_id, "2021", shape=(96, 96, 64), seed=k) for k, case_id in enumerate(ids[:4])]
+    for k, case_id in enumerate(ids[4:]):
+        link_case(written[k % 4], root, case_id)
     log = (tmp_path / "prepare.log").open("w")
     process = subprocess.Popen(
         [sys.executable, "-m", "brats_swap", "data", "prepare", str(root), "--out", str(cache), "--workers", "2",

@@ -1,7 +1,7 @@
 """Fixtures of the failure tests: tiny phantom data, synthesized and prepared once per session.
 
 One tiny phantom dataset (4 cases of 48x48x40, edition 2021) is synthesized and prepared once per
-session into a 32³ cache; tests that damage data work on copies of single cases.
+session into a 16³ cache (TINY); tests that damage data work on copies of single cases.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def phantom_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def prepared_cache(phantom_root, tmp_path_factory) -> Path:
-    """Read-only: `phantom_root` prepared into a 32³ cache."""
+    """Read-only: `phantom_root` prepared into a 16³ cache (TINY)."""
     from brats_swap.config import load_config
     from brats_swap.data.cache import prepare_dataset
 
