@@ -9,8 +9,6 @@ use backends that fail at once.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from memory_helpers import assert_same_history, batch, dice_loss, sgd_history
@@ -18,7 +16,14 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from brats_swap.config import ModelConfig
-from brats_swap.memory import CompiledRegions, MemoryEngine, compile_wanted, compiled_regions, is_compile_failure
+from brats_swap.memory import (
+    CompiledRegions,
+    MemoryEngine,
+    compile_wanted,
+    compiled_regions,
+    is_compile_failure,
+)
+from brats_swap.memory.compiled import compile_cause
 from brats_swap.model import build_model
 from brats_swap.run.compiling import StepCompilation, minutes_seconds
 
@@ -98,3 +103,212 @@ def test_compiled_differs_from_eager_by_little(unet_none):
     eager, _ = sgd_history(model, None, lambda step: batch(step, CUBE), dice_loss, STEPS)
     largest = max(float((a - b).abs().max()) for a, b in zip(eager[-1][2], reference[-1][2], strict=True))
     assert largest < 1e-3, largest
+
+
+# ---------------------------------------------------------------------------------------------- networks unlike ours
+
+
+class BatchNormResNet(nn.Module):
+    """A 3D residual net with BatchNorm (running statistics), ReLU (which saves its output), channel dropout and
+    a residual sum: none of the U-Net's modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU())
+        self.stage = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.BatchNorm3d(4), nn.ReLU(), nn.Dropout3d(0.2))
+        self.head = nn.Conv3d(4, 3, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        return torch.sigmoid(self.head(h + self.stage(h)))
+
+
+class TokenMixer(nn.Module):
+    """A transformer-like net over the voxels as tokens: Linear, LayerNorm, GELU, dropout, attention by matmul."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.attend = nn.ModuleDict({"norm": nn.LayerNorm(width), "qkv": nn.Linear(width, 3 * width)})
+        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(0.1),
+                                 nn.Linear(2 * width, width))
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x):
+        tokens = self.embed(x.flatten(2).transpose(1, 2))  # (B, voxels, width)
+        q, k, v = self.attend["qkv"](self.attend["norm"](tokens)).chunk(3, dim=-1)
+        tokens = tokens + torch.softmax(q @ k.transpose(1, 2) / 4.0, dim=-1) @ v
+        tokens = tokens + self.mlp(tokens)
+        return torch.sigmoid(self.out(tokens)).transpose(1, 2).reshape(x.shape[0], 3, *x.shape[2:])
+
+
+OTHER_CUBE = 8
+OTHER_POLICIES = {
+    "swap_all": {"mode": "swap", "swap": {"min_bytes": 0}},
+    "norm_act": {"mode": "recompute", "recompute": {"norm_act": True}},
+    "hybrid": {"mode": "hybrid", "swap": {"min_bytes": 0, "exclude": ["head", "out"]}, "recompute": {"norm_act": True}},
+}
+OTHER_NETWORKS = {
+    "batchnorm_resnet": (BatchNormResNet, {"recompute": {"mode": "recompute", "recompute": {"modules": ["stage"]}}}),
+    "token_mixer": (TokenMixer, {"recompute": {"mode": "recompute", "recompute": {"modules": ["mlp"]}}}),
+}
+
+
+@pytest.mark.parametrize("network", list(OTHER_NETWORKS))
+def test_other_networks_policies_compiled_are_bitwise_none_compiled(network):
+    cls, extra = OTHER_NETWORKS[network]
+
+    def make():
+        torch.manual_seed(0)
+        return cls()
+
+    def make_batch(step):
+        return batch(step, OTHER_CUBE)
+
+    reference, _ = compiled_history(make, None, make_batch, dice_loss)
+    graphs = graphs_compiled()
+    for name, policy in {**OTHER_POLICIES, **extra}.items():
+        history, stats = compiled_history(make, policy, make_batch, dice_loss)
+        assert_same_history(reference, history, f"{network} {name} compiled")
+        assert stats[-1].saved_bytes > 0
+        assert graphs_compiled() == graphs, f"{network} {name}: recompiled"
+
+
+# ---------------------------------------------------------------------------------------------- the eager fallback
+
+
+def _no_compiler(*args, **kwargs):
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    raise InvalidCxxCompiler()
+
+
+def _tiny_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(4, 2, 3, padding=1), nn.InstanceNorm3d(2, affine=True), nn.LeakyReLU(0.1),
+                         nn.Conv3d(2, 3, 1), nn.Sigmoid())
+
+
+def _fallback_run(backend):
+    """Two SGD steps of `_tiny_net` under swap with its blocks compiled by `backend`, through `StepCompilation`;
+    the history, the warnings said and the compilation."""
+    model = _tiny_net()
+    said: list[str] = []
+    compilation = StepCompilation(model, True, torch.device("cpu"), backend=backend, say=said.append)
+    engine = MemoryEngine(model, {"mode": "swap", "swap": {"min_bytes": 0}})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    history = []
+    for step in range(STEPS):
+        x, y = batch(step, OTHER_CUBE)
+        torch.manual_seed(step)
+
+        def forward_backward(x=x, y=y):
+            optimizer.zero_grad(set_to_none=True)
+            with engine.step():
+                loss = dice_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        loss = compilation.run(forward_backward, module=model)
+        optimizer.step()
+        history.append((loss.detach().clone(), [], [p.detach().clone() for p in model.parameters()]))
+    engine.close()
+    return history, said, compilation
+
+
+@pytest.fixture(scope="module")
+def tiny_eager():
+    model = _tiny_net()
+    history, _ = sgd_history(model, None, lambda step: batch(step, OTHER_CUBE), dice_loss, STEPS)
+    return [(loss, [], params) for loss, _grads, params in history]
+
+
+def test_a_forward_that_cannot_compile_runs_eager_with_one_line(tiny_eager):
+    history, said, compilation = _fallback_run(_no_compiler)
+    assert len(said) == 1 and "train.compile: compilation failed" in said[0] and "InvalidCxxCompiler" in said[0]
+    assert not compilation.compiled and compilation.record()["fallback"]
+    assert_same_history(tiny_eager, history, "fallback")
+
+
+def test_a_backward_that_cannot_compile_reruns_the_step_eager(tiny_eager):
+    from torch._dynamo.backends.common import aot_autograd
+
+    forward_only = aot_autograd(fw_compiler=lambda gm, example: gm, bw_compiler=_no_compiler)
+    history, said, compilation = _fallback_run(forward_only)
+    assert len(said) == 1 and "InvalidCxxCompiler" in said[0]
+    assert not compilation.compiled
+    assert_same_history(tiny_eager, history, "backward fallback")
+
+
+def test_the_failing_backend_does_fail_and_is_told_from_other_errors():
+    """Without the fallback the tests above would raise: the backend fails as a missing C compiler does, and
+    only the compiler's failures are taken for one (an error of the step itself is raised as it is)."""
+    compiled = torch.compile(nn.Linear(2, 2), backend=_no_compiler)
+    with pytest.raises(Exception) as caught:
+        compiled(torch.ones(1, 2))
+    assert is_compile_failure(caught.value)
+    assert "InvalidCxxCompiler" in compile_cause(caught.value)
+    assert not is_compile_failure(RuntimeError("CUDA out of memory")) and not is_compile_failure(ValueError("x"))
+
+
+def test_compile_setting_per_device_and_duration_text():
+    assert compile_wanted("auto", torch.device("cuda")) and not compile_wanted("auto", torch.device("cpu"))
+    assert compile_wanted(True, torch.device("cpu")) and not compile_wanted(False, torch.device("cuda"))
+    assert minutes_seconds(102.4) == "1 min 42 s" and minutes_seconds(42) == "42 s"
+    model = _tiny_net()
+    eager = StepCompilation(model, "auto", torch.device("cpu"))
+    assert not eager.compiled and compiled_regions(model) is None and eager.describe() == "eager (train.compile auto)"
+    assert eager.run(lambda: 7) == 7
+
+
+def test_checkpointing_inside_a_compiled_block_is_refused():
+    from brats_swap.errors import ConfigError
+
+    model = make_unet()
+    regions = CompiledRegions(model)
+    with pytest.raises(ConfigError, match="inside the compiled region"):
+        MemoryEngine(model, {"mode": "recompute", "recompute": {"modules": ["encoder.level0.in_conv.norm"]}})
+    regions.remove()
+    assert "forward" not in vars(dict(model.named_modules())["encoder.level0.in_conv"])  # the model is eager again
+
+
+# ---------------------------------------------------------------------------------------------- training runs compiled
+
+
+def test_training_compiled_says_so_and_never_recompiles_a_known_shape(tmp_path_factory):
+    """train.compile in a run: train.log, TensorBoard and env.json say the steps ran compiled and how long
+    compiling took; after the first epoch (train steps and validation, deep supervision summed in the network)
+    nothing compiles again: not the second epoch, not a --resume, not a second fold."""
+    import json
+
+    from train_helpers import SMALL, small_dataset, tensorboard_scalars, tiny_config
+
+    from brats_swap.train.loop import train_fold
+
+    root, cache = small_dataset(tmp_path_factory)
+    overrides = (*SMALL, "model.depth=3", "model.segmentation_levels=2", "model.base_filters=2",
+                 "train.compile=true", "memory.mode=swap", "memory.swap.min_bytes=0")
+    run = tmp_path_factory.mktemp("compiled") / "run"
+    marks: list[int] = []
+
+    def mark() -> bool:  # polled at every epoch boundary
+        marks.append(graphs_compiled())
+        return False
+
+    result = train_fold(tiny_config(root, cache, *overrides, "train.max_epochs=2"), run, 0, progress=False,
+                        stop_requested=mark)
+    assert result.epochs_completed == 2 and len(marks) == 2
+    assert graphs_compiled() == marks[1], "the second epoch compiled again"
+    resumed = train_fold(tiny_config(root, cache, *overrides, "train.max_epochs=3"), run, 0, resume=True,
+                         progress=False)
+    assert resumed.epochs_completed == 3
+    train_fold(tiny_config(root, cache, *overrides), run, 1, progress=False)
+    assert graphs_compiled() == marks[1], "a --resume or a second fold compiled again"
+
+    log = (run / "fold_0" / "train.log").read_text()
+    assert "compiled (train.compile true)" in log and "compiling: " in log
+    env = json.loads((run / "env.json").read_text())
+    assert env["compile"]["compiled"] is True and env["compile"]["setting"] is True
+    assert env["compile"]["fallback"] is None
+    scalars = tensorboard_scalars(run / "fold_0" / "tb")
+    assert scalars["compile/compiled"] == [1.0, 1.0, 1.0]

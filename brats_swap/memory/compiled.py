@@ -65,10 +65,18 @@ def is_compile_failure(exc: BaseException) -> bool:
 
 
 def compile_cause(exc: BaseException) -> str:
-    """The compiler's reason in one line (its first line, without dynamo's advice)."""
-    text = str(exc).strip().splitlines()
-    first = next((line.strip() for line in text if line.strip()), type(exc).__name__)
-    return f"{type(exc).__name__}: {first}"[:300]
+    """The compiler's reason in one line: the innermost exception dynamo wrapped (`BackendCompilerFailed` holds
+    inductor's), with the first line of its message."""
+    innermost, seen = exc, {id(exc)}
+    while True:
+        inner = getattr(innermost, "inner_exception", None) or innermost.__cause__
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        innermost = inner
+    lines = [line.strip() for line in str(innermost).splitlines() if line.strip()]
+    text = f"{type(innermost).__name__}: {lines[0]}" if lines else type(innermost).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class CompiledRegions:
