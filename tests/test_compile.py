@@ -312,3 +312,54 @@ def test_training_compiled_says_so_and_never_recompiles_a_known_shape(tmp_path_f
     assert env["compile"]["fallback"] is None
     scalars = tensorboard_scalars(run / "fold_0" / "tb")
     assert scalars["compile/compiled"] == [1.0, 1.0, 1.0]
+
+    # predict / evaluate follow evaluate.compile; validation compiled this shape in eval mode already.
+    from brats_swap.run.inference import predict_cube
+    from brats_swap.run.trained import load_for_inference
+
+    image = torch.randn(1, 4, CUBE, CUBE, CUBE)
+    config = tiny_config(root, cache, *overrides)
+    probabilities = {}
+    for setting in ("true", "false"):
+        current = tiny_config(root, cache, *overrides, f"evaluate.compile={setting}")
+        model, predict_config, device = load_for_inference(run, 0, "best", current)
+        assert (compiled_regions(model) is not None) == (setting == "true")
+        probabilities[setting] = predict_cube(model, image, predict_config, device)
+    assert graphs_compiled() == marks[1], "prediction compiled a shape validation had compiled"
+    assert torch.allclose(probabilities["true"], probabilities["false"], atol=1e-4)
+    assert config.evaluate.compile == "auto"
+
+
+# ---------------------------------------------------------------------------------------------- DDP
+
+
+def _ddp_compiled(ctx, out: str) -> None:
+    """Each policy compiled under DDP (2 gloo ranks, each its own batches): the final weights, per policy."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    finals = {}
+    for name in ("none", "swap_all", "recompute", "hybrid"):
+        model = make_unet()
+        regions = CompiledRegions(model)
+        engine = MemoryEngine(model, UNET_POLICIES[name]) if name != "none" else None
+        ddp = DistributedDataParallel(model)
+        history, _ = sgd_history(ddp, engine, lambda step: batch(step + 10 * ctx.rank, CUBE), dice_loss, STEPS)
+        finals[name] = history[-1][2]
+        if engine is not None:
+            engine.close()
+        regions.remove()
+    torch.save(finals, f"{out}/rank{ctx.rank}.pt")
+
+
+def test_ddp_compiled_policies_are_bitwise_none_compiled(unet_none, tmp_path):
+    from dist_helpers import spawn_ranks
+
+    _, graphs = unet_none  # the ranks are forked from here: they reuse these compiled graphs
+    spawn_ranks(_ddp_compiled, 2, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    for name in ("swap_all", "recompute", "hybrid"):
+        for rank in ranks:
+            for a, b in zip(rank["none"], rank[name], strict=True):
+                assert torch.equal(a, b), f"DDP {name} compiled differs from none compiled"
+    for a, b in zip(ranks[0]["hybrid"], ranks[1]["hybrid"], strict=True):
+        assert torch.equal(a, b), "the ranks' weights differ"

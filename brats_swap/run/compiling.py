@@ -28,6 +28,7 @@ from torch import nn
 
 from brats_swap.memory import CompiledRegions, compile_wanted, is_compile_failure
 from brats_swap.memory.compiled import compile_cause
+from brats_swap.run.console import warn
 
 T = TypeVar("T")
 
@@ -148,6 +149,13 @@ class StepCompilation:
             self.compile_seconds += spent
             if spent >= 0.5 and self.log is not None:
                 self.log(f"compiling: {minutes_seconds(spent)} ({what})")
+
+
+def compile_for_inference(model: nn.Module, setting: bool | str, device: torch.device) -> StepCompilation:
+    """`evaluate.compile` for a model that predicts (predict, evaluate, serve-challenge): its blocks compiled
+    when the setting asks for it on `device`; a failed compilation says one line and predicts eager. No
+    backward runs, so a region's own fallback covers every failure."""
+    return StepCompilation(model, setting, device, key="evaluate.compile", say=warn)
 
 
 def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

@@ -56,6 +56,7 @@ from brats_swap.evaluate.predicting import Predictor, check_one_output_kind, sel
 from brats_swap.foreign_files import decode_utf8, parse_json, parse_yaml
 from brats_swap.model.targets import output_names
 from brats_swap.names import checked_name
+from brats_swap.run.compiling import compile_for_inference
 from brats_swap.run.device import resolve_device
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder, fold_name
@@ -435,6 +436,7 @@ def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postpr
         model = trained_model(trained.model, bundle.challenge, bundle.state_dict(k),
                               weights_source=f"{bundle.path}: {fold_weights(k)}",
                               config_source=f"{bundle.path}: {fold_config(k)}", device=target)
+        compile_for_inference(model, config.evaluate.compile, target)
         members.append((model, inference_config(trained, config)))
     check_one_output_kind(bundle.path, chosen, members)
     plan = bundle.postprocessing() if postprocess else None
