@@ -261,6 +261,20 @@ def test_compile_setting_per_device_and_duration_text():
     assert eager.run(lambda: 7) == 7
 
 
+def test_the_compile_cache_is_per_user_unless_set(monkeypatch, tmp_path):
+    from brats_swap.run.compiling import compile_cache_dir, use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert compile_cache_dir() == tmp_path / "cache" / "brats-swap" / "inductor"
+    assert use_compile_cache().is_dir()
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "brats-swap" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache() == tmp_path / "mine"
+
+
 def test_checkpointing_inside_a_compiled_block_is_refused():
     from brats_swap.errors import ConfigError
 
