@@ -105,6 +105,27 @@ def test_compiled_differs_from_eager_by_little(unet_none):
     assert largest < 1e-3, largest
 
 
+def test_nnunet_swap_all_compiled_is_bitwise_none_compiled():
+    """nnU-Net's plain U-Net (its in-place LeakyReLU written on the norm's base when eager), deep supervision off:
+    swap_all compiled raised a false in-place modification before the network traced nnU-Net's own call."""
+    from brats_swap.config import load_config
+
+    cfg = load_config(None, ["model.name=nnunet", f"data.cube=[{CUBE},{CUBE},{CUBE}]", "model.features=[2,4,8]",
+                             "model.deep_supervision=false"]).model
+
+    def make():
+        torch.manual_seed(0)
+        return build_model(cfg)
+
+    def loss_fn(logits, target):
+        return dice_loss(torch.sigmoid(logits), target)
+
+    reference, _ = compiled_history(make, None, lambda step: batch(step, CUBE), loss_fn)
+    history, stats = compiled_history(make, UNET_POLICIES["swap_all"], lambda step: batch(step, CUBE), loss_fn)
+    assert_same_history(reference, history, "nnunet swap_all compiled")
+    assert stats[-1].swapped_out_bytes > 0
+
+
 # ---------------------------------------------------------------------------------------------- networks unlike ours
 
 
