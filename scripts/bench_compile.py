@@ -35,7 +35,7 @@ from brats_swap.config.loader import from_dict
 from brats_swap.memory import CompiledRegions, MemoryEngine
 from brats_swap.memory.planner import choose_policy
 from brats_swap.memory.presets import preset_policy, resolve_presets
-from brats_swap.model import build_model
+from brats_swap.model import build_model, emits_logits
 from brats_swap.run.compiling import compile_seconds_so_far
 
 
@@ -51,11 +51,17 @@ NETWORKS = ("isensee2017", "nnunet")
 POLICIES = ("none", "swap_all", "recompute", "auto")
 
 
-def dice_loss(output, target):
-    output = output[0] if isinstance(output, list | tuple) else output
-    probs = torch.sigmoid(output) if output.min() < 0 or output.max() > 1 else output
-    dims = (0, 2, 3, 4)
-    return 1 - (2 * (probs * target).sum(dims) + 1e-5).div(probs.sum(dims) + target.sum(dims) + 1e-5).mean()
+def loss_for(model):
+    """A soft Dice of the network's first output (sigmoid of logits when the network emits logits)."""
+    logits = emits_logits(model)
+
+    def dice_loss(output, target):
+        output = output[0] if isinstance(output, list | tuple) else output
+        probs = torch.sigmoid(output) if logits else output
+        dims = (0, 2, 3, 4)
+        return 1 - (2 * (probs * target).sum(dims) + 1e-5).div(probs.sum(dims) + target.sum(dims) + 1e-5).mean()
+
+    return dice_loss
 
 
 def policy_for(name: str, model, shape, budget_gib: float) -> MemoryConfig | None:
@@ -65,7 +71,7 @@ def policy_for(name: str, model, shape, budget_gib: float) -> MemoryConfig | Non
     if name == "auto":
         cfg = from_dict(MemoryConfig, {"mode": "auto", "budget_gib": budget_gib, "swap": {"min_bytes": 0}},
                         prefix="memory")
-        chosen, _ = choose_policy(model, cfg, shape, loss_fn=dice_loss)
+        chosen, _ = choose_policy(model, cfg, shape, loss_fn=loss_for(model))
         return chosen
     return preset_policy(name, base, resolve_presets(model, shape))
 
@@ -80,6 +86,7 @@ class Variant:
         self.regions = CompiledRegions(self.model) if kind == "blocks" else None
         self.engine = None if kind == "whole" else MemoryEngine(self.model, policy or "none", measure=policy is None)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.loss = loss_for(self.model)
         self.times: list[float] = []
         self.compiling: list[float] = []
         self.compile_s = 0.0
@@ -88,9 +95,9 @@ class Variant:
         started, compiling = time.perf_counter(), compile_seconds_so_far()
         if self.engine is not None:
             with self.engine.step():
-                loss = dice_loss(self.run(x), y)
+                loss = self.loss(self.run(x), y)
         else:
-            loss = dice_loss(self.run(x), y)
+            loss = self.loss(self.run(x), y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cube", type=int, default=32)
     parser.add_argument("--filters", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="steps per variant (the first compiles)")
-    parser.add_argument("--budget-gib", type=float, default=0.05, help="memory.budget_gib for the auto policy")
+    parser.add_argument("--budget-gib", type=float, default=0.01, help="memory.budget_gib for the auto policy")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.steps < 2:

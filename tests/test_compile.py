@@ -24,6 +24,7 @@ from brats_swap.memory import (
     is_compile_failure,
 )
 from brats_swap.memory.compiled import compile_cause
+from brats_swap.memory.engine import memory_config_from
 from brats_swap.model import build_model
 from brats_swap.run.compiling import StepCompilation, minutes_seconds
 
@@ -42,6 +43,9 @@ UNET_POLICIES = {
     "norm_act": {"mode": "recompute", "recompute": {"norm_act": True}},
     "hybrid": {"mode": "hybrid", "swap": {"include": ["encoder.level0", "encoder.level1"], "lookahead": 2,
                                           "min_bytes": 0}, "recompute": {"norm_act": True}},
+    # As the planner writes its choices (module by module, from the eager trace): inside the compiled blocks.
+    "swap_inner_globs": {"mode": "swap", "swap": {"include": ["encoder.level0.in_conv.act", "decoder.*.norm"],
+                                                  "exclude": ["encoder.level0.context.block1.conv"], "min_bytes": 0}},
 }
 
 
@@ -92,6 +96,13 @@ def test_unet_policies_compiled_are_bitwise_none_compiled(unet_none, name):
         # said per module, never replayed eagerly.
         assert last.recomputed_tensors == 0
         assert any("compiled region" in reason for reason in last.norm_act_skipped.values())
+    if name == "swap_inner_globs":  # the globs name the blocks around those modules (the exclusion goes)
+        model = make_unet()
+        regions = CompiledRegions(model)
+        cfg = regions.at_block_granularity(memory_config_from(UNET_POLICIES[name]))
+        regions.remove()
+        assert cfg.swap.include[0] == "encoder.level0.in_conv" and "decoder.level0.upsample.block" in cfg.swap.include
+        assert cfg.swap.exclude == []
     # The same network again (a new instance, another policy): no graph compiled again.
     assert graphs_compiled() == graphs, f"{name}: {graphs_compiled() - graphs} recompilation(s)"
 

@@ -17,7 +17,8 @@ boundaries:
   a replay of the eager modules would not reproduce bit for bit): those tensors are kept, and
   `StepStats.norm_act_skipped` says so per module;
 - checkpointing (`recompute.modules`) a module inside a region is refused: the compiled graph would not
-  see the wrapper.
+  see the wrapper;
+- swap globs naming modules inside regions name the regions (`at_block_granularity`).
 
 Shapes are static (`dynamic=False`): a step of a new shape (validation's whole cube, eval mode) compiles
 once, later steps of a known shape reuse it. Regions of one class share a code object, and dynamo caches
@@ -27,14 +28,18 @@ per code object, so the recompile limit is raised to cover every region in both 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Sequence
+from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
+from brats_swap.config import MemoryConfig
 from brats_swap.memory.frontend import discover_blocks
+from brats_swap.memory.recompute import restore_forwards
 
 # Models with compiled regions -> their `CompiledRegions` (the engine asks, `compiled_regions`).
 COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -148,13 +153,33 @@ class CompiledRegions:
         """The name of the region `module` is strictly inside, if any."""
         return self._inside.get(id(module))
 
+    def at_block_granularity(self, memory_cfg: MemoryConfig) -> MemoryConfig:
+        """`memory_cfg` with its swap globs at the regions' granularity: a saved tensor of a compiled region belongs
+        to the region, so a `swap.include` glob that names only modules inside regions (as the planner's choices
+        do, from the eager step's trace) names those regions instead, and such a `swap.exclude` glob is dropped.
+        Either way more is swapped, never less: the memory the policy was planned for still holds."""
+        names = [name for name, _module in self.model.named_modules()]
+        modules = dict(self.model.named_modules())
+
+        def inner_regions(pattern: str) -> list[str] | None:
+            matched = [name for name in names if fnmatchcase(name, pattern)]
+            regions = [self.region_around(modules[name]) for name in matched]
+            if not matched or any(region is None for region in regions):
+                return None
+            return list(dict.fromkeys(regions))
+
+        include: list[str] = []
+        for pattern in memory_cfg.swap.include:
+            include.extend(inner_regions(pattern) or [pattern])
+        exclude = [pattern for pattern in memory_cfg.swap.exclude if inner_regions(pattern) is None]
+        if include == memory_cfg.swap.include and exclude == memory_cfg.swap.exclude:
+            return memory_cfg
+        swap = dataclasses.replace(memory_cfg.swap, include=list(dict.fromkeys(include)), exclude=exclude)
+        return dataclasses.replace(memory_cfg, swap=swap)
+
     def remove(self) -> None:
         """The eager forwards back; the model is as before."""
-        for module, previous in self._patched:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
+        restore_forwards(self._patched)
         self._patched = []
         self._inside = {}
         if COMPILED.get(self.model) is self:

@@ -124,6 +124,9 @@ class MemoryEngine:
                               "resolve it to a concrete policy before the engine is built")
         self.device = torch.device(device) if device is not None else None
         cfg = with_inflight_window(effective_memory_config(cfg), self.device or _model_device(model))
+        regions = compiled_regions(model)
+        if regions is not None:  # swap globs that name modules inside compiled blocks name the blocks instead
+            cfg = regions.at_block_granularity(cfg)
         self.model = model
         self.cfg = cfg
         self.enabled = cfg.mode != "none" or measure
@@ -142,7 +145,6 @@ class MemoryEngine:
             self.executor.reserve_arena(self.device)
         ATTACHED[model] = weakref.ref(self)
         self.blocks = _resolve_blocks(model, blocks)
-        regions = compiled_regions(model)
         inside_compiled = regions.region_around if regions is not None else (lambda module: None)
         self.front.install(model, self.blocks, inside_compiled)
         if cfg.mode in RECOMPUTE_MODES:

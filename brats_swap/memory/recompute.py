@@ -211,12 +211,18 @@ class CheckpointedModules:
         return out
 
     def remove(self) -> None:
-        for module, previous in self._patched:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
+        restore_forwards(self._patched)
         self._patched = []
+
+
+def restore_forwards(patched: list[tuple[nn.Module, object]]) -> None:
+    """Undo instance-level `forward` patches: each module's own `forward` attribute as it was before (None: it
+    had none, its class's runs again)."""
+    for module, previous in patched:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
 
 
 # ---------------------------------------------------------------------------------------------- norm_act
