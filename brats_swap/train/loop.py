@@ -432,6 +432,10 @@ class FoldRecipe:
                             train_loss=self.config.train.loss)
         self.compilation.log = self.log.line
         self._note_compilation()
+        swap_ran, swap_planned = self.engine.cfg.swap, self.memory_cfg.swap
+        if (swap_ran.include, swap_ran.exclude) != (swap_planned.include, swap_planned.exclude):
+            self.log.line(f"train.compile: swap globs inside compiled blocks name the blocks (docs/memory.md): include "
+                          f"{swap_ran.include}, exclude {swap_ran.exclude}")
         self.log.line(self._start_line(resumed=state is not None))
         if state is not None and self.show_progress:  # on screen too (train.log has the start line)
             console.print(f"{self.folder.root}: resuming fold {self.folder.fold} at epoch {self.loop.epoch + 1} "
