@@ -374,6 +374,15 @@ def test_training_compiled_says_so_and_never_recompiles_a_known_shape(tmp_path_f
     assert graphs_compiled() == marks[1], "prediction compiled a shape validation had compiled"
     assert torch.allclose(probabilities["true"], probabilities["false"], atol=1e-4)
     assert config.evaluate.compile == "auto"
+    # `predict --set evaluate.compile=...` changes the setting after the models were loaded.
+    from brats_swap.evaluate.predicting import run_predictor, with_evaluate_settings
+
+    predictor = run_predictor(run)  # the run's evaluate.compile: auto, eager on the CPU
+    assert all(compiled_regions(model) is None for model, _ in predictor.members)
+    compiled = with_evaluate_settings(predictor, ["evaluate.compile=true"])
+    assert all(compiled_regions(model) is not None for model, _ in compiled.members)
+    eager = with_evaluate_settings(compiled, ["evaluate.compile=false"])
+    assert all(compiled_regions(model) is None for model, _ in eager.members)
 
 
 # ---------------------------------------------------------------------------------------------- DDP

@@ -48,6 +48,7 @@ from brats_swap.model.targets import (
 )
 from brats_swap.names import path_inside
 from brats_swap.progress import progress_bar
+from brats_swap.run.compiling import compile_for_inference
 from brats_swap.run.console import console, warn
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection, parse_fold_selection
 from brats_swap.run.folder import BEST, LATEST, RunFolder
@@ -250,6 +251,8 @@ def with_evaluate_settings(predictor: Predictor, overrides: Sequence[str]) -> Pr
         return predictor
     config = with_overrides(predictor.config, overrides, ("evaluate.",))
     members = [(model, replace(member, evaluate=config.evaluate)) for model, member in predictor.members]
+    for model, _member in members:  # `--set evaluate.compile=...` after the models were loaded
+        compile_for_inference(model, config.evaluate.compile, predictor.device)
     return replace(predictor, config=config, members=members)
 
 

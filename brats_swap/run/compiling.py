@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from brats_swap.memory import CompiledRegions, compile_wanted, is_compile_failure
+from brats_swap.memory import CompiledRegions, compile_wanted, compiled_regions, is_compile_failure
 from brats_swap.memory.compiled import compile_cause
 from brats_swap.run.console import warn
 
@@ -151,11 +151,16 @@ class StepCompilation:
                 self.log(f"compiling: {minutes_seconds(spent)} ({what})")
 
 
-def compile_for_inference(model: nn.Module, setting: bool | str, device: torch.device) -> StepCompilation:
+def compile_for_inference(model: nn.Module, setting: bool | str, device: torch.device) -> None:
     """`evaluate.compile` for a model that predicts (predict, evaluate, serve-challenge): its blocks compiled
-    when the setting asks for it on `device`; a failed compilation says one line and predicts eager. No
-    backward runs, so a region's own fallback covers every failure."""
-    return StepCompilation(model, setting, device, key="evaluate.compile", say=warn)
+    when the setting asks for it on `device`, eager otherwise (a setting changed by `--set` after loading);
+    a failed compilation says one line and predicts eager. No backward runs, so a region's own fallback
+    covers every failure."""
+    regions = compiled_regions(model)
+    if regions is not None and not compile_wanted(setting, device):
+        regions.remove()
+    elif regions is None:
+        StepCompilation(model, setting, device, key="evaluate.compile", say=warn)
 
 
 def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
