@@ -45,7 +45,8 @@ def sgd_history(model: torch.nn.Module, engine: MemoryEngine | None, make_batch,
         with engine.step() if engine is not None else contextlib.nullcontext():
             loss = loss_fn(model(x), y)
         loss.backward()
-        grads = [p.grad.detach().clone() for p in model.parameters()]
+        # An unused parameter (a deep-supervision head left out) has no gradient: zeros, for both sides alike.
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history.append((loss.detach().clone(), grads, [p.detach().clone() for p in model.parameters()]))

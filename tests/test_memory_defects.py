@@ -170,7 +170,10 @@ def test_train_step_reads_the_loss_only_after_backward_is_queued(monkeypatch):
         engine=types.SimpleNamespace(step=contextlib.nullcontext), train_model=lambda x: model(x).sigmoid(),
         scaler=types.SimpleNamespace(scale=Scaled, step=lambda optimizer: order.append("step"), update=lambda: None),
         optimizer=types.SimpleNamespace(zero_grad=lambda set_to_none: None), ctx=None,
-        data=types.SimpleNamespace(device_batches=types.SimpleNamespace(prepare=lambda b: (b["image"], b["target"]))))
+        data=types.SimpleNamespace(device_batches=types.SimpleNamespace(prepare=lambda b: (b["image"], b["target"]))),
+        # eager steps (train.compile off): the step runs as given
+        compilation=types.SimpleNamespace(run=lambda step, what, module=None: step()),
+        _engine_for_eager=lambda: None, _note_compilation=lambda: None)
     batch = {"image": torch.randn(1, 1, 4, 4, 4), "target": torch.ones(1, 3, 4, 4, 4)}
     loss = loop_module.FoldRecipe.train_step(fake, batch)
     assert order == ["backward", "loss read", "step"] and math.isfinite(loss)

@@ -166,6 +166,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch CPU threads; None = torch's default
     deterministic: bool = False  # true: torch deterministic algorithms, no cuDNN benchmark (run/device.py)
+    # torch.compile each block of the network (and the loss), the memory engine's hooks at the blocks' edges
+    # (docs/memory.md#compiled-steps): auto = on CUDA (as nnU-Net), off on the CPU; a failed compilation runs eager
+    compile: bool | Literal["auto"] = "auto"
     # Weights a fold starts from instead of a fresh initialisation: a brats-swap checkpoint file (what
     # `import-nnunet` writes); None = initialise. A --resume continues from the fold's own checkpoint instead.
     init_from: str | None = None
@@ -192,6 +195,8 @@ class EvaluateConfig:
     # on these axes, as nnU-Net's does (its float64 sums round in that order).
     nnunet_axes: list[int] = field(default_factory=lambda: [2, 1, 0])
     threshold: float = 0.5
+    # predict / evaluate / serve-challenge: compile each block as train.compile does (auto = on CUDA only)
+    compile: bool | Literal["auto"] = "auto"
     hd95: bool = True
     save_predictions: bool = True
 

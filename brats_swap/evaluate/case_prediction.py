@@ -55,6 +55,7 @@ def array_network(model, device, config: Config) -> array_inference.ArrayNetwork
 
     return torch_network(model, device, config.train.amp)
 
+
 def case_labels(probs: np.ndarray, edition: str, config: Config, case_id: str = "") -> np.ndarray:
     """uint8 labels in the edition's values from (C, ...) probabilities, as the model's outputs and the
     evaluation threshold say; DataError when the model's channels do not fit the case's label table."""
@@ -192,6 +193,12 @@ def with_evaluate_settings(predictor: Predictor, overrides: Sequence[str]) -> Pr
         return predictor
     config = with_overrides(predictor.config, overrides, ("evaluate.",))
     members = [(model, replace(member, evaluate=config.evaluate)) for model, member in predictor.members]
+    torch_models = [model for model, _member in members if not getattr(model, "runs_on_arrays", False)]
+    if torch_models:  # `--set evaluate.compile=...` after the models were loaded (torch imported only then)
+        from brats_swap.run.compiling import compile_for_inference
+
+        for model in torch_models:
+            compile_for_inference(model, config.evaluate.compile, predictor.device)
     return replace(predictor, config=config, members=members)
 
 

@@ -15,11 +15,14 @@ tensors into a `Trace` (`trace_data`), the `simulate` module replays it, `cost` 
 `select_swapped(records, swap_cfg)` is its swap decision as a pure function, for planners.
 `presets.named_policies(base)` gives the named policies (the paper's swap configurations, recompute,
 norm_act, hybrid) as `MemoryConfig`s; `planner` prices them for any model, given its loss.
+`CompiledRegions(model)` compiles each block with `torch.compile` so that the engine runs compiled steps
+(`compiled`; `compile_wanted` resolves `train.compile` / `evaluate.compile` for a device).
 `register_norm(cls)` declares a norm class replayable by `recompute.norm_act` (see `recompute`).
 
 The package depends on torch, the standard library and `brats_swap.config` only.
 """
 
+from brats_swap.memory.compiled import CompiledRegions, compile_wanted, compiled_regions, is_compile_failure
 from brats_swap.memory.engine import MemoryEngine, memory_config_from, memory_policy
 from brats_swap.memory.executor import StaleSavedTensorError
 from brats_swap.memory.frontend import SavedTensorModifiedError, discover_blocks
@@ -29,7 +32,7 @@ from brats_swap.memory.rulebook import Decider, Decision, Rulebook, select_swapp
 from brats_swap.memory.stats import StepStats
 
 __all__ = [
-    "Decider", "Decision", "MemoryEngine", "Rulebook", "SavedRecord", "SavedTensorModifiedError",
-    "StaleSavedTensorError", "StepStats", "discover_blocks", "effective_memory_config", "memory_config_from", "memory_policy", "module_matches",
-    "register_norm", "select_swapped",
+    "CompiledRegions", "Decider", "Decision", "MemoryEngine", "Rulebook", "SavedRecord", "SavedTensorModifiedError",
+    "StaleSavedTensorError", "StepStats", "compile_wanted", "compiled_regions", "discover_blocks", "effective_memory_config", "memory_config_from", "memory_policy", "module_matches",
+    "is_compile_failure", "register_norm", "select_swapped",
 ]

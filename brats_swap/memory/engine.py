@@ -29,6 +29,7 @@ from torch import nn
 from brats_swap.config import ConfigError, MemoryConfig, validate_memory_config
 from brats_swap.config.loader import from_dict
 from brats_swap.memory.budget import with_inflight_window
+from brats_swap.memory.compiled import compiled_regions
 from brats_swap.memory.executor import SwapExecutor
 from brats_swap.memory.frontend import ATTACHED, SavedTensorFrontEnd, discover_blocks
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
@@ -123,6 +124,9 @@ class MemoryEngine:
                               "resolve it to a concrete policy before the engine is built")
         self.device = torch.device(device) if device is not None else None
         cfg = with_inflight_window(effective_memory_config(cfg), self.device or _model_device(model))
+        regions = compiled_regions(model)
+        if regions is not None:  # swap globs that name modules inside compiled blocks name the blocks instead
+            cfg = regions.at_block_granularity(cfg)
         self.model = model
         self.cfg = cfg
         self.enabled = cfg.mode != "none" or measure
@@ -141,17 +145,29 @@ class MemoryEngine:
             self.executor.reserve_arena(self.device)
         ATTACHED[model] = weakref.ref(self)
         self.blocks = _resolve_blocks(model, blocks)
-        self.front.install(model, self.blocks)
+        inside_compiled = regions.region_around if regions is not None else (lambda module: None)
+        self.front.install(model, self.blocks, inside_compiled)
         if cfg.mode in RECOMPUTE_MODES:
             if cfg.recompute.modules:
-                self._checkpointed = CheckpointedModules(model, cfg.recompute.modules, self.front.checkpoint_called,
-                                                        self.front.region_done)
-                if not self._checkpointed.names:
-                    self.close()
-                    raise ConfigError(f"memory.recompute.modules: {cfg.recompute.modules} match no module of the model")
+                self._checkpoint(model, cfg.recompute.modules, inside_compiled)
             if cfg.recompute.norm_act:
-                self.recipes = NormActRecipes(model, self.front)
+                self.recipes = NormActRecipes(model, self.front, inside_compiled)
                 self.front.recipes = self.recipes
+
+    def _checkpoint(self, model: nn.Module, patterns: list[str], inside_compiled) -> None:
+        """`recompute.modules` under checkpointing; a matched module inside a compiled region is refused (the
+        compiled graph would not run the wrapper)."""
+        self._checkpointed = CheckpointedModules(model, patterns, self.front.checkpoint_called, self.front.region_done)
+        modules = dict(model.named_modules())
+        if not self._checkpointed.names:
+            self.close()
+            raise ConfigError(f"memory.recompute.modules: {patterns} match no module of the model")
+        for name in self._checkpointed.names:
+            region = inside_compiled(modules[name])
+            if region is not None:
+                self.close()
+                raise ConfigError(f"memory.recompute.modules: {name!r} is inside the compiled region {region!r}; "
+                                  "under compile checkpoint whole blocks or the modules around them")
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager

@@ -323,10 +323,15 @@ class SavedTensorFrontEnd:
                 self.recipes.reset()
             self.emit(EventKind.FORWARD_END)
 
-    def install(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
-        """Module hooks on every submodule of `model`; `blocks` (name, module) pairs get backward markers."""
+    def install(self, model: nn.Module, blocks: list[tuple[str, nn.Module]],
+                inside_compiled: Callable[[nn.Module], str | None] = lambda module: None) -> None:
+        """Module hooks on every submodule of `model`; `blocks` (name, module) pairs get backward markers.
+        A module inside a compiled region (`inside_compiled` names the region) gets none: its region's
+        hooks stand for it, and the compiled graph must not trace ours (`compiled.py`)."""
         block_ids = {id(module) for _name, module in blocks}
         for name, module in model.named_modules():
+            if inside_compiled(module) is not None:
+                continue
             is_block = id(module) in block_ids
             self._hooks.append(module.register_forward_pre_hook(
                 functools.partial(self._module_start, name, is_block, module is model), with_kwargs=True))

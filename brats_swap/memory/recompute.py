@@ -211,12 +211,18 @@ class CheckpointedModules:
         return out
 
     def remove(self) -> None:
-        for module, previous in self._patched:
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
+        restore_forwards(self._patched)
         self._patched = []
+
+
+def restore_forwards(patched: list[tuple[nn.Module, object]]) -> None:
+    """Undo instance-level `forward` patches: each module's own `forward` attribute as it was before (None: it
+    had none, its class's runs again)."""
+    for module, previous in patched:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
 
 
 # ---------------------------------------------------------------------------------------------- norm_act
@@ -352,23 +358,35 @@ class NormActRecipes:
     made recomputable in the current forward to the reason (module docstring), until `reset()`.
     """
 
-    def __init__(self, model: nn.Module, engine):
+    def __init__(self, model: nn.Module, engine,
+                 inside_compiled: Callable[[nn.Module], str | None] = lambda module: None):
         self.engine = engine
         self.active = False  # only during the engine's forward
         self.registry: StorageMap[Recipe] = StorageMap()  # the recipe of each output made recomputable
         self.pending: _InplacePending | None = None
         self.recognised: dict[str, str] = {}  # module name -> "norm" | "act" | "dropout" | "resize"
+        # Modules inside a compiled region (`compiled.py`): never guarded, always reported.
+        self.fused: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
         self._calls: dict[int, _Call] = {}
         self._guard_ids: dict[int, tuple[int, int, int, int]] = {}
         self._hooks = []
         for name, module in model.named_modules():
             kind = _kind_of(module)
+            region = inside_compiled(module)
+            if region is not None and (kind is not None or _looks_like_norm(module)):
+                self.fused[name] = (f"inside the compiled region {region!r}, where it is fused with its neighbours: "
+                                    "kept as that region's compiled graph saves it (a replay of the eager module "
+                                    "would not be bitwise the fused kernel's)")
+                continue
+            if region is not None:
+                continue
             if kind is not None:
                 self._guard(name, module, kind)
                 self.recognised[name] = kind
             elif _looks_like_norm(module):
                 self._hooks.append(module.register_forward_pre_hook(functools.partial(self._lookalike_call, name)))
+        self.skipped = dict(self.fused)
 
     def _guard(self, name: str, module: nn.Module, kind: str) -> None:
         first_pre = module.register_forward_pre_hook(
@@ -391,7 +409,7 @@ class NormActRecipes:
         """Forget every recipe not referenced by a saved tensor and the reasons (at the end of each forward)."""
         self.registry = StorageMap()
         self.pending = None
-        self.skipped = {}
+        self.skipped = dict(self.fused)
         self._calls = {}
 
     # The engine asks this for every new storage it is about to save.

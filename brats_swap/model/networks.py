@@ -84,6 +84,11 @@ class LeakyReLUOnBase(nn.LeakyReLU):
     norm_act_follower = "act"  # forward(x) is elementwise in x alone: memory's norm_act may replay it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # A compiled graph has no views to save memory on (it is functional), and an output returned as a
+            # view of a base mutated in place gets a version counter that goes back to 0 after the graph, which a
+            # saved-tensor check then takes for a modification: nnU-Net's own in-place call on the view.
+            return super().forward(x)
         base = x._base
         if self.inplace and base is not None and _whole_view(x, base):
             return F.leaky_relu_(base, self.negative_slope).view(x.shape)

@@ -22,6 +22,7 @@ from brats_swap.model import build_model
 from brats_swap.model.pricing import priced_network, weights_mismatch
 from brats_swap.model.targets import run_output_count
 from brats_swap.run.checkpoint import load_checkpoint, load_latest
+from brats_swap.run.compiling import compile_for_inference
 from brats_swap.run.console import warn
 from brats_swap.run.device import resolve_device
 from brats_swap.run.folder import FoldFolder, RunFolder
@@ -115,4 +116,5 @@ def load_for_inference(run: RunFolder | Path, fold: int, checkpoint: str,
     # On cuda:N the tiles, the sums and library handles must go to that card, not to GPU 0 (someone else's).
     cuda_device.use_device(device)
     model, trained_config, _ = load_trained_model(run, fold, checkpoint, device)
+    compile_for_inference(model, current.evaluate.compile, device)
     return model, inference_config(trained_config, current), device

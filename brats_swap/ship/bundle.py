@@ -525,6 +525,7 @@ def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postpr
     config, its weights loaded, on the device of the bundle's config (or `device`), predicting with the
     bundle's evaluation settings. `challenge` forces the label table the cases are read with (as
     `data.challenge`)."""
+    from brats_swap.run.compiling import compile_for_inference
     from brats_swap.run.device import resolve_device
     from brats_swap.run.trained import inference_config, trained_model
 
@@ -536,6 +537,7 @@ def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postpr
         model = trained_model(trained.model, bundle.challenge, bundle.state_dict(k),
                               weights_source=f"{bundle.path}: {fold_weights(k)}",
                               config_source=f"{bundle.path}: {fold_config(k)}", device=target)
+        compile_for_inference(model, config.evaluate.compile, target)
         members.append((model, inference_config(trained, config)))
     check_one_output_kind(bundle.path, chosen, members)
     plan = bundle.postprocessing() if postprocess else None

@@ -84,6 +84,7 @@ from brats_swap.run.checkpoint import (
     restore_rng_states,
     save_checkpoint,
 )
+from brats_swap.run.compiling import StepCompilation
 from brats_swap.run.console import console, warn
 from brats_swap.run.device import (
     amp_dtype,
@@ -358,6 +359,7 @@ class FoldRecipe:
     train_model: torch.nn.Module  # `model`, or DDP around it when distributed
     memory_cfg: MemoryConfig  # the resolved policy the engine runs and the checkpoint records
     engine: MemoryEngine
+    compilation: StepCompilation  # train.compile: the network's blocks and the loss compiled, or eager
     optimizer: torch.optim.Optimizer
     scheduler: Scheduler
     loss: SegmentationLoss
@@ -438,6 +440,12 @@ class FoldRecipe:
         self.log = TrainLog(self.folder, write=self.ctx.is_main,
                             purge_step=self.loop.epoch + 1 if state is not None else None,
                             train_loss=self.config.train.loss)
+        self.compilation.log = self.log.line
+        self._note_compilation()
+        swap_ran, swap_planned = self.engine.cfg.swap, self.memory_cfg.swap
+        if (swap_ran.include, swap_ran.exclude) != (swap_planned.include, swap_planned.exclude):
+            self.log.line(f"train.compile: swap globs inside compiled blocks name the blocks (docs/memory.md): include "
+                          f"{swap_ran.include}, exclude {swap_ran.exclude}")
         self.log.line(self._start_line(resumed=state is not None))
         if state is not None and self.show_progress:  # on screen too (train.log has the start line)
             console.print(f"{self.folder.root}: resuming fold {self.folder.fold} at epoch {self.loop.epoch + 1} "
@@ -496,9 +504,13 @@ class FoldRecipe:
                                       reuse=resumed, table=self.edition)
         # The host arena sized from the plan and allocated now: a host that cannot hold one step's swapped
         # activations is a one-line error here, before the first epoch, not an out-of-memory kill mid-step.
-        arena = run_on_main(self.ctx, swap_arena_bytes, self.model, self.memory_cfg, input_shape,
-                            amp_dtype(train_cfg.amp), self.loss)
-        self.engine = MemoryEngine(self.model, self.memory_cfg, device, arena_bytes=arena)
+        self.arena_bytes = run_on_main(self.ctx, swap_arena_bytes, self.model, self.memory_cfg, input_shape,
+                                       amp_dtype(train_cfg.amp), self.loss)
+        # Compiled before the engine is built: the engine then keeps its hooks at the compiled blocks' edges.
+        self.compilation = StepCompilation(self.model, train_cfg.compile, device, loss=self.loss,
+                                           say=warn if self.ctx.is_main else None)
+        self.engine = MemoryEngine(self.model, self.memory_cfg, device, arena_bytes=self.arena_bytes)
+        self.engine_compiled = self.compilation.compiled
         self.optimizer = build_optimizer(self.model.parameters(), train_cfg)
         self.scheduler = build_scheduler(self.optimizer, train_cfg)
         self.scaler = torch.amp.GradScaler(device.type, enabled=train_cfg.amp == "fp16")
@@ -529,7 +541,7 @@ class FoldRecipe:
                 f"{len(self.data.val_dataset.case_ids)} val cases, {self.data.steps_per_epoch} steps/epoch, "
                 f"mode {train_cfg.mode} {list(self.sample_shape)}, {n_params:,} parameters, device {self.device}, "
                 f"memory.mode {self.memory_cfg.mode}, amp {train_cfg.amp}, augment {train_cfg.augment} on the device, "
-                f"{self.data.loader_workers} loader workers")
+                f"{self.data.loader_workers} loader workers, {self.compilation.describe()}")
         if ctx.is_distributed:
             line += f", {ctx.world_size} ranks ({ctx.backend}), global batch {ctx.world_size * train_cfg.batch_size}"
         return line
@@ -542,6 +554,7 @@ class FoldRecipe:
         Returns the epoch's record so far (epoch, mean train loss, lr, s/step) and the mean memory stats.
         """
         loop, train_cfg = self.loop, self.config.train
+        self.epoch_compile_start = self.compilation.compile_seconds
         cuda_device.reset_peak(self.device)
         self.data.sampler.set_epoch(loop.epoch, start=loop.step_in_epoch * train_cfg.batch_size)
         self.train_model.train()
@@ -607,13 +620,21 @@ class FoldRecipe:
     def train_step(self, batch: LoaderBatch) -> float:
         """Forward and loss under the memory engine (and AMP), backward, optimiser step; the global batch's loss."""
         where = f"{self.folder.root}: epoch {self.loop.epoch + 1} step {self.loop.step_in_epoch + 1}"
+        self._engine_for_eager()
         try:
             # float16 batch -> float32, augmented and turned into targets on the device (train/device_augment.py)
             images, targets = self.data.device_batches.prepare(batch)
-            with autocast_context(self.device, self.config.train.amp), self.engine.step():
-                loss = self.loss(self.train_model(images), targets)
-            # Backward is queued before the loss is read: reading it (and the all-reduce) waits for the device.
-            self.scaler.scale(loss).backward()
+
+            def forward_backward() -> torch.Tensor:
+                self.optimizer.zero_grad(set_to_none=True)  # a retry after a failed compiled backward starts clean
+                with autocast_context(self.device, self.config.train.amp), self.engine.step():
+                    loss = self.loss(self.train_model(images), targets)
+                # Backward is queued before the loss is read: reading it (and the all-reduce) waits for the device.
+                self.scaler.scale(loss).backward()
+                return loss
+
+            loss = self.compilation.run(forward_backward, "train step", module=self.model)
+            self._note_compilation()
             loss_value = all_reduce_mean(float(loss.detach()), self.ctx)  # the same value on every rank
             if not math.isfinite(loss_value):
                 raise NumericalError(
@@ -628,6 +649,21 @@ class FoldRecipe:
             raise out_of_memory_error(self.device, self.config, where, self.memory_cfg,
                                       out_channels=self.out_channels) from None
         return loss_value
+
+    def _engine_for_eager(self) -> None:
+        """After a failed compilation the blocks run eager: the engine is rebuilt with its hooks inside them again
+        (norm_act recipes, module events), as an eager run has it."""
+        if self.engine_compiled and not self.compilation.compiled:
+            self.engine.close()
+            self.engine = MemoryEngine(self.model, self.memory_cfg, self.device, arena_bytes=self.arena_bytes)
+            self.engine_compiled = False
+
+    def _note_compilation(self) -> None:
+        """env.json says whether steps run compiled and how long compiling took, once that changed."""
+        record = self.compilation.record()
+        if self.environment is not None and self.environment.get("compile") != record:
+            self.environment["compile"] = record
+            atomic_write_json(self.run.env, self.environment)
 
     def _rest_of_the_run(self) -> tuple[str, int, float]:
         """What the progress lines add for the run's time left: the later epochs' steps, and this epoch's and
@@ -665,13 +701,17 @@ class FoldRecipe:
     def validate(self) -> dict[str, Any]:
         """Whole-cube validation and what it decides: LR on plateau, early stopping, the best checkpoint."""
         started = time.perf_counter()
-        try:
+        def scores() -> dict[str, Any]:
             with self._validation_progress() as shown, _ticking(self.model, shown.tick):
-                val = validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device,
-                                        self.ctx, on_cases=shown.done)
+                return validation_scores(self.config, self.model, self.data.val_loader, self.edition, self.device,
+                                         self.ctx, on_cases=shown.done)
+
+        try:
+            val = self.compilation.run(scores, "validation")
         except torch.cuda.OutOfMemoryError:  # as a training step's: one line, failed.txt, exit 3 (`fit`)
             raise prediction_out_of_memory_error(
                 self.device, self.config, f"{self.folder.root}: epoch {self.loop.epoch + 1} validation") from None
+        self._note_compilation()
         record: dict[str, Any] = {**val, "val_seconds": time.perf_counter() - started}
         step_after_validation(self.scheduler, val["val_loss"])
         mean_dice = float(np.mean([val[dice_column(r)] for r in self.regions]))
@@ -692,7 +732,8 @@ class FoldRecipe:
         loop, train_cfg = self.loop, self.config.train
         epoch_seconds = loop.epoch_elapsed + record.get("val_seconds", 0.0)
         peak = self._take_peak()
-        record.update(epoch_s=epoch_seconds, peak_memory_gib=peak / 2**30)
+        record.update(epoch_s=epoch_seconds, peak_memory_gib=peak / 2**30, compiled=self.compilation.compiled,
+                      compile_s=self.compilation.compile_seconds - self.epoch_compile_start)
         loop.history.append(record)
         loop.epoch += 1
         loop.step_in_epoch, loop.epoch_loss_sum, loop.epoch_elapsed, loop.epoch_data_wait = 0, 0.0, 0.0, 0.0

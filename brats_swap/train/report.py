@@ -59,6 +59,9 @@ class TrainLog:
         self._scalar("time/epoch_s", record["epoch_s"], epoch)
         self._scalar("time/data_wait_s", record["data_wait_s"], epoch)  # the epoch's steps waiting for batches
         self._scalar("memory/peak_gib", record["peak_memory_gib"], epoch)
+        if "compiled" in record:  # train.compile: whether the steps ran compiled, and this epoch's compiling time
+            self._scalar("compile/compiled", float(record["compiled"]), epoch)
+            self._scalar("compile/seconds", record["compile_s"], epoch)
         for key, value in memory_stats.items():
             self._scalar(f"memory/{key.removeprefix('memory/')}", value, epoch)
         if "val_loss" in record:
@@ -71,6 +74,8 @@ class TrainLog:
         parts += [f"lr {record['lr']:.3g}", f"{record['step_s']:.2f} s/step", f"epoch {record['epoch_s']:.1f} s",
                   f"data wait {record['data_wait_s']:.1f} s ({record['data_wait_share']:.0%})",
                   f"peak {record['peak_memory_gib']:.2f} GiB"]
+        if record.get("compiled"):
+            parts.append(f"compiled ({record['compile_s']:.1f} s compiling)" if record.get("compile_s") else "compiled")
         if record.get("best"):
             parts.append("best")
         line = "  ".join(parts)
