@@ -17,7 +17,6 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json
 from brats_swap.errors import CheckpointError, DataError
-from brats_swap.run.checkpoint import load_latest
 from brats_swap.run.folder import RunFolder
 
 
@@ -131,6 +130,10 @@ def fold_standing(run_dir: RunFolder | Path, fold: int, *, read_checkpoint: bool
     state = read_fold_state(run, fold)
     checkpoint = checkpoint_path = None
     if read_checkpoint or not state.trained:
+        # Imported here: reading a checkpoint needs torch, and the CLI resolves a run's config (which asks where
+        # its folds stand) before the training stack loads, so that a config error costs no torch import.
+        from brats_swap.run.checkpoint import load_latest
+
         try:
             loaded = load_latest(folder)
         except CheckpointError:
