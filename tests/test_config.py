@@ -93,3 +93,15 @@ def test_the_retired_monai_augment_key_says_what_replaced_it_and_old_runs_still_
     assert config_from_saved(old).train.augment == "mild"
     old["train"]["monai_augment"] = False
     assert config_from_saved(old).train.augment == "cube48"
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.compile=maybe", "train.compile: expected true, false or auto, got str 'maybe'"),
+    ("data.loader_workers=many", "data.loader_workers: expected an integer or auto, got str 'many'"),
+    ("train.patch_foreground=tumour", "train.patch_foreground: expected a number or nnunet, got str 'tumour'"),
+])
+def test_a_key_of_several_forms_names_every_form_it_takes(override, message):
+    """A key that takes a value or a word (`auto`) names both in its error, not only the first form tried."""
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, [override])
+    assert str(raised.value) == message

@@ -192,6 +192,14 @@ def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
     return cls(**values)
 
 
+def _accepted(annotation: Any) -> list[str]:
+    """The forms a value of `annotation` takes in a config, as the errors below name them."""
+    if get_origin(annotation) is Literal:
+        return [str(choice) for choice in get_args(annotation)]
+    return {bool: ["true", "false"], int: ["an integer"], float: ["a number"], str: ["a string"]}.get(
+        annotation, [getattr(annotation, "__name__", str(annotation))])
+
+
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
     origin = get_origin(annotation)
     if dataclasses.is_dataclass(annotation):
@@ -208,6 +216,10 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ConfigError as exc:
                 errors.append(str(exc))
+        if len(errors) > 1:  # name every form the key takes ("expected an integer or auto"), not the first's
+            forms = [form for option in options if option is not type(None) for form in _accepted(option)]
+            accepted = f"{', '.join(forms[:-1])} or {forms[-1]}"
+            raise ConfigError(f"{key}: expected {accepted}, got {_describe(value)}")
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
     if origin is Literal:
         choices = get_args(annotation)
