@@ -451,6 +451,29 @@ def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: Trace
     return fwd_end
 
 
+def _run_instrumented(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
+                      step: Callable[[nn.Module], torch.Tensor], autocast_ops: _AutocastOps | None,
+                      regions: CompiledRegions | None) -> int:
+    """`_run_step` under the autocast emulation, then the instrumentation removed; a compilation that failed
+    (a region that ran eager, or a backward compiled lazily at its first use) raises `TraceCompileError`."""
+    try:
+        with autocast_ops if autocast_ops is not None else contextlib.nullcontext():
+            fwd_end = _run_step(meta_model, front, recorder, step)
+    except Exception as exc:
+        if regions is not None and is_compile_failure(exc):
+            raise TraceCompileError(compile_cause(exc)) from exc
+        raise
+    finally:
+        front.remove()
+        if front.recipes is not None:
+            front.recipes.remove()
+        if regions is not None:
+            regions.remove()
+    if regions is not None and regions.failed is not None:  # a region ran eager: the trace is not the compiled step
+        raise TraceCompileError(regions.failed)
+    return fwd_end
+
+
 def _backward(loss: torch.Tensor) -> None:
     """`loss.backward()` as `torch.autograd.backward` runs it, minus its hand-off to torch function modes: an
     active mode (the autocast emulation's `_AutocastOps`) would run the whole backward with itself switched
@@ -532,21 +555,7 @@ def trace_step(
                 # Allocated before the step (the data loader's), alive to its end like the batch.
                 recorder.storages[recorder.storage_id(held[-1].untyped_storage())].alloc_op = 0
             return loss_fn(output, held[1])
-    try:
-        with autocast_ops if autocast_ops is not None else contextlib.nullcontext():
-            fwd_end = _run_step(meta_model, front, recorder, lambda module: step(module, x))
-    except Exception as exc:
-        if regions is not None and is_compile_failure(exc):  # a backward compiled lazily, at its first use
-            raise TraceCompileError(compile_cause(exc)) from exc
-        raise
-    finally:
-        front.remove()
-        if front.recipes is not None:
-            front.recipes.remove()
-        if regions is not None:
-            regions.remove()
-    if regions is not None and regions.failed is not None:  # a region ran eager: the trace is not the compiled step
-        raise TraceCompileError(regions.failed)
+    fwd_end = _run_instrumented(meta_model, front, recorder, lambda module: step(module, x), autocast_ops, regions)
     n_ops = len(recorder.ops)
     for storage in recorder.storages:
         storage.free_op = min(storage.free_op, n_ops)
