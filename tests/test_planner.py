@@ -280,6 +280,9 @@ def test_plan_cli_writes_json_and_timeline(tmp_path):
     assert report["device_overhead_gib"] == 0.05 and report["floor_gib"] > 0.05
     assert min(row["predicted_peak_gib"] for row in report["policies"]) > 0.05
     assert report["chosen"]["policy"]["mode"] in ("none", "swap", "recompute", "hybrid")
+    # train.compile auto compiles on the GPU planned for: the compiled step is priced, and said so.
+    assert report["step"] == "compiled" and report["eager_reason"] is None
+    assert "compiled step" in result.output and "step: compiled" in result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "memory plan" in result.output
 
@@ -358,12 +361,19 @@ def test_fp16_training_is_priced_in_fp16(monkeypatch, tmp_path):
 
     # `brats-swap plan`: the dtype train.amp trains in, unless --dtype says otherwise.
     saved = {}
-    for amp in ("none", "fp16"):
-        report, _ = planning.plan_for_config(_tiny_config(f"train.amp={amp}"), batch=1, device="gpu")
+    for amp in ("none", "fp16"):  # the eager step both times (train.compile auto would compile fp32 on a GPU)
+        report, _ = planning.plan_for_config(_tiny_config(f"train.amp={amp}", "train.compile=false"), batch=1,
+                                             device="gpu")
         saved[amp] = next(p for p in report.policies if p.name == "none").saved_bytes
         assert report.dtype == {"none": "float32", "fp16": "float16"}[amp]
+        assert report.step == "eager" and report.eager_reason is None
     assert 0.4 * saved["none"] < saved["fp16"] < 0.75 * saved["none"]
-    forced, _ = planning.plan_for_config(_tiny_config("train.amp=fp16"), batch=1, device="gpu", dtype="fp32")
+    # Under autocast the compiled step is not traced: the eager one is priced, and the report says why.
+    compiled_amp, _ = planning.plan_for_config(_tiny_config("train.amp=fp16"), batch=1, device="gpu")
+    assert compiled_amp.step == "eager" and "autocast" in compiled_amp.eager_reason
+    assert next(p for p in compiled_amp.policies if p.name == "none").saved_bytes == saved["fp16"]
+    forced, _ = planning.plan_for_config(_tiny_config("train.amp=fp16", "train.compile=false"), batch=1, device="gpu",
+                                         dtype="fp32")
     assert next(p for p in forced.policies if p.name == "none").saved_bytes == saved["none"]
 
     # The out-of-memory advice prices the same dtype (at 96³: its GiB are printed with two decimals).
@@ -378,8 +388,8 @@ def test_fp16_training_is_priced_in_fp16(monkeypatch, tmp_path):
     seen = []
 
     def fake_choose_policy(model, memory_cfg, input_shape, dtype, device, *, loss_fn, optimizer_state_factor,
-                           prelude_bytes):
-        seen.append(dtype)
+                           prelude_bytes, compiled):
+        seen.append((dtype, compiled))
         raise ConfigError("stop here")
 
     monkeypatch.setattr(planning, "choose_policy", fake_choose_policy)
@@ -387,7 +397,7 @@ def test_fp16_training_is_priced_in_fp16(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="stop here"):
         planning.plan_memory(config, build_model(config.model), FoldFolder(tmp_path / "fold_0", 0), (1, 4, 32, 32, 32),
                              torch.device("cpu"), reuse=False)
-    assert seen == [torch.float16]
+    assert seen == [(torch.float16, False)]  # train.compile auto: eager on the CPU, so priced eager
 
 
 def test_the_memory_policy_is_resolved_once(tmp_path):

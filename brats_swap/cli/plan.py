@@ -158,13 +158,23 @@ def selecting_lines(report: PlanReport) -> list[str]:
     return policy_lines(report.chosen.policy)
 
 
+def priced_step_line(report: PlanReport) -> str:
+    """Which step the prices are for: compiled (train.compile compiles on the device planned for) or eager."""
+    if report.eager_reason is not None:
+        return f"step: eager (train.compile asks for compiled; priced eager: {report.eager_reason})"
+    if report.step == "compiled":
+        return ("step: compiled (train.compile on the device planned for): each block's saved tensors are those its "
+                "compiled graph keeps")
+    return "step: eager (train.compile off on the device planned for)"
+
+
 def print_report(report: PlanReport) -> None:
     from brats_swap.memory.budget import GIB, INFLIGHT_SHARE
 
     shape = "x".join(str(v) for v in report.input_shape[2:])
     budget = f"{report.budget_gib:g} GiB" if report.budget_gib is not None else "none"
     budget += f" (device overhead {report.device_overhead_gib:g} GiB)"
-    table = Table(title=f"memory plan: {shape}, batch {report.batch}, {report.dtype}, budget {budget}, "
+    table = Table(title=f"memory plan: {shape}, batch {report.batch}, {report.dtype}, {report.step} step, budget {budget}, "
                         f"floor {report.floor_gib:.2f} GiB, link {report.bandwidth_gbs:g} GB/s",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # Short headers: the table fits 80 columns (a SLURM log, a pipe), where rich would cut the numbers.
@@ -185,6 +195,7 @@ def print_report(report: PlanReport) -> None:
     _say("floor: the least any keep/swap/recompute policy could need (parameters, optimizer state and the "
          "step's largest working set with every saved tensor off the device until read); no plan goes below it")
     _say(f"time model: {report.cost_model.get('name', '?')}; planned in {report.plan_seconds:.1f} s")
+    _say(priced_step_line(report))
     if report.chosen is None:
         console.print(f"[bold red]{report.reason}[/]")
         return

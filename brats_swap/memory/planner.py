@@ -63,7 +63,7 @@ from brats_swap.memory.cost import OpCostModel, default_cost_model
 from brats_swap.memory.device_profile import resolve_cost_model
 from brats_swap.memory.prediction import PolicyPrediction
 from brats_swap.memory.presets import named_policies, resolve_presets
-from brats_swap.memory.recorder import trace_step
+from brats_swap.memory.recorder import TraceCompileError, trace_step
 from brats_swap.memory.records import RECOMPUTE_MODES, SWAP_MODES, SavedRecord
 from brats_swap.memory.rulebook import select_swapped, transfer_bytes
 from brats_swap.memory.simulate import (
@@ -102,6 +102,8 @@ class PlanReport:
     reason: str = ""
     plan_seconds: float = 0.0
     device_overhead_gib: float = 0.0  # in every peak and the floor (`memory.budget`)
+    step: str = "eager"  # the step priced: "compiled" (train.compile) or "eager" (`Planner.priced_step`)
+    eager_reason: str | None = None  # why a compiled step was asked for and the eager one priced
 
     @property
     def size(self) -> int:
@@ -135,6 +137,8 @@ class PlanReport:
             "chosen": chosen,
             "reason": self.reason,
             "plan_seconds": round(self.plan_seconds, 3),
+            "step": self.step,
+            "eager_reason": self.eager_reason,
         }
 
 
@@ -157,13 +161,18 @@ class Planner:
     batch's augmentation on the device: sampling grids, label channels, the batch as it arrived); they sit on
     top of the persistent bytes alone (the previous step's gradients are gone), so a peak is the larger of
     the step's own and theirs.
+    `compiled` prices the step as `train.compile` runs it (the engine's blocks compiled, docs/planner.md): each
+    trace is taken with the blocks compiled; if that compilation fails, or under autocast (bf16, fp16), every
+    trace is eager and `eager_reason` says why (`priced_step` says which step the prices are for).
     """
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], *, loss_fn: Callable | None = None,
                  dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
                  optimizer_state_factor: int = 2, step: Callable | None = None, prelude_bytes: int = 0,
-                 autocast: str | None = None):
+                 autocast: str | None = None, compiled: bool = False):
         self.model = model
+        self.compiled = compiled
+        self.eager_reason: str | None = None
         self.prelude_bytes = int(prelude_bytes)
         self.input_shape = tuple(int(v) for v in input_shape)
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -199,9 +208,32 @@ class Planner:
             recompute = None
             if key != ((), False, ()):
                 recompute = RecomputeConfig(modules=list(key[0]), norm_act=key[1], norm_act_exclude=list(key[2]))
-            self._traces[key] = trace_step(self.model, self.input_shape, dtype=self.dtype, loss_fn=self.loss_fn,
-                                           recompute=recompute, step=self.step, autocast=self.autocast)
+            self._traces[key] = self._trace_step(recompute)
         return self._traces[key]
+
+    @property
+    def priced_step(self) -> str:
+        """"compiled" or "eager": the step the prices are for."""
+        return "compiled" if self.compiled and self.eager_reason is None else "eager"
+
+    def _trace_step(self, recompute: RecomputeConfig | None) -> Trace:
+        """One trace, compiled while `priced_step` is compiled; the first compilation that fails makes every
+        trace eager (those taken compiled before are dropped: one planner prices one kind of step)."""
+        trace = functools.partial(trace_step, self.model, self.input_shape, dtype=self.dtype, loss_fn=self.loss_fn,
+                                  recompute=recompute, step=self.step, autocast=self.autocast)
+        if self.priced_step == "compiled" and self.dtype in (torch.bfloat16, torch.float16):
+            # The trace emulates autocast with a torch function mode (`recorder._AutocastOps`), which dynamo
+            # traces into and breaks at every op: that would not be the compiled step, so the eager one is priced.
+            self.eager_reason = "autocast (train.amp) is not traced compiled"
+        if self.priced_step == "compiled":
+            try:
+                return trace(compiled=True)
+            except TraceCompileError as exc:
+                self.eager_reason = str(exc)
+                self._traces.clear()
+                self._durations.clear()
+                self._schedules.clear()
+        return trace()
 
     def durations(self, cfg: MemoryConfig | None = None) -> list[float]:
         key = (self.variant_key(cfg) if cfg is not None else ((), False, ()), repr(self.cost))
@@ -301,14 +333,15 @@ class Planner:
 
 def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int], *, loss_fn: Callable,
                 dtype: torch.dtype | str = torch.float32, cost: OpCostModel | None = None,
-                optimizer_state_factor: int = 2, prelude_bytes: int = 0) -> tuple[PlanReport, Planner]:
+                optimizer_state_factor: int = 2, prelude_bytes: int = 0,
+                compiled: bool = False) -> tuple[PlanReport, Planner]:
     """Price every named policy over `memory_cfg` and, with `memory_cfg.budget_gib`, auto-tune; never
     raises when nothing fits. Peaks and the floor include `memory_cfg`'s device overhead; `prelude_bytes`
-    as `Planner` takes them."""
+    and `compiled` as `Planner` takes them."""
     started = time.perf_counter()
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     planner = Planner(model, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn,
-                      optimizer_state_factor=optimizer_state_factor, prelude_bytes=prelude_bytes)
+                      optimizer_state_factor=optimizer_state_factor, prelude_bytes=prelude_bytes, compiled=compiled)
     budget_gib = memory_cfg.budget_gib
     planner.budget_gib = budget_gib
     budget_bytes = budget_gib * GIB if budget_gib is not None else None
@@ -334,6 +367,7 @@ def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequenc
     else:
         report.chosen = min(report.policies, key=lambda p: p.peak_bytes)
         report.reason = "no budget given: the policy with the lowest predicted peak"
+    report.step, report.eager_reason = planner.priced_step, planner.eager_reason
     report.plan_seconds = time.perf_counter() - started
     return report, planner
 
@@ -341,13 +375,14 @@ def plan_report(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequenc
 def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Sequence[int],
                   dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                   *, loss_fn: Callable, cost: OpCostModel | None = None, optimizer_state_factor: int = 2,
-                  prelude_bytes: int = 0) -> tuple[MemoryConfig, PlanReport]:
+                  prelude_bytes: int = 0, compiled: bool = False) -> tuple[MemoryConfig, PlanReport]:
     """`memory.mode: auto`: the fastest concrete policy predicted to fit `memory.budget_gib`.
 
     `memory_cfg` is a validated memory section with a budget (the config loader requires one for mode
     auto). Returns the MemoryConfig to hand to the engine (mode none/swap/recompute/hybrid, knobs filled,
     the budget, bandwidth and device overhead (default: `device`'s) carried over from `memory_cfg`) and the
-    report to save with the run. Raises ConfigError naming `memory.budget_gib` and the floor when nothing fits.
+    report to save with the run. `compiled`: the step runs under `train.compile` (priced compiled, `Planner`).
+    Raises ConfigError naming `memory.budget_gib` and the floor when nothing fits.
     """
     memory_cfg = with_inflight_window(with_overhead(memory_cfg, device), device)
     if memory_cfg.budget_gib is None:
@@ -356,7 +391,8 @@ def choose_policy(model: nn.Module, memory_cfg: MemoryConfig, input_shape: Seque
     if cost is None:
         cost = resolve_cost_model(model, device, dtype, loss_fn=loss_fn, bandwidth_gbs=memory_cfg.bandwidth_gbs)
     report, _ = plan_report(model, memory_cfg, input_shape, dtype=dtype, cost=cost, loss_fn=loss_fn,
-                            optimizer_state_factor=optimizer_state_factor, prelude_bytes=prelude_bytes)
+                            optimizer_state_factor=optimizer_state_factor, prelude_bytes=prelude_bytes,
+                            compiled=compiled)
     if report.chosen is None:
         raise ConfigError(report.reason)
     return copy.deepcopy(report.chosen.policy), report

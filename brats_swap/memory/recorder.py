@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from brats_swap.config import MemoryConfig, RecomputeConfig
+from brats_swap.memory.compiled import CompiledRegions, compile_cause, compiled_regions, is_compile_failure
 from brats_swap.memory.events import BACKWARD, FORWARD, Event
 from brats_swap.memory.frontend import (
     ATTACHED,
@@ -195,6 +196,10 @@ class _AutocastOps(TorchFunctionMode):
         return value
 
 
+class TraceCompileError(RuntimeError):
+    """The compiled trace failed to compile (one line: the compiler's cause)."""
+
+
 class _RecordedSlot:
     """The recorder's state of one entry (its `payload`): the recipe that rebuilds it, if any."""
 
@@ -209,6 +214,12 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
     everything (the trace runs mode none) and moves nothing."""
 
     checks_versions = False  # meta tensors hold no data a change could corrupt
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while dynamo and AOTAutograd compile a region (else dynamo would not compile under this mode
+        at all), on while the compiled graphs run: the trace records the ops they run."""
+        return True
 
     def __init__(self, param_storages: set[int]):
         super().__init__()
@@ -338,6 +349,41 @@ def _bytes_accessed(tensors: list[torch.Tensor]) -> int:
     return sum(counted for counted, _ in per_storage.values())
 
 
+def _nop_inner_compile(graph: torch.fx.GraphModule, example_inputs, **kwargs):
+    """Inductor's inner compiler replaced: the partitioned forward or backward graph runs op by op, with the
+    tensors it creates on `meta` (it was partitioned on CPU fake tensors: `inductor_partition_backend`)."""
+    for node in graph.graph.nodes:
+        device = node.kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cpu":
+            node.kwargs = {**node.kwargs, "device": torch.device("meta")}
+    graph.recompile()
+
+    def run(args):
+        return torch.fx.Interpreter(graph).boxed_run(args)
+
+    run._boxed_call = True
+    return run
+
+
+def inductor_partition_backend(graph: torch.fx.GraphModule, example_inputs: list, **kwargs):
+    """A `torch.compile` backend that runs inductor's whole pipeline up to code generation (pre-grad passes,
+    its decompositions, joint-graph passes, the min-cut partitioner: what the forward saves for backward)
+    and then runs the partitioned graphs eagerly, so a meta-device trace records the saved tensors and ops
+    the inductor-compiled region has. The example inputs are re-faked on the CPU: inductor's joint-graph
+    passes do not support the meta device (they fold the backward's outputs into empty tensors and the
+    partition fails). Inductor's caches are off: they would hand back compiled kernels."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import compile_fx
+
+    fake_mode = detect_fake_mode(example_inputs)
+    with fake_mode:
+        on_cpu = [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
+                  if isinstance(t, torch.Tensor) and t.device.type == "meta" else t for t in example_inputs]
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        return compile_fx(graph, on_cpu, inner_compile=_nop_inner_compile)
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` whose parameters and buffers live on `meta` (no data copied). A model with
     a live `MemoryEngine` is refused: copying the engine's hooks would copy its state with them."""
@@ -346,33 +392,48 @@ def meta_copy(model: nn.Module) -> nn.Module:
         raise ValueError("brats_swap.memory.recorder.meta_copy: the model has a MemoryEngine attached; plan before building "
                          "the engine or after engine.close()")
     memo: dict[int, object] = {}
+    # Compiled regions (`CompiledRegions`): the copy gets its class's eager forward, not the compiled one of
+    # the original (whose eager fallback would run the original module).
+    regions = compiled_regions(model)
+    compiled_forwards = [name for name, module in (regions.regions if regions is not None else [])
+                         if "forward" in module.__dict__]
+    for name in compiled_forwards:
+        memo[id(model.get_submodule(name).__dict__["forward"])] = None
     for param in model.parameters():
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
     for buffer in model.buffers():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    for name in compiled_forwards:
+        del copied.get_submodule(name).__dict__["forward"]
+    return copied
 
 
 def _instrument(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
                 blocks: Sequence[str] | None, dtype: torch.dtype, recompute: RecomputeConfig | None,
-                autocast: str) -> _AutocastOps | None:
+                autocast: str, regions: CompiledRegions | None) -> _AutocastOps | None:
     """Install on the meta copy what the engine installs on the real model (the front end's module and
-    block hooks, checkpoint wrappers, norm_act recipes) plus the autocast emulation of `autocast`'s policy
-    ("cuda" or "cpu"); returns the op part of that emulation, to be active while the step runs."""
-    if blocks is None:
-        block_pairs = discover_blocks(meta_model)
-    else:
-        names = set(blocks)
-        block_pairs = [(name, module) for name, module in meta_model.named_modules() if name in names]
-    front.install(meta_model, block_pairs)
+    block hooks, checkpoint wrappers, norm_act recipes; none inside the compiled `regions`, as the engine)
+    plus the autocast emulation of `autocast`'s policy ("cuda" or "cpu"); returns the op part of that
+    emulation, to be active while the step runs."""
+    inside = regions.region_around if regions is not None else (lambda module: None)
+    front.install(meta_model, _block_pairs(meta_model, blocks), inside)
     ops = None
     if dtype in _REDUCED:
         ops = _AutocastOps(autocast, _AutocastEmulation(meta_model, dtype, recorder))
     if recompute is not None and recompute.modules:
         CheckpointedModules(meta_model, list(recompute.modules), front.checkpoint_called, front.region_done)
     if recompute is not None and recompute.norm_act:
-        front.recipes = NormActRecipes(meta_model, front)
+        front.recipes = NormActRecipes(meta_model, front, inside)
     return ops
+
+
+def _block_pairs(meta_model: nn.Module, blocks: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    """The engine's blocks of the meta copy: `discover_blocks`, or the modules named in `blocks`."""
+    if blocks is None:
+        return discover_blocks(meta_model)
+    names = set(blocks)
+    return [(name, module) for name, module in meta_model.named_modules() if name in names]
 
 
 def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
@@ -387,6 +448,29 @@ def _run_step(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: Trace
         _backward(loss)
         del loss
         recorder.sweep()
+    return fwd_end
+
+
+def _run_instrumented(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: TraceRecorder,
+                      step: Callable[[nn.Module], torch.Tensor], autocast_ops: _AutocastOps | None,
+                      regions: CompiledRegions | None) -> int:
+    """`_run_step` under the autocast emulation, then the instrumentation removed; a compilation that failed
+    (a region that ran eager, or a backward compiled lazily at its first use) raises `TraceCompileError`."""
+    try:
+        with autocast_ops if autocast_ops is not None else contextlib.nullcontext():
+            fwd_end = _run_step(meta_model, front, recorder, step)
+    except Exception as exc:
+        if regions is not None and is_compile_failure(exc):
+            raise TraceCompileError(compile_cause(exc)) from exc
+        raise
+    finally:
+        front.remove()
+        if front.recipes is not None:
+            front.recipes.remove()
+        if regions is not None:
+            regions.remove()
+    if regions is not None and regions.failed is not None:  # a region ran eager: the trace is not the compiled step
+        raise TraceCompileError(regions.failed)
     return fwd_end
 
 
@@ -419,6 +503,7 @@ def trace_step(
     train: bool = True,
     step: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
     autocast: str = "cpu",
+    compiled: bool = False,
 ) -> Trace:
     """Run forward + `loss_fn(output, target)` + backward of `model` on `meta` at `input_shape`
     (B, C, D, H, W) and record it.
@@ -428,7 +513,9 @@ def trace_step(
     other argument on `x.device`). `dtype` bfloat16 or float16 emulates autocast in that dtype, with the op
     policy of the device type `autocast` ("cuda": a GPU's, "cpu"; see `AUTOCAST_OPS`).
     `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
-    meta copy. `blocks` overrides the engine's `discover_blocks`. The output may be a tensor or a list,
+    meta copy. `blocks` overrides the engine's `discover_blocks`. `compiled` traces the step as training runs
+    it under `train.compile` (`CompiledRegions` on the blocks, each block's graph partitioned as inductor
+    partitions it: `inductor_partition_backend`); a compilation that fails raises `TraceCompileError`. The output may be a tensor or a list,
     tuple or dict of them (deep supervision, full resolution first); the loss gets one target: with
     `target_channels` (default: the model's `out_channels`) at the input's size, else shaped as the
     (first) output. The input model is not modified.
@@ -445,7 +532,10 @@ def trace_step(
     recorder = TraceRecorder(keys)
     front = SavedTensorFrontEnd(MemoryConfig(recompute=recompute or RecomputeConfig()), recorder,
                                 param_storages=lambda: keys)
-    autocast_ops = _instrument(meta_model, front, recorder, blocks, dtype, recompute, autocast)
+    regions = None
+    if compiled:
+        regions = CompiledRegions(meta_model, _block_pairs(meta_model, blocks), backend=inductor_partition_backend)
+    autocast_ops = _instrument(meta_model, front, recorder, blocks, dtype, recompute, autocast, regions)
 
     # The batch and its target are storages of the step, allocated before it and held by the caller to
     # its end; the input is saved by the first convolution and kept (the caller holds it).
@@ -465,13 +555,7 @@ def trace_step(
                 # Allocated before the step (the data loader's), alive to its end like the batch.
                 recorder.storages[recorder.storage_id(held[-1].untyped_storage())].alloc_op = 0
             return loss_fn(output, held[1])
-    try:
-        with autocast_ops if autocast_ops is not None else contextlib.nullcontext():
-            fwd_end = _run_step(meta_model, front, recorder, lambda module: step(module, x))
-    finally:
-        front.remove()
-        if front.recipes is not None:
-            front.recipes.remove()
+    fwd_end = _run_instrumented(meta_model, front, recorder, lambda module: step(module, x), autocast_ops, regions)
     n_ops = len(recorder.ops)
     for storage in recorder.storages:
         storage.free_op = min(storage.free_op, n_ops)
@@ -483,4 +567,5 @@ def trace_step(
         param_bytes=sum(p.untyped_storage().nbytes() for p in params),
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in buffers),
         input_bytes=sum(t.untyped_storage().nbytes() for t in held), seconds=time.perf_counter() - started,
+        compiled=compiled,
     )

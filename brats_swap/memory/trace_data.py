@@ -68,6 +68,7 @@ class Trace:
     buffer_bytes: int
     input_bytes: int  # the batch and its target (also storages of the trace, alive for the whole step)
     seconds: float = 0.0
+    compiled: bool = False  # traced with the blocks compiled (`recorder.trace_step(compiled=True)`)
     cache: dict = field(default_factory=dict, repr=False)  # derived arrays, filled by the simulator
 
     @property

@@ -26,6 +26,7 @@ from brats_swap.data.discovery import check_forced_convention, resolve_conventio
 from brats_swap.errors import DeviceOutOfMemoryError
 from brats_swap.memory.arena import arena_bytes, available_host_bytes, check_host_memory
 from brats_swap.memory.budget import BUDGET_HEADROOM, with_inflight_window, with_overhead
+from brats_swap.memory.compiled import compile_wanted
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
 from brats_swap.memory.presets import named_policies
 from brats_swap.memory.records import SWAP_MODES, effective_memory_config
@@ -186,7 +187,8 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
     records the plan in the fold's `memory_plan.json`; a resumed fold (`reuse`) reads it back instead of
     planning again. Every mode then goes through `effective_memory_config` (e.g. `recompute` with nothing
     to recompute means norm_act), so the result is the concrete policy, never `auto`. The plan counts the
-    augmentation's device buffers (`augmentation_bytes`, labels of the run's `table`).
+    augmentation's device buffers (`augmentation_bytes`, labels of the run's `table`). A step that
+    `train.compile` compiles on `device` is priced compiled (docs/planner.md#compiled-steps).
     """
     check_globs(model, config.memory)
     if config.memory.mode != "auto":
@@ -198,7 +200,8 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
     chosen, report = choose_policy(model, config.memory, input_shape, amp_dtype(config.train.amp), device,
                                    loss_fn=training_loss(config.train.loss, model),
                                    optimizer_state_factor=optimizer_state_factor(config),
-                                   prelude_bytes=augmentation_bytes(config, table))
+                                   prelude_bytes=augmentation_bytes(config, table),
+                                   compiled=compile_wanted(config.train.compile, device))
     chosen = effective_memory_config(chosen)
     atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
@@ -280,6 +283,7 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     saved cost model (`--save-profile`) used instead of measuring. The network has the run's outputs
     (`config_model`: 4 for a PED run, 1 for MEN-RT). Peaks include the device overhead
     (`memory.device_overhead_gib`, default: the device's); the optimizer state is `train.optimizer`'s.
+    The step is priced compiled where `train.compile` compiles on the device planned for (auto: a GPU's).
     """
     cube = list(training_input_shape(config)[2:])
     batch = batch if batch is not None else config.train.batch_size
@@ -305,9 +309,10 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     prelude = augmentation_bytes(dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch)))
+    compiled = compile_wanted(config.train.compile, torch.device("cpu" if device == "cpu" else "cuda"))
     report, planner = plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype,
                                   cost=cost, loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config),
-                                  prelude_bytes=prelude)
+                                  prelude_bytes=prelude, compiled=compiled)
     if report.chosen is None and report.budget_gib is not None:
         report.reason += "; " + no_fit_advice(config, report, smallest_fitting_budget(planner, memory, report), batch)
     return report, planner
