@@ -280,9 +280,9 @@ def test_plan_cli_writes_json_and_timeline(tmp_path):
     assert report["device_overhead_gib"] == 0.05 and report["floor_gib"] > 0.05
     assert min(row["predicted_peak_gib"] for row in report["policies"]) > 0.05
     assert report["chosen"]["policy"]["mode"] in ("none", "swap", "recompute", "hybrid")
-    # train.compile auto compiles on the GPU planned for: the compiled step is priced, and said so.
-    assert report["step"] == "compiled" and report["eager_reason"] is None
-    assert "compiled step" in result.output and "step: compiled" in result.output
+    # train.compile auto (a GPU run compiles) prices the eager step, and says so; only `true` prices compiled.
+    assert report["step"] == "eager" and report["eager_reason"] is None
+    assert "eager step" in result.output and "step: eager (only train.compile true" in result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "memory plan" in result.output
 
@@ -369,7 +369,8 @@ def test_fp16_training_is_priced_in_fp16(monkeypatch, tmp_path):
         assert report.step == "eager" and report.eager_reason is None
     assert 0.4 * saved["none"] < saved["fp16"] < 0.75 * saved["none"]
     # Under autocast the compiled step is not traced: the eager one is priced, and the report says why.
-    compiled_amp, _ = planning.plan_for_config(_tiny_config("train.amp=fp16"), batch=1, device="gpu")
+    compiled_amp, _ = planning.plan_for_config(_tiny_config("train.amp=fp16", "train.compile=true"), batch=1,
+                                               device="gpu")
     assert compiled_amp.step == "eager" and "autocast" in compiled_amp.eager_reason
     assert next(p for p in compiled_amp.policies if p.name == "none").saved_bytes == saved["fp16"]
     forced, _ = planning.plan_for_config(_tiny_config("train.amp=fp16", "train.compile=false"), batch=1, device="gpu",

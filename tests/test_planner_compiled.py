@@ -107,3 +107,13 @@ def test_compiled_peak_on_the_emulated_link_is_within_5_percent_of_the_plan(comp
     # The eager step's price is not the compiled step's: the test tells them apart.
     eager = planners[False].memory(policy).peak_resident_saved_bytes
     assert abs(stats.peak_resident_saved_bytes - eager) > 0.05 * eager, (stats.peak_resident_saved_bytes, eager)
+
+
+def test_only_an_explicit_train_compile_true_prices_the_compiled_step():
+    """`auto` (compiled on CUDA) plans the eager step, an upper bound on the compiled step's saved tensors, until
+    the compiled trace's floor is right at full size (docs/planner.md#compiled-steps)."""
+    from brats_swap.config import load_config
+    from brats_swap.train.planning import priced_compiled
+
+    assert [priced_compiled(load_config(None, [f"train.compile={value}"])) for value in ("auto", "true", "false")] \
+        == [False, True, False]

@@ -163,9 +163,9 @@ def priced_step_line(report: PlanReport) -> str:
     if report.eager_reason is not None:
         return f"step: eager (train.compile asks for compiled; priced eager: {report.eager_reason})"
     if report.step == "compiled":
-        return ("step: compiled (train.compile on the device planned for): each block's saved tensors are those its "
-                "compiled graph keeps")
-    return "step: eager (train.compile off on the device planned for)"
+        return ("step: compiled (train.compile true): each block's saved tensors are those its compiled graph keeps")
+    return ("step: eager (only train.compile true prices the compiled step; with auto a GPU run compiles and the "
+            "eager plan bounds its memory: docs/planner.md#compiled-steps)")
 
 
 def print_report(report: PlanReport) -> None:
