@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -34,16 +36,42 @@ def _has_train_compile() -> bool:
     return True
 
 
-def test_dry_run_runs_every_stage_on_the_cpu(tmp_path, capsys):
-    gpu_check = _load()
-    threads = torch.get_num_threads()
-    flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.are_deterministic_algorithms_enabled())
-    document = gpu_check.main(["--dry-run", "--out", str(tmp_path)])
-    assert torch.get_num_threads() == threads  # the dry run's one thread is given back
-    assert flags == (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-                     torch.are_deterministic_algorithms_enabled())  # every global setting restored
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # one summary line, last
+def _global_settings() -> tuple:
+    return (torch.get_num_threads(), torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+            torch.are_deterministic_algorithms_enabled())
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """One whole `--dry-run`, shared read-only by the tests that check different parts of it (the dry run is
+    the slowest thing in this file): the script's module, the document `main` returned, what it printed, the
+    global settings before and after it, and the `train.compile=...` overrides its compile stage passed."""
+
+    module: object
+    out: Path
+    document: dict
+    stdout: str
+    settings_before: tuple
+    settings_after: tuple
+    compile_keys_seen: list
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> DryRun:
+    gpu_check, out = _load(), tmp_path_factory.mktemp("dry-run")
+    before, printed = _global_settings(), io.StringIO()
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(printed):
+        seen = _compile_keys_seen(monkeypatch, known=True)
+        document = gpu_check.main(["--dry-run", "--out", str(out)])
+    return DryRun(gpu_check, out, document, printed.getvalue(), before, _global_settings(), seen)
+
+
+def test_dry_run_runs_every_stage_on_the_cpu(dry_run):
+    gpu_check, tmp_path, document = dry_run.module, dry_run.out, dry_run.document
+    threads, *flags = dry_run.settings_before
+    assert dry_run.settings_after[0] == threads  # the dry run's one thread is given back
+    assert dry_run.settings_after[1:] == tuple(flags)  # every global setting restored
+    last = json.loads(dry_run.stdout.strip().splitlines()[-1])  # one summary line, last
     # A build without train.compile skips the compile stage (said in its section): the run is "incomplete".
     compile_status = "ok" if _has_train_compile() else "skipped"
     assert last["gpu_check"] == ("ok" if compile_status == "ok" else "incomplete")
@@ -143,9 +171,10 @@ def test_a_build_without_train_compile_skips_the_compile_stage_in_one_line(tmp_p
     assert len(lines) == 1 and lines[0].startswith("compile: skipped: this build has no train.compile in ")
 
 
-def test_the_compile_stage_drives_train_compile_and_measures_its_eager_rows_in_the_dry_run(tmp_path, monkeypatch):
-    seen = _compile_keys_seen(monkeypatch, known=True)
-    document = _load().main(["--dry-run", "--out", str(tmp_path), "--stages", "compile"])
+def test_the_compile_stage_drives_train_compile_and_measures_its_eager_rows_in_the_dry_run(dry_run):
+    # The whole dry run's compile stage (the fixture records its overrides): the same stage `--stages compile`
+    # runs alone.
+    seen, document = dry_run.compile_keys_seen, dry_run.document
     stage = document["stages"]["compile"]
     assert stage["status"] == "ok" and document["exit_code"] == 0, stage
     rows = {(row["policy"], row["compiled"]): row for row in stage["rows"]}
