@@ -91,5 +91,6 @@ def test_one_spelling_of_fold_selection():
     assert first == [0] and "write --folds 0," in notice
     assert compare_fold_selection("2,") == ([2], None) and compare_fold_selection("0,2") == ([0, 2], None)
     assert compare_fold_selection("all") == ("all", None)
-    with pytest.raises(ConfigError, match="--folds '0'"):
+    with pytest.raises(ConfigError, match="--folds '0'") as zero:
         compare_fold_selection("0")
+    assert "for fold 0 write --folds 0," in str(zero.value)  # the fix, not "expected a fold number"

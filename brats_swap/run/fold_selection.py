@@ -70,8 +70,9 @@ def compare_fold_selection(selection: str) -> tuple[str | list[int], str | None]
     if not text.isdigit():
         return parse_fold_selection(selection), None
     count = int(text)
-    if count < 1:
-        raise ConfigError(f"--folds {selection!r}: expected 'all', a fold number or numbers like 0,2")
+    if count < 1:  # "the first 0 folds": the user meant fold 0, which compare spells "0," for this release
+        raise ConfigError(f"--folds {selection!r}: in compare a bare number K still means the first K folds; for "
+                          "fold 0 write --folds 0, (or --folds 1)")
     first = list(range(count))
     spelled = ",".join(map(str, first)) + ("," if count == 1 else "")
     return first, (f"compare --folds {count}: read as the first {count} fold(s), as a bare number meant in compare "
