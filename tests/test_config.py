@@ -105,3 +105,12 @@ def test_a_key_of_several_forms_names_every_form_it_takes(override, message):
     with pytest.raises(ConfigError) as raised:
         load_config(None, [override])
     assert str(raised.value) == message
+
+
+def test_a_mistyped_evaluate_key_of_predict_says_what_was_meant():
+    """`predict --set evaluate.sw_overlapp=0.5`: the line names the key meant, as the config loader does."""
+    from brats_swap.evaluate.case_prediction import with_overrides
+
+    with pytest.raises(ConfigError) as raised:
+        with_overrides(load_config(None, []), ["evaluate.sw_overlapp=0.5"], ("evaluate.",))
+    assert "unknown key (did you mean evaluate.sw_overlap? known: " in str(raised.value)

@@ -14,6 +14,7 @@ neither torch nor MONAI, so a process without them (`--runtime onnxruntime`) pre
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -180,7 +181,10 @@ def with_overrides(config: Config, overrides: Sequence[str], allowed: Sequence[s
                               " (the run's inference settings)")
         section, _, name = key.partition(".")
         if "." in name or name not in raw[section]:
-            raise ConfigError(f"{option} {key}: unknown key (known: {', '.join(f'{section}.{k}' for k in raw[section])})")
+            close = difflib.get_close_matches(name, list(raw[section]), n=1)
+            guess = f"did you mean {section}.{close[0]}? " if close else ""
+            raise ConfigError(f"{option} {key}: unknown key ({guess}known: "
+                              f"{', '.join(f'{section}.{k}' for k in raw[section])})")
         raw[section][name] = value
     return config_from_saved(raw)
 
