@@ -93,6 +93,38 @@ def test_a_network_with_an_operation_without_onnx_form_is_refused_in_one_line(ca
     assert "graph" not in capfd.readouterr().out  # the exporter's own dump of the graph is not shown
 
 
+def test_a_forged_onnx_record_is_never_trusted_for_what_the_network_takes(onnx_bundle, cv_run, tmp_path):
+    """metadata.json's ONNX record (input and output names, input shape, what it returns) is written by someone
+    else: the runtime reads them from the graph and the fold's config instead, so a record without them or with
+    a string for a shape still predicts, bit for bit as the honest bundle does, and never prints a traceback."""
+    import json
+
+    _, _, root = cv_run
+    case = sorted(p for p in Path(root).iterdir() if p.is_dir())[0]
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    (cases / case.name).symlink_to(case, target_is_directory=True)
+    forged = tmp_path / "forged.zip"
+    with zipfile.ZipFile(onnx_bundle) as source, zipfile.ZipFile(forged, "w") as target:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename == METADATA:
+                metadata = json.loads(data)
+                for record in metadata["folds"]:
+                    for key in ("input", "output", "returns"):
+                        record["onnx"].pop(key)
+                    record["onnx"]["input_shape"] = "../../etc\n"
+                data = json.dumps(metadata).encode()
+            target.writestr(info, data)
+    written = {}
+    for name, bundle in (("honest", onnx_bundle), ("forged", forged)):
+        result = invoke("predict", "--model", bundle, "--input", cases, "--out", tmp_path / name,
+                        "--runtime", "onnxruntime")
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+        written[name] = nib.load(tmp_path / name / f"{case.name}.nii.gz").get_fdata()
+    assert np.array_equal(written["honest"], written["forged"])
+
+
 def test_a_changed_model_onnx_is_refused_by_the_sha256_check(onnx_bundle, tmp_path):
     changed = tmp_path / "changed.zip"
     with zipfile.ZipFile(onnx_bundle) as source, zipfile.ZipFile(changed, "w") as target:

@@ -49,6 +49,7 @@ from brats_swap.config import Config
 from brats_swap.errors import ConfigError
 from brats_swap.model.networks import LeakyReLUOnBase
 from brats_swap.model.unet import KerasInstanceNorm, keras_instance_norm_reference
+from brats_swap.ship.onnx_contract import LOGITS, network_output
 
 OPSET = 18
 INPUT_NAME = "image"
@@ -62,7 +63,6 @@ ATOL = 1e-4
 # checked against torch's float32 output with float16's own precision (11 significant bits).
 FP16_RTOL = 1e-2
 FP16_ATOL = 1e-2
-PROBABILITIES, LOGITS = "probabilities", "logits"
 _UNSUPPORTED = re.compile(r"operator '?([\w:.]+)'? to ONNX")
 
 
@@ -104,13 +104,6 @@ def exportable(model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         setattr(plain.get_submodule(parent_name) if parent_name else plain, child, replacement)
     return plain
-
-
-def network_output(config: Config) -> str:
-    """What the exported network returns for a fold predicting with `config` (module docstring)."""
-    from brats_swap.evaluate.nnunet_inference import NNUNET
-
-    return LOGITS if config.evaluate.inference == NNUNET else PROBABILITIES
 
 
 def network_input_shape(config: Config) -> list[int]:

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
+from brats_swap.config import Config
 from brats_swap.config.inference import inference_config
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.evaluate.case_prediction import Predictor, check_one_output_kind
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection
 from brats_swap.ship.bundle import POSTPROCESSING, Bundle, bundle_config, choose_folds, fold_onnx
+from brats_swap.ship.onnx_contract import LOGITS, network_output
 
 RUNTIMES = ("torch", "onnxruntime")
 _PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -35,22 +37,33 @@ class OnnxNetwork:
 
     runs_on_arrays = True  # evaluate.case_prediction.array_network passes it through as it is
 
-    def __init__(self, model_bytes: bytes, record: dict, where: str, providers: list[str]):
+    def __init__(self, model_bytes: bytes, config: Config, where: str, providers: list[str]):
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
         # The threads the project gives torch (OMP_NUM_THREADS, e.g. the tests' 1); unset: onnxruntime's default.
-        options.intra_op_num_threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        options.intra_op_num_threads = int(threads) if threads.isdigit() else 0
         try:
             self.session = onnxruntime.InferenceSession(model_bytes, options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own types for a model it cannot load
             raise CheckpointError(f"{where}: onnxruntime cannot load it ({str(exc).strip().splitlines()[0][:200]})"
                                   ) from None
-        self.where, self.returns = where, str(record.get("returns"))
-        self.input_name, self.output_name = str(record["input"]), str(record["output"])
-        self.spatial = [int(s) for s in record["input_shape"][2:]]
-        self.out_channels = int(self.session.get_outputs()[0].shape[1])
-        self.logits = self if self.returns == "logits" else None
+        # What the network takes and returns is read from the graph itself and from the fold's config, never from
+        # the metadata's record (a second copy a forged bundle could contradict): one input of a fixed
+        # (batch, channels, D, H, W) shape and one output, as `export --onnx` writes them.
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        shape = list(inputs[0].shape) if len(inputs) == 1 else []
+        if len(outputs) != 1 or len(shape) != 5 or not all(isinstance(s, int) and s > 0 for s in shape[1:]):
+            raise CheckpointError(f"{where}: not a network of one (batch, channels, D, H, W) input of a fixed size and "
+                                  "one output, as export --onnx writes it")
+        self.where, self.returns = where, network_output(config)
+        self.input_name, self.output_name = inputs[0].name, outputs[0].name
+        self.spatial = shape[2:]
+        self.out_channels = outputs[0].shape[1] if len(outputs[0].shape) == 5 else None
+        if not isinstance(self.out_channels, int):
+            raise CheckpointError(f"{where}: its output is not (batch, channels, D, H, W) with a fixed channel count")
+        self.logits = self if self.returns == LOGITS else None
 
     def __call__(self, batch: np.ndarray) -> np.ndarray:
         if list(batch.shape[2:]) != self.spatial:
@@ -86,8 +99,9 @@ def onnx_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postproc
         if member not in bundle.members or not isinstance(record, dict):
             raise CheckpointError(f"{bundle.path}: fold {k} has no {member}; export the run with --onnx, or "
                                   "predict with --runtime torch")
-        network = OnnxNetwork(bundle.members[member], record, f"{bundle.path}: {member}", providers)
-        members.append((network, inference_config(bundle.fold_config(k), config)))
+        predicts_with = inference_config(bundle.fold_config(k), config)
+        network = OnnxNetwork(bundle.members[member], predicts_with, f"{bundle.path}: {member}", providers)
+        members.append((network, predicts_with))
     check_one_output_kind(bundle.path, chosen, members)
     plan = bundle.postprocessing() if postprocess else None
     return Predictor(config, members, f"onnxruntime ({providers[0]})", plan, Path(f"{bundle.path}:{POSTPROCESSING}"),
