@@ -18,11 +18,22 @@ from rich.progress import (
 )
 
 
+class _QuietWhenDisabled(Progress):
+    """rich's `Progress.stop` prints an empty line when its console is not interactive, even for a bar that is
+    disabled and never drew anything: off a terminal (CI, SLURM logs, a pipe) every epoch, validation and
+    evaluation left a blank line. A disabled bar here prints nothing at all."""
+
+    def stop(self) -> None:
+        if not self.disable:
+            super().stop()
+
+
 def progress_bar(description: str = "{task.description}", *extra_columns: ProgressColumn,
                  console: Console | None = None, transient: bool = False, disable: bool = False) -> Progress:
     """description | bar | done/total | elapsed | remaining | extra columns."""
-    return Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), *extra_columns, console=console, transient=transient, disable=disable)
+    return _QuietWhenDisabled(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              TimeRemainingColumn(), *extra_columns, console=console, transient=transient,
+                              disable=disable)
 
 
 class ProgressLines:
@@ -91,21 +102,18 @@ class CountedProgress:
                  log: Callable[[str], None] | None, scope: str = "", rest: tuple[str, int, float] | None = None,
                  unit: str = "case") -> None:
         self.completed = 0
-        self._shows_bar = bar  # rich's bar, even disabled, prints an empty line when it stops off a terminal
         self._bar = progress_bar(description, console=console, transient=True, disable=not bar)
         self._task = self._bar.add_task(description, total=total)
         self._lines = ProgressLines(description, total, console=lines_console, log=log, scope=scope, rest=rest,
                                     unit=unit)
 
     def __enter__(self) -> CountedProgress:
-        if self._shows_bar:
-            self._bar.start()
+        self._bar.start()
         self.tick()  # the first line: the work has started
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._shows_bar:
-            self._bar.stop()
+        self._bar.stop()
 
     def done(self, completed: int) -> None:
         self.completed = completed

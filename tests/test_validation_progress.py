@@ -27,6 +27,8 @@ def test_validation_prints_progress_lines_while_windows_run_and_the_run_estimate
     run = tmp_path / "run"
     train_fold(config, run, 0, progress=True)
     err = capsys.readouterr().err.splitlines()  # no terminal here: the lines of long work go to stderr
+    # rich's bar, disabled off a terminal, still printed an empty line as each epoch's and validation's bar stopped.
+    assert "" not in err, err
     log = (run / "fold_0" / "train.log").read_text().splitlines()
     for out in (err, log):
         first_step = next(line for line in out if "epoch 1/2 step 1/2," in line)
