@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from brats_swap.cli.main import app
 from brats_swap.cv import run_cv
 from brats_swap.run.checkpoint import load_checkpoint, save_checkpoint
+from brats_swap.run.evaluation_record import record_evaluated_state
+from brats_swap.run.folder import RunFolder
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,7 @@ def test_export_names_the_settings_a_fold_was_trained_with_when_they_differ(cv_r
         state = load_checkpoint(path)
         state["config"]["train"]["lr"] = 0.5
         save_checkpoint(state, path)
+    record_evaluated_state(RunFolder(run).fold(1))  # as if fold 1 had trained so and been evaluated after
     exported = invoke("export", "--run", run, "--out", tmp_path / "model.zip")
     assert exported.exit_code == 0, exported.output
     assert "fold 1 was trained with other settings than fold 0: train.lr 0.5 (fold 0: " in exported.output
@@ -98,3 +101,46 @@ def test_the_summary_gives_the_reason_the_tuning_gave(cv_run, tmp_path):
     assert run_cv(config, run).complete
     markdown = (run / "cv_summary.md").read_text()
     assert f"Not tuned: {prediction} is missing (are predictions saved? evaluate.save_predictions)." in markdown
+
+
+def test_a_fold_trained_further_after_its_evaluation_is_not_done_until_evaluated_again(cv_run, tmp_path):
+    # A cron job's `cv run` read `complete: true` of a fold whose metrics described a model it had since trained
+    # past (`train --fold 0 --resume --set train.max_epochs=2` continues a finished fold).
+    import dataclasses
+
+    from brats_swap.train.loop import train_fold
+
+    config, run, _ = cv_run
+    run = copy_run(run, tmp_path / "run")
+    longer = dataclasses.replace(config, train=dataclasses.replace(config.train, max_epochs=2))
+    assert train_fold(longer, run, 0, resume=True, progress=False).epochs_completed == 2
+
+    status = invoke("cv", "status", "--run", run)
+    assert status.exit_code == 0, status.output
+    assert "fold 0: trained, not evaluated (trained further since its last evaluation), 2 epoch(s) done" \
+        in status.output
+    assert "fold 1: done" in status.output
+    assert invoke("cv", "summary", "--run", run).exit_code == 0
+    summary = json.loads((run / "cv_summary.json").read_text())
+    assert not summary["complete"] and summary["folds_done"] == [1]
+    assert summary["folds"][0]["epochs"] == 2 and summary["folds"][0]["mean"] is None  # not the old model's scores
+
+    outcome = run_cv(longer, run)  # what the cron job runs next: fold 0 is evaluated again, nothing retrained
+    assert outcome.complete and outcome.evaluated == [0] and not outcome.epochs_trained, outcome.describe()
+    assert json.loads((run / "cv_summary.json").read_text())["complete"]
+
+
+def test_a_copied_run_stays_evaluated_and_a_forged_record_never_names_a_file(cv_run, tmp_path):
+    _, run, _ = cv_run
+    copied = tmp_path / "copied"
+    shutil.copytree(run, copied, copy_function=shutil.copyfile)  # new modification times, the same bytes
+    status = invoke("cv", "status", "--run", copied)
+    assert "fold 0: done" in status.output and "fold 1: done" in status.output, status.output
+    record = json.loads((copied / "fold_0" / "evaluated_checkpoint.json").read_text())
+    assert record["training_state"]["mtime_ns"] == (copied / "fold_0" / record["training_state"]["name"]).stat().st_mtime_ns
+
+    for forged in ({"training_state": {"name": "../../../etc/passwd", "size": 1, "mtime_ns": 1}}, ["not", "a", "record"]):
+        (copied / "fold_1" / "evaluated_checkpoint.json").write_text(json.dumps(forged))
+        status = invoke("cv", "status", "--run", copied)
+        assert status.exit_code == 0, status.output
+        assert "fold 1: trained, not evaluated (trained further since its last evaluation)" in status.output

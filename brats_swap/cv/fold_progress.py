@@ -2,7 +2,8 @@
 for where a fold stands (`fold_standing`), which `cv status`, `cv_summary.*`, the runners and `export` share.
 
 A fold is *done* when it is trained (the training loop said `finished`) and evaluated (its metrics are
-written). The file is a record, not the source of truth for resuming: the training loop resumes from
+written from its newest training state: a fold trained further after its evaluation is trained, not evaluated,
+until it is evaluated again; `run/evaluation_record.py`). The file is a record, not the source of truth for resuming: the training loop resumes from
 `checkpoint_latest.pt`, so a run killed before this file was updated simply asks the loop again, which
 answers "finished" at once. A fold trained by `brats-swap train` and scored by `brats-swap evaluate` has no
 state.json: its checkpoint says how far it trained and whether it finished, and its `metrics.csv` that it was
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from brats_swap.atomic import atomic_write_json
 from brats_swap.errors import CheckpointError, DataError
+from brats_swap.run.evaluation_record import trained_since_evaluation
 from brats_swap.run.folder import RunFolder
 
 
@@ -93,12 +95,17 @@ class FoldStanding:
     state: FoldState
     stage: str  # DONE | TRAINED | STOPPED | NOT_STARTED | FAILED
     failure: str = ""  # FAILED: the error line of the fold's last training call (fold_<k>/failed.txt)
+    trained_since_evaluation: bool = False  # TRAINED: its metrics describe an older training state
     checkpoint: dict | None = None  # the newest good training state, when it was read
     checkpoint_path: Path | None = None
 
     @property
     def label(self) -> str:
-        return f"{FAILED}: {self.failure}" if self.stage == FAILED else self.stage
+        if self.stage == FAILED:
+            return f"{FAILED}: {self.failure}"
+        if self.stage == TRAINED and self.trained_since_evaluation:
+            return f"{TRAINED} (trained further since its last evaluation)"
+        return self.stage
 
 
 def _from_checkpoint(state: FoldState, checkpoint: dict) -> None:
@@ -122,14 +129,17 @@ def fold_standing(run_dir: RunFolder | Path, fold: int, *, read_checkpoint: bool
     state.json is the record where `cv` wrote one that says the fold is trained. Otherwise the newest
     checkpoint says how far training went and whether it finished (a `train` fold, or a cv fold whose record
     was not written before a kill), and the fold's metrics.csv (`brats-swap evaluate --run R --fold K`) that a
-    finished fold was evaluated. `read_checkpoint` reads the checkpoint also where state.json suffices
+    finished fold was evaluated, unless it trained further since (`trained_since_evaluation`). `read_checkpoint` reads the checkpoint also where state.json suffices
     (`cv status` prints its epoch and time); an unreadable checkpoint counts as none.
     """
     run = RunFolder.of(run_dir)
     folder = run.fold(fold)
     state = read_fold_state(run, fold)
+    # Metrics written from an older training state than the fold's newest: it trained further (or was replaced)
+    # since, so state.json's record of it is stale too and the checkpoint says where it stands.
+    stale = folder.metrics_csv.is_file() and trained_since_evaluation(folder)
     checkpoint = checkpoint_path = None
-    if read_checkpoint or not state.trained:
+    if read_checkpoint or not state.trained or stale:
         # Imported here: reading a checkpoint needs torch, and the CLI resolves a run's config (which asks where
         # its folds stand) before the training stack loads, so that a config error costs no torch import.
         from brats_swap.run.checkpoint import load_latest
@@ -140,10 +150,13 @@ def fold_standing(run_dir: RunFolder | Path, fold: int, *, read_checkpoint: bool
             loaded = None
         if loaded is not None:
             checkpoint, checkpoint_path = loaded
-            if not state.trained:
+            if not state.trained or stale:
                 _from_checkpoint(state, checkpoint)
                 state.evaluated = state.trained and folder.metrics_csv.is_file()
-    standing = FoldStanding(state=state, stage=NOT_STARTED, checkpoint=checkpoint, checkpoint_path=checkpoint_path)
+    if stale:
+        state.evaluated = False
+    standing = FoldStanding(state=state, stage=NOT_STARTED, checkpoint=checkpoint, checkpoint_path=checkpoint_path,
+                            trained_since_evaluation=stale)
     if state.done:
         standing.stage = DONE
     elif state.trained:

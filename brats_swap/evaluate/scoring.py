@@ -44,6 +44,7 @@ from brats_swap.evaluate.official import case_official_metrics, merge_groups
 from brats_swap.evaluate.predicting import case_labels, nnunet_case_prediction, segment_cube
 from brats_swap.progress import progress_bar
 from brats_swap.run.console import console, warn
+from brats_swap.run.evaluation_record import record_evaluated_state
 from brats_swap.run.folder import RunFolder
 from brats_swap.run.trained import load_for_inference
 from brats_swap.splits import fold_cases, read_splits
@@ -149,6 +150,8 @@ def evaluate_fold(config: Config, run_dir: Path | RunFolder, fold: int, *, check
     fold_failures = list(failed.reasons.values())[already_failed:]
     summary = scores.write(folder.root, title, notes=[f"not scored: {line}" for line in fold_failures]) \
         if scores.rows else {}
+    if scores.rows:
+        record_evaluated_state(folder)  # a fold trained further later is then no longer "evaluated"
     if failures is None:
         failed.raise_if_any(f"evaluate fold {fold}", len(val_ids))
     return summary

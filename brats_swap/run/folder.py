@@ -58,6 +58,7 @@ STATE_FILE = "state.json"
 MEMORY_PLAN = "memory_plan.json"
 CV_WORKER_LOG = "cv_worker.log"
 METRICS_CSV = "metrics.csv"
+EVALUATED_CHECKPOINT = "evaluated_checkpoint.json"  # the training state the metrics were written from
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 DICE_BOXPLOT = "dice_boxplot.png"
@@ -145,6 +146,11 @@ class FoldFolder:
     @property
     def metrics_csv(self) -> Path:
         return self.root / METRICS_CSV
+
+    @property
+    def evaluated_checkpoint(self) -> Path:
+        """Which training state the metrics describe (`run/evaluation_record.py`)."""
+        return self.root / EVALUATED_CHECKPOINT
 
     @property
     def summary_json(self) -> Path:
