@@ -304,3 +304,38 @@ def test_onnxruntime_on_a_bundle_exported_without_onnx_is_one_line(cv_run, tmp_p
     assert "fold 0 has no models/fold_0/model.onnx; export the run with --onnx" in errors[0]
     result = invoke("predict", "--run", run, "--runtime", "onnxruntime", "--input", root, "--out", tmp_path / "o")
     assert result.exit_code == 2 and "give --model FILE" in result.output
+
+
+def test_onnxruntime_runs_the_float16_network_where_torch_predicts_under_autocast(onnx_bundle, cv_run, tmp_path,
+                                                                                  monkeypatch):
+    """On CUDA, `--runtime torch` predicts under autocast (the fold's train.amp, or nnU-Net's rules), so
+    onnxruntime runs the fold's model.fp16.onnx there; on the CPU the float32 network. No GPU here: the choice
+    is checked by its rule, and the float16 network predicted on the CPU's onnxruntime."""
+    import dataclasses
+
+    from brats_swap.ship import onnx_runtime
+
+    config, _, root = cv_run
+    cuda, cpu = onnx_runtime.providers_for("cuda"), onnx_runtime.providers_for("cpu")
+    with_amp = dataclasses.replace(config, train=dataclasses.replace(config.train, amp="fp16"))
+    nnunet_rules = dataclasses.replace(config, evaluate=dataclasses.replace(config.evaluate, inference="nnunet"))
+    assert onnx_runtime.runs_in_float16(with_amp, cuda) and onnx_runtime.runs_in_float16(nnunet_rules, cuda)
+    assert not onnx_runtime.runs_in_float16(config, cuda)  # amp off: torch predicts in float32 on CUDA too
+    assert not onnx_runtime.runs_in_float16(with_amp, cpu) and not onnx_runtime.runs_in_float16(nnunet_rules, cpu)
+
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    for case in sorted(p for p in Path(root).iterdir() if p.is_dir())[:2]:
+        (cases / case.name).symlink_to(case, target_is_directory=True)
+    single = invoke("predict", "--model", onnx_bundle, "--input", cases, "--out", tmp_path / "fp32",
+                    "--runtime", "onnxruntime", "--save-probabilities")
+    assert single.exit_code == 0 and "ONNX in onnxruntime, float32)" in single.output, single.output
+    monkeypatch.setattr(onnx_runtime, "runs_in_float16", lambda predicts_with, providers: True)
+    half = invoke("predict", "--model", onnx_bundle, "--input", cases, "--out", tmp_path / "fp16",
+                  "--runtime", "onnxruntime", "--save-probabilities")
+    assert half.exit_code == 0 and "ONNX in onnxruntime, float16)" in half.output, half.output
+    ours, theirs = _predicted(tmp_path / "fp16"), _predicted(tmp_path / "fp32")
+    assert ours.keys() == theirs.keys() and len(ours) == 2
+    for name, (labels, probs) in ours.items():
+        assert not np.array_equal(probs, theirs[name][1])  # another network ran
+        assert np.mean(labels == theirs[name][0]) >= 0.999 and np.max(np.abs(probs - theirs[name][1])) <= 1e-2, name

@@ -10,6 +10,10 @@ where importing torch fails), so it runs in an environment of onnxruntime, numpy
 Each fold's `models/fold_<k>/model.onnx` was checked against torch at export (ship/onnx_export.py) and its
 sha256 against the bundle's metadata when the bundle was opened (`ship/bundle.open_bundle`), so a changed
 network is refused before it is loaded.
+
+The precision follows what `--runtime torch` runs on the same device (`runs_in_float16`): on CUDA, where torch
+predicts under autocast (the fold's `train.amp`, or nnU-Net's rules, which always do), onnxruntime runs the
+fold's float16 network `model.fp16.onnx`; elsewhere, and for a fold exported without one, its float32 network.
 """
 
 from __future__ import annotations
@@ -23,12 +27,22 @@ from brats_swap.config import Config
 from brats_swap.config.inference import inference_config
 from brats_swap.errors import CheckpointError, ConfigError
 from brats_swap.evaluate.case_prediction import Predictor, check_one_output_kind
+from brats_swap.evaluate.nnunet_inference import NNUNET
+from brats_swap.run.console import warn
 from brats_swap.run.fold_selection import ALL_FOLDS, FoldSelection
-from brats_swap.ship.bundle import POSTPROCESSING, Bundle, bundle_config, choose_folds, fold_onnx
+from brats_swap.ship.bundle import (
+    POSTPROCESSING,
+    Bundle,
+    bundle_config,
+    choose_folds,
+    fold_onnx,
+    fold_onnx_half,
+)
 from brats_swap.ship.onnx_contract import LOGITS, network_output
 
 RUNTIMES = ("torch", "onnxruntime")
 _PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+_INPUT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # export --onnx writes these two
 
 
 class OnnxNetwork:
@@ -54,11 +68,13 @@ class OnnxNetwork:
         # (batch, channels, D, H, W) shape and one output, as `export --onnx` writes them.
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         shape = list(inputs[0].shape) if len(inputs) == 1 else []
-        if len(outputs) != 1 or len(shape) != 5 or not all(isinstance(s, int) and s > 0 for s in shape[1:]):
+        if (len(outputs) != 1 or len(shape) != 5 or not all(isinstance(s, int) and s > 0 for s in shape[1:])
+                or inputs[0].type not in _INPUT_TYPES):
             raise CheckpointError(f"{where}: not a network of one (batch, channels, D, H, W) input of a fixed size and "
                                   "one output, as export --onnx writes it")
         self.where, self.returns = where, network_output(config)
         self.input_name, self.output_name = inputs[0].name, outputs[0].name
+        self.input_dtype = _INPUT_TYPES[inputs[0].type]
         self.spatial = shape[2:]
         self.out_channels = outputs[0].shape[1] if len(outputs[0].shape) == 5 else None
         if not isinstance(self.out_channels, int):
@@ -69,7 +85,7 @@ class OnnxNetwork:
         if list(batch.shape[2:]) != self.spatial:
             raise ConfigError(f"{self.where}: the network was exported for inputs of {self.spatial}, called on "
                               f"{list(batch.shape[2:])}; export again with the settings predict uses")
-        feed = {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)}
+        feed = {self.input_name: np.ascontiguousarray(batch, dtype=self.input_dtype)}
         return np.asarray(self.session.run([self.output_name], feed)[0], dtype=np.float32)
 
 
@@ -86,13 +102,22 @@ def providers_for(device: str | None) -> list[str]:
     return _PROVIDERS[kind]
 
 
+def runs_in_float16(predicts_with: Config, providers: list[str]) -> bool:
+    """Whether `--runtime torch` predicts this fold under float16/bfloat16 autocast where onnxruntime will run:
+    on CUDA, with the fold's `train.amp` on or under nnU-Net's rules (autocast on CUDA, as nnU-Net predicts).
+    On the CPU torch predicts in float32 (or bfloat16, which has no ONNX network here): float32."""
+    if providers[0] != "CUDAExecutionProvider":
+        return False
+    return predicts_with.evaluate.inference == NNUNET or predicts_with.train.amp != "none"
+
+
 def onnx_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
                    device: str | None = None, challenge: str | None = None) -> Predictor:
     """`ship.bundle.bundle_predictor` with each fold's ONNX network in onnxruntime instead of its torch model;
     CheckpointError naming the fold when the bundle was exported without --onnx."""
     config = bundle_config(bundle, None, challenge)
     providers = providers_for(device)
-    chosen, members = choose_folds(bundle, folds), []
+    chosen, members, precisions = choose_folds(bundle, folds), [], set()
     records = {int(record["fold"]): record for record in bundle.metadata["folds"]}
     for k in chosen:
         member, record = fold_onnx(k), records[k].get("onnx")
@@ -100,13 +125,20 @@ def onnx_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postproc
             raise CheckpointError(f"{bundle.path}: fold {k} has no {member}; export the run with --onnx, or "
                                   "predict with --runtime torch")
         predicts_with = inference_config(bundle.fold_config(k), config)
+        if runs_in_float16(predicts_with, providers):
+            if fold_onnx_half(k) in bundle.members:
+                member = fold_onnx_half(k)
+            else:
+                warn(f"{bundle.path}: fold {k} has no float16 network (export could not write one); onnxruntime "
+                     "runs its float32 network where torch would predict under autocast")
         network = OnnxNetwork(bundle.members[member], predicts_with, f"{bundle.path}: {member}", providers)
+        precisions.add("float16" if network.input_dtype == np.float16 else "float32")
         members.append((network, predicts_with))
     check_one_output_kind(bundle.path, chosen, members)
     plan = bundle.postprocessing() if postprocess else None
     return Predictor(config, members, f"onnxruntime ({providers[0]})", plan, Path(f"{bundle.path}:{POSTPROCESSING}"),
                      f"{bundle.path.name}: fold(s) {', '.join(map(str, chosen))} ({bundle.checkpoint} checkpoint, "
-                     "ONNX in onnxruntime)")
+                     f"ONNX in onnxruntime, {' and '.join(sorted(precisions))})")
 
 
 def runtime_predictor(bundle: Bundle, runtime: str, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
