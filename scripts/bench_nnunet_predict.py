@@ -164,6 +164,7 @@ def worker(args: argparse.Namespace) -> dict:
     cuda = args.device.startswith("cuda")
     cases = [Path(case) for case in args.case]
     out = Path(args.out_dir)
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     if args.worker == NNUNET:
         predictor = nnunet_predictor(Path(args.results), mirroring=args.mirroring, device=args.device)
@@ -200,7 +201,8 @@ def worker(args: argparse.Namespace) -> dict:
     result = {"tool": args.worker, "tta": args.mirroring, "layout": args.layout, "cases": len(cases), "load_s": load_s,
               **first, "per_case_cpu_s": (_cpu_seconds() - cpu0) / len(cases),
               "per_case_wall_s": (time.perf_counter() - wall0) / len(cases), "compile_s": _compile_seconds(),
-              "peak_rss_gib": _peak_rss_gib(), "peak_rss_after_load_gib": rss_after_load}
+              "peak_rss_gib": _peak_rss_gib(), "peak_rss_after_load_gib": rss_after_load,
+              "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
     if cuda:
         result["cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
     # Each measurement also lands next to the outputs, so an interrupted run keeps what it measured.
@@ -231,12 +233,11 @@ def measure(tool: str, tta: bool, layout: str, args: argparse.Namespace, cases: 
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", tool, "--case", *map(str, cases),
                "--results", str(results), "--run", str(run), "--out-dir", str(out), "--threads", str(args.threads),
                "--device", args.device, "--layout", layout, *(["--mirroring"] if tta else [])]
-    load_before = os.getloadavg()[0]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{tool} ({layout}, tta={tta}) failed:\n{done.stderr[-3000:]}")
     line = [text for text in done.stdout.splitlines() if text.startswith("{")][-1]
-    return {**json.loads(line), "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    return json.loads(line)
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
