@@ -145,3 +145,19 @@ def test_the_import_writes_nnunets_inference_rules_and_mirroring_axes(tmp_path):
     assert (evaluate.inference, evaluate.mirror_axes, evaluate.sw_overlap, evaluate.sw_blend) == ("nnunet", [2], 0.5,
                                                                                                  "gaussian")
     assert import_nnunet(RESULTS, tmp_path / "run2").config.evaluate.mirror_axes == [0, 1, 2]
+
+
+def test_a_patch_larger_than_the_default_cube_imports(tmp_path):
+    """A plans' patch past the default 192³ cube on an axis (a whole-case patch) is imported with a cube that
+    holds it (the cube used to be checked against the patch before it was chosen: 'larger than the cube')."""
+    results = tmp_path / RESULTS.name
+    (results / "fold_0").mkdir(parents=True)
+    plans = json.loads((RESULTS / "plans.json").read_text())
+    entry = plans["configurations"]["3d_fullres"]
+    entry["patch_size"] = [*entry["patch_size"][:2], entry["patch_size"][2] * 9]
+    (results / "plans.json").write_text(json.dumps(plans))
+    (results / "dataset.json").write_text((RESULTS / "dataset.json").read_text())
+    (results / "fold_0" / "checkpoint_final.pth").symlink_to(RESULTS / "fold_0" / "checkpoint_final.pth")
+    config = import_nnunet(results, tmp_path / "run").config
+    assert max(config.train.patch) == entry["patch_size"][2] > 192
+    assert all(p <= c for p, c in zip(config.train.patch, config.data.cube, strict=True))

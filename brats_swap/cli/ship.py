@@ -145,7 +145,7 @@ def serve_challenge(
     from brats_swap.ship.bundle import open_bundle
     from brats_swap.ship.container import resolve_task
     from brats_swap.ship.onnx_runtime import runtime_predictor
-    from brats_swap.ship.serve import serve
+    from brats_swap.ship.serve import serve, serving_compile
 
     if weights is not None:
         model = weights / "model.zip" if weights.is_dir() else weights
@@ -154,7 +154,8 @@ def serve_challenge(
     task, task_note = resolve_task(bundle, task)
     if task_note is not None:
         _say(task_note)
-    predictor = runtime_predictor(bundle, runtime, folds, device=device, challenge=task)
+    predictor = runtime_predictor(bundle, runtime, folds, device=device, challenge=task,
+                                  evaluate_compile=serving_compile(bundle.config().evaluate.compile))
     report = serve(predictor, input_dir, output_dir, tta=tta, time_budget_s=budget, say=_say)
     _say(f"wrote {len(report.written)} of {report.cases} segmentation(s) to {output_dir}")
     report.failures.raise_if_any(f"serve-challenge {input_dir}", report.cases)

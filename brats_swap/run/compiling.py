@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import torch._functorch.config
 from torch import nn
 
 from brats_swap.memory import CompiledRegions, compile_wanted, compiled_regions, is_compile_failure
@@ -47,10 +48,20 @@ def compile_cache_dir() -> Path:
 
 def use_compile_cache() -> Path:
     """Point inductor's caches (FX graphs, AOTAutograd, kernels) at `compile_cache_dir()` before anything
-    compiles; a `TORCHINDUCTOR_CACHE_DIR` the user set is kept. Returns the folder."""
+    compiles; a `TORCHINDUCTOR_CACHE_DIR` the user set is kept. Returns the folder.
+
+    It also lets AOTAutograd's cache keep graphs that hold a custom `autograd.Function`: by default torch
+    bypasses that cache for every such graph (the switch is upstream's, off while it is tried on more models:
+    pytorch PR #149751), and every block of the Isensee U-Net holds one (its instance norm and the decoder's
+    prepared-input convolution, `model/unet.py`), so each later process traced and partitioned every block's
+    forward and backward again. It is safe for what is compiled here: dynamo traces a Function's forward and
+    backward into subgraphs of the graph the cache key is computed from, so a changed Function is another key
+    (tests/test_compile_cache.py changes a backward and gets no hit), and the project's Functions read
+    nothing but their inputs and `ctx`."""
     folder = compile_cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     return folder
 
 

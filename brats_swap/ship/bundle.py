@@ -508,28 +508,33 @@ def choose_folds(bundle: Bundle, folds: FoldSelection = ALL_FOLDS) -> list[int]:
     return list(selection)
 
 
-def bundle_config(bundle: Bundle, device: str | None = None, challenge: str | None = None) -> Config:
+def bundle_config(bundle: Bundle, device: str | None = None, challenge: str | None = None,
+                  evaluate_compile: bool | None = None) -> Config:
     """The bundle's config as a predictor reads cases with it: on `device` when given, with the label table
-    `challenge` forced when given (as `data.challenge`)."""
+    `challenge` forced when given (as `data.challenge`), and `evaluate.compile` set to `evaluate_compile` when
+    given."""
     config = bundle.config()
     if device is not None:
         config = replace(config, train=replace(config.train, device=device))
     if challenge is not None:
         config = replace(config, data=replace(config.data, challenge=challenge, edition="auto"))
+    if evaluate_compile is not None:
+        config = replace(config, evaluate=replace(config.evaluate, compile=evaluate_compile))
     return config
 
 
 def bundle_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
-                     device: str | None = None, challenge: str | None = None) -> Predictor:
+                     device: str | None = None, challenge: str | None = None,
+                     evaluate_compile: bool | None = None) -> Predictor:
     """The models of a bundle, as `evaluate.predicting.run_predictor` loads a run's: each fold built from its own
     config, its weights loaded, on the device of the bundle's config (or `device`), predicting with the
-    bundle's evaluation settings. `challenge` forces the label table the cases are read with (as
-    `data.challenge`)."""
+    bundle's evaluation settings (`evaluate.compile` replaced by `evaluate_compile` when given).
+    `challenge` forces the label table the cases are read with (as `data.challenge`)."""
     from brats_swap.run.compiling import compile_for_inference
     from brats_swap.run.device import resolve_device
     from brats_swap.run.trained import inference_config, trained_model
 
-    config = bundle_config(bundle, device, challenge)
+    config = bundle_config(bundle, device, challenge, evaluate_compile)
     target = resolve_device(config.train.device)
     chosen, members = choose_folds(bundle, folds), []
     for k in chosen:

@@ -106,7 +106,9 @@ def import_nnunet(results_dir: Path, out: Path, checkpoint_name: str = "checkpoi
                  *_data_overrides(results_dir, configuration, dataset, key, order),
                  *_inference_overrides(first_checkpoint, order),
                  *_resampling_overrides(results_dir, plans, configuration, order)]
-    first = load_config(None, [*overrides, f"name={run.root.name}"])
+    # The cube is chosen below from this config's network; until then the patch itself stands for it, so that a
+    # patch larger than the default cube (a whole-case patch) passes the config's patch <= cube check.
+    first = load_config(None, [*overrides, f"name={run.root.name}", f"data.cube={_list(_patch(configuration, order))}"])
     # Fine-tuning (train --run OUT --fold k) starts from the imported weights of the fold.
     config = load_config(None, [*overrides, f"name={run.root.name}", f"train.init_from={run.fold(folds[0]).imported}",
                                 f"data.cube={_cube(configuration, order, input_divisor(first.model), first)}"])
@@ -389,11 +391,16 @@ def _data_overrides(results_dir: Path, configuration: dict, dataset: dict, key: 
                           "the non-zero mask (use_mask_for_norm), as nnU-Net plans for BraTS")
     description = results_dir / "dataset.json"
     modalities = channel_modalities(description, dataset.get("channel_names", dataset.get("modality", {})))
-    patch = [int(configuration["patch_size"][order[axis]]) for axis in range(3)]
+    patch = _patch(configuration, order)
     table = f"data.challenge={key}" if not get_challenge(key).legacy else f"data.edition={key}"
     return [f"data.modalities=[{','.join(modalities[i] for i in sorted(modalities))}]", "data.fit=pad_crop",
             "data.clip_percentiles=[0,100]", table, "train.mode=patch", f"train.patch={_list(patch)}",
             f"train.batch_size={int(configuration.get('batch_size', 2))}", *NNUNET_RECIPE]
+
+
+def _patch(configuration: dict, order: list[int]) -> list[int]:
+    """The plans' patch in brats-swap's axes."""
+    return [int(configuration["patch_size"][order[axis]]) for axis in range(3)]
 
 
 def _resampling_overrides(results_dir: Path, plans: dict, configuration: dict, order: list[int]) -> list[str]:

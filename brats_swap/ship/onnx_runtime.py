@@ -142,12 +142,15 @@ def onnx_predictor(bundle: Bundle, folds: FoldSelection = ALL_FOLDS, *, postproc
 
 
 def runtime_predictor(bundle: Bundle, runtime: str, folds: FoldSelection = ALL_FOLDS, *, postprocess: bool = True,
-                      device: str | None = None, challenge: str | None = None) -> Predictor:
-    """The bundle's predictor for `--runtime`: its torch models (`bundle_predictor`) or its ONNX networks."""
+                      device: str | None = None, challenge: str | None = None,
+                      evaluate_compile: bool | None = None) -> Predictor:
+    """The bundle's predictor for `--runtime`: its torch models (`bundle_predictor`, `evaluate.compile` replaced
+    by `evaluate_compile` when given) or its ONNX networks (never compiled)."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"--runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     if runtime == "onnxruntime":
         return onnx_predictor(bundle, folds, postprocess=postprocess, device=device, challenge=challenge)
     from brats_swap.ship.bundle import bundle_predictor
 
-    return bundle_predictor(bundle, folds, postprocess=postprocess, device=device, challenge=challenge)
+    return bundle_predictor(bundle, folds, postprocess=postprocess, device=device, challenge=challenge,
+                            evaluate_compile=evaluate_compile)

@@ -41,6 +41,20 @@ from brats_swap.ship.inference_cost import check_case_cost
 from brats_swap.ship.time_budget import TimeBudget
 
 
+def serving_compile(setting: bool | str) -> bool:
+    """`evaluate.compile` as serve-challenge predicts with a bundle's setting: `auto` serves eager, an explicit
+    `true` compiles (and `false` does not).
+
+    Compiling does not pay for itself where the image runs: each start of it compiles from an empty cache (the
+    root file system is read-only and the caches go under the temporary folder), and a start often serves one
+    case (the BrainLesion `brats` package's `infer_single`). On the CPU the first case compiled cost more than
+    eager, compiling included, and the later cases were no faster (docs/submit.md#compiling-when-serving); on a
+    GPU the gain is not measured. Shipping the cache in the image would not remove the cost: dynamo traces
+    every block again in each process (torch keeps no trace on disk), and inductor's kernels are built for the
+    card and torch build they were compiled with, which the organisers' machine need not match."""
+    return setting is True
+
+
 def case_folders(input_dir: Path) -> list[Path]:
     """The case folders of the challenge's input (`<input>/<case id>/`), sorted; DataError when there are none."""
     input_dir = Path(input_dir)
