@@ -104,6 +104,7 @@ class PlanReport:
     device_overhead_gib: float = 0.0  # in every peak and the floor (`memory.budget`)
     step: str = "eager"  # the step priced: "compiled" (train.compile) or "eager" (`Planner.priced_step`)
     eager_reason: str | None = None  # why a compiled step was asked for and the eager one priced
+    step_reason: str = ""  # why that step was asked for (the caller's setting, e.g. "train.compile auto ...")
 
     @property
     def size(self) -> int:
@@ -139,6 +140,7 @@ class PlanReport:
             "plan_seconds": round(self.plan_seconds, 3),
             "step": self.step,
             "eager_reason": self.eager_reason,
+            "step_reason": self.step_reason,
         }
 
 

@@ -48,6 +48,7 @@ class OpInfo:
     module: str = ""  # innermost running module ("" in backward outside recomputation)
     recompute: bool = False  # part of a recomputation in backward (checkpoint or norm_act recipe)
     grouped: bool = False  # a grouped (e.g. depthwise) convolution or its backward: no tensor-core rate
+    fused: bool = False  # computed inside its consumer's compiled kernel: no launch of its own
 
 
 @dataclass
