@@ -122,9 +122,13 @@ def test_the_compiled_floor_counts_what_inductor_allocates(monkeypatch):
     monkeypatch.setattr(unet, "_NORM_CHUNK_BYTES", 4096)
     torch.manual_seed(0)
     model = build_model(ModelConfig(base_filters=4, depth=2, segmentation_levels=1))
-    floors = {compiled: Planner(model, SHAPE, loss_fn=dice_loss, compiled=compiled).floor_bytes()
-              for compiled in (True, False)}
+    planners = {compiled: Planner(model, SHAPE, loss_fn=dice_loss, compiled=compiled) for compiled in (True, False)}
+    floors = {compiled: planner.floor_bytes() for compiled, planner in planners.items()}
     assert floors[True] <= floors[False], floors
+    # A compiled block's backward unpacks the slices of one saved storage together: one reload, priced as one.
+    compiled = planners[True]
+    swap_all = named_policies(link_base(), compiled.presets)["swap_all"]
+    assert compiled.memory(swap_all).peak_bytes < planners[False].memory(swap_all).peak_bytes
 
 
 def test_the_planner_prices_the_step_the_run_compiles(planners):

@@ -286,6 +286,7 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         alive = self.artifacts.get(index)
         base = alive() if alive is not None else None
         if base is not None and base.dtype == dtype and base.numel() * dtype.itemsize >= nbytes:
+            self.records[index].artifact_sids.append(self.records[index].artifact_sids[-1])
             return base.as_strided(size, stride, offset)
         self.unpacking = index
         try:

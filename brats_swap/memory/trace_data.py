@@ -35,7 +35,8 @@ class TracedRecord:
     record: SavedRecord
     sid: int  # physical storage (-1 for parameters and buffers, which live outside the step)
     deps: list[int] = field(default_factory=list)  # recomputed: the stored records its recipe reads
-    artifact_sids: list[int] = field(default_factory=list)  # one storage per unpack, in unpack order
+    # One storage per unpack, in unpack order; an unpack while an earlier one's storage is alive shares it.
+    artifact_sids: list[int] = field(default_factory=list)
 
 
 @dataclass
