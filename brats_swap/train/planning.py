@@ -284,7 +284,7 @@ def prediction_out_of_memory_error(device: torch.device, config: Config, where: 
 def plan_for_config(config: Config, *, batch: int | None = None,
                     budget_gib: float | None = None, dtype: str | None = None,
                     bandwidth_gbs: float | None = None, device: str = "auto",
-                    profile: dict | None = None) -> tuple[PlanReport, Planner]:
+                    profile: dict | None = None, run_device: str | None = None) -> tuple[PlanReport, Planner]:
     """`brats-swap plan`: the run's model at its training sample (the patch in `train.mode: patch`, else the
     cube; `plan --size` sets the cube, so the network's stages adapt to it) and batch, every policy priced.
 
@@ -296,7 +296,8 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     saved cost model (`--save-profile`) used instead of measuring. The network has the run's outputs
     (`config_model`: 4 for a PED run, 1 for MEN-RT). Peaks include the device overhead
     (`memory.device_overhead_gib`, default: the device's); the optimizer state is `train.optimizer`'s.
-    The step is priced compiled where `train.compile` compiles on the device planned for (auto: a GPU's).
+    The step is priced compiled where `train.compile` compiles on the device the run trains on: `run_device`
+    ("cpu", "cuda"), by default the one `device` prices (a GPU for "gpu" and "auto").
     """
     cube = list(training_input_shape(config)[2:])
     batch = batch if batch is not None else config.train.batch_size
@@ -322,7 +323,7 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     prelude = augmentation_bytes(dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch)))
-    compiled, step_reason = priced_compiled(config, device)
+    compiled, step_reason = priced_compiled(config, run_device or device)
     report, planner = plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype,
                                   cost=cost, loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config),
                                   prelude_bytes=prelude, compiled=compiled)
