@@ -498,7 +498,8 @@ def inductor_partition_backend(graph: torch.fx.GraphModule, example_inputs: list
     """A `torch.compile` backend that runs inductor's whole pipeline up to code generation (pre-grad passes,
     its decompositions, joint-graph passes, the min-cut partitioner: what the forward saves for backward)
     and then runs the partitioned graphs eagerly, so a meta-device trace records the saved tensors and ops
-    the inductor-compiled region has. The example inputs are re-faked on the CPU: inductor's joint-graph
+    the inductor-compiled region has, and counts the memory of only the results inductor allocates
+    (`inductor_allocations`). The example inputs are re-faked on the CPU: inductor's joint-graph
     passes do not support the meta device (they fold the backward's outputs into empty tensors and the
     partition fails). Inductor's caches are off: they would hand back compiled kernels."""
     from torch._guards import detect_fake_mode
@@ -643,8 +644,9 @@ def trace_step(
     policy of the device type `autocast` ("cuda": a GPU's, "cpu"; see `AUTOCAST_OPS`).
     `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
     meta copy. `blocks` overrides the engine's `discover_blocks`. `compiled` traces the step as training runs
-    it under `train.compile` (`CompiledRegions` on the blocks, each block's graph partitioned as inductor
-    partitions it: `inductor_partition_backend`); a compilation that fails raises `TraceCompileError`. The output may be a tensor or a list,
+    it under `train.compile` (`CompiledRegions` with the regions it chooses, as training builds it, each
+    region's graph partitioned, lowered and fused as inductor does: `inductor_partition_backend`); a
+    compilation that fails raises `TraceCompileError`. The output may be a tensor or a list,
     tuple or dict of them (deep supervision, full resolution first); the loss gets one target: with
     `target_channels` (default: the model's `out_channels`) at the input's size, else shaped as the
     (first) output. The input model is not modified.
@@ -663,7 +665,8 @@ def trace_step(
                                 param_storages=lambda: keys)
     regions = None
     if compiled:
-        regions = CompiledRegions(meta_model, _block_pairs(meta_model, blocks), backend=inductor_partition_backend)
+        # The regions training compiles: `CompiledRegions`' own choice (run.compiling passes none either).
+        regions = CompiledRegions(meta_model, backend=inductor_partition_backend)
     autocast_ops = _instrument(meta_model, front, recorder, blocks, dtype, recompute, autocast, regions)
 
     # The batch and its target are storages of the step, allocated before it and held by the caller to
