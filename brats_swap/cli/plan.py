@@ -159,13 +159,15 @@ def selecting_lines(report: PlanReport) -> list[str]:
 
 
 def priced_step_line(report: PlanReport) -> str:
-    """Which step the prices are for: compiled (train.compile compiles on the device planned for) or eager."""
+    """Which step the prices are for and why: compiled where the run compiles (`train.compile`: true, or auto on
+    the GPU planned for), else eager."""
+    why = f"{report.step_reason}; " if report.step_reason else ""
     if report.eager_reason is not None:
-        return f"step: eager (train.compile asks for compiled; priced eager: {report.eager_reason})"
+        return f"step: eager ({why}the compiled step is not priced: {report.eager_reason})"
     if report.step == "compiled":
-        return ("step: compiled (train.compile true): each block's saved tensors are those its compiled graph keeps")
-    return ("step: eager (only train.compile true prices the compiled step; with auto a GPU run compiles and the "
-            "eager plan bounds its memory: docs/planner.md#compiled-steps)")
+        return (f"step: compiled ({why}each block's saved tensors and allocations are those of its inductor-compiled "
+                "graphs: docs/planner.md#compiled-steps)")
+    return f"step: eager ({report.step_reason or 'the run does not compile'})"
 
 
 def print_report(report: PlanReport) -> None:

@@ -71,7 +71,7 @@ class OpCostModel:
             if not op.kernel:
                 continue
             rate = self.flops_per_s * (self.grouped_efficiency if op.grouped else 1.0)
-            raw = op.flops / rate + op.bytes_accessed / self.bytes_per_s + self.launch_s
+            raw = op.flops / rate + op.bytes_accessed / self.bytes_per_s + (0.0 if op.fused else self.launch_s)
             out[i] = raw * (self.fwd_scale if op.phase == FORWARD else self.bwd_scale)
         return out
 

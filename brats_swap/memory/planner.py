@@ -104,6 +104,7 @@ class PlanReport:
     device_overhead_gib: float = 0.0  # in every peak and the floor (`memory.budget`)
     step: str = "eager"  # the step priced: "compiled" (train.compile) or "eager" (`Planner.priced_step`)
     eager_reason: str | None = None  # why a compiled step was asked for and the eager one priced
+    step_reason: str = ""  # why that step was asked for (the caller's setting, e.g. "train.compile auto ...")
 
     @property
     def size(self) -> int:
@@ -139,6 +140,7 @@ class PlanReport:
             "plan_seconds": round(self.plan_seconds, 3),
             "step": self.step,
             "eager_reason": self.eager_reason,
+            "step_reason": self.step_reason,
         }
 
 
@@ -161,9 +163,10 @@ class Planner:
     batch's augmentation on the device: sampling grids, label channels, the batch as it arrived); they sit on
     top of the persistent bytes alone (the previous step's gradients are gone), so a peak is the larger of
     the step's own and theirs.
-    `compiled` prices the step as `train.compile` runs it (the engine's blocks compiled, docs/planner.md): each
-    trace is taken with the blocks compiled; if that compilation fails, or under autocast (bf16, fp16), every
-    trace is eager and `eager_reason` says why (`priced_step` says which step the prices are for).
+    `compiled` prices the step as `train.compile` runs it (the regions `CompiledRegions` compiles,
+    docs/planner.md): each trace is taken with those regions compiled; if that compilation fails, or under
+    autocast (bf16, fp16), every trace is eager and `eager_reason` says why (`priced_step` says which step the
+    prices are for).
     """
 
     def __init__(self, model: nn.Module, input_shape: Sequence[int], *, loss_fn: Callable | None = None,

@@ -22,16 +22,18 @@ the flop counter's formula table (`flop_registry`) for convolution FLOPs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 from brats_swap.config import MemoryConfig, RecomputeConfig
@@ -196,6 +198,11 @@ class _AutocastOps(TorchFunctionMode):
         return value
 
 
+# Set while the compiled trace runs an op whose result inductor computes inside its consumer's kernel (never
+# allocated: `inductor_allocations`); the recorder registers such an op's new storages as 0 bytes.
+_IN_FUSED_KERNEL: contextvars.ContextVar[bool] = contextvars.ContextVar("in_fused_kernel", default=False)
+
+
 class TraceCompileError(RuntimeError):
     """The compiled trace failed to compile (one line: the compiler's cause)."""
 
@@ -233,6 +240,8 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         self.module_stack: list[str] = []  # every running module (forward and recomputation): op owners
         self.records: list[TracedRecord] = []
         self.events: list[Event] = []
+        self.fused: set[int] = set()  # sids of results computed inside a fused kernel (0 bytes: never allocated)
+        self.artifacts: dict[int, weakref.ref] = {}  # record index -> its latest artifact (a view keeps it alive)
 
     # ---- the front end's back end ----------------------------------------------------------------------
     def now(self) -> int:
@@ -269,15 +278,23 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
 
     def stored_view(self, handle: SavedHandle) -> torch.Tensor:
         """A fresh storage of the saved layout (an "artifact"): its death marks when the node that read
-        it finished."""
+        it finished. A record unpacked again while an artifact of it is alive gets a view of that one, as the
+        engine reloads a storage once for all its views: a compiled block's backward unpacks every saved
+        tensor at its start, and the channel slices of one storage (a chunked norm's) are several handles."""
         size, stride, offset, dtype, nbytes = handle.size, handle.stride, handle.offset, handle.dtype, handle.nbytes
         index = handle.entry.index
+        alive = self.artifacts.get(index)
+        base = alive() if alive is not None else None
+        if base is not None and base.dtype == dtype and base.numel() * dtype.itemsize >= nbytes:
+            self.records[index].artifact_sids.append(self.records[index].artifact_sids[-1])
+            return base.as_strided(size, stride, offset)
         self.unpacking = index
         try:
             base = torch.empty(max(nbytes // dtype.itemsize, 1), dtype=dtype, device="meta")
             self.records[index].artifact_sids.append(self.storage_id(base.untyped_storage()))
         finally:
             self.unpacking = -1
+        self.artifacts[index] = weakref.ref(base)
         return base.as_strided(size, stride, offset)
 
     # ---- the rulebook's executor: nothing moves -------------------------------------------------------
@@ -306,7 +323,10 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         if hit is not None:  # the address was recycled by a new storage after the old one died
             self.storages[hit[1]].free_op = len(self.ops)
         sid = len(self.storages)
-        self.storages.append(Storage(sid, storage.nbytes(), alloc_op=max(len(self.ops) - 1, 0),
+        fused = _IN_FUSED_KERNEL.get()
+        if fused:
+            self.fused.add(sid)
+        self.storages.append(Storage(sid, 0 if fused else storage.nbytes(), alloc_op=max(len(self.ops) - 1, 0),
                                      artifact_of=self.unpacking))
         self.live[key] = (StorageWeakRef(storage), sid)
         return sid
@@ -324,12 +344,21 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
             flops = float(sum(t.numel() for t in outputs)) if name not in _NO_KERNEL else 0.0
         module = self.module_stack[-1] if self.module_stack else ""
         recompute = self.phase == BACKWARD and (bool(self.module_stack) or self._recomputing > 0)
-        inputs = tensors_in((args, kwargs))
-        self.ops.append(OpInfo(name, self.phase, flops, _bytes_accessed(inputs + outputs), name not in _NO_KERNEL,
-                               module, recompute, _grouped_convolution(name, args)))
+        fused = _IN_FUSED_KERNEL.get()
+        op = OpInfo(name, self.phase, flops, 0, name not in _NO_KERNEL, module, recompute,
+                    _grouped_convolution(name, args), fused=fused)
+        self.ops.append(op)
         for tensor in outputs:
             self.storage_id(tensor.untyped_storage())
+        touched = tensors_in((args, kwargs)) + outputs
+        if fused:  # part of its consumer's kernel: it moves only the tensors that exist in memory
+            touched = [t for t in touched if not self._in_fused_kernel(t)]
+        op.bytes_accessed = _bytes_accessed(touched)
         return out
+
+    def _in_fused_kernel(self, tensor: torch.Tensor) -> bool:
+        hit = self.live.get(tensor.untyped_storage()._cdata)
+        return hit is not None and hit[1] in self.fused
 
 
 def _grouped_convolution(name: str, args: tuple) -> bool:
@@ -349,17 +378,117 @@ def _bytes_accessed(tensors: list[torch.Tensor]) -> int:
     return sum(counted for counted, _ in per_storage.values())
 
 
+def inductor_allocations(graph: torch.fx.GraphModule, example_inputs: Sequence, *, is_backward: bool,
+                         is_inference: bool) -> set[str]:
+    """Names of the nodes of a partitioned graph whose results inductor allocates, as its lowering decides.
+
+    Inductor lowers a graph to buffers: an extern kernel's output (a convolution, its backward), a reduction's,
+    a graph output (what the forward saves, the gradients) and a pointwise result it chooses to realize (read by
+    an extern kernel, by several kernels, or too expensive to inline) each get one; every other pointwise result
+    is computed inside its consumers' kernels and never exists in memory, and a view is a view of a buffer. Its
+    scheduler then fuses kernels, and a buffer written and last read inside one fused kernel is never allocated
+    either (`_fused_away`). Inductor's reuse of freed buffers and its reordering for peak memory are not modelled,
+    so the set bounds the compiled step's allocations from above. `graph` keeps its nodes (the lowering adds
+    `meta` entries)."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import ir
+    from torch._inductor.compile_fx import _recursive_record_original_output_strides
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+
+    results: dict[str, object] = {}
+
+    class Lowering(GraphLowering):
+        def run_node(self, n: torch.fx.Node):
+            result = super().run_node(n)
+            results[n.name] = result
+            return result
+
+    def buffers(value) -> list[str]:
+        """The buffers `value` (a node's lowered result) allocates: realized, not an input of the graph; a view
+        (ir.BaseView, ir.ReinterpretView) allocates nothing."""
+        if isinstance(value, (list, tuple)):  # a multi-output extern kernel (convolution_backward)
+            return [name for v in value for name in buffers(v)]
+        if isinstance(value, ir.TensorBox):
+            value = value.data
+        if (isinstance(value, ir.StorageBox) and ir.IRNode.is_realized_node(value.data)
+                and not isinstance(value.data, (ir.InputBuffer, ir.ConstantBuffer))):
+            return [value.data.get_name()]
+        return []
+
+    fake_mode = detect_fake_mode(example_inputs)
+    _recursive_record_original_output_strides(graph)
+    # The lowering's own tensor ops are no ops of the step: the recorder's mode (active) stands aside.
+    with _disable_current_modes(), V.set_fake_mode(fake_mode):
+        lowering = Lowering(graph, example_inputs=example_inputs, shape_env=fake_mode.shape_env,
+                            is_inference=is_inference, is_backward=is_backward)
+        with V.set_graph_handler(lowering), V.set_extern_kernel_nodes([]), DebugContext():
+            lowering.run(*example_inputs)
+            lowering._update_scheduler()
+            removed = _fused_away(lowering.scheduler)
+    return {name for name, value in results.items() if any(b not in removed for b in buffers(value))}
+
+
+def _fused_away(scheduler) -> set[str]:
+    """Buffers inductor's scheduler removes: written and last read inside one fused kernel (as
+    `Kernel.remove_kernel_local_buffers` decides at code generation)."""
+    removed: set[str] = set()
+    for node in scheduler.nodes:
+        inner = node.get_nodes()
+        if len(inner) < 2:
+            continue
+        names = {snode.get_name() for snode in inner}
+        for snode in inner:
+            for buf in snode.get_outputs():
+                if scheduler.can_buffer_be_removed_through_fusion(buf.get_name(), names):
+                    removed.add(buf.get_name())
+    return removed
+
+
+class _PartitionedGraph(torch.fx.Interpreter):
+    """A partitioned forward or backward graph run op by op; the ops whose results inductor never allocates
+    (not in `allocated`) run under `_IN_FUSED_KERNEL`."""
+
+    def __init__(self, graph: torch.fx.GraphModule, allocated: set[str]):
+        super().__init__(graph)
+        self.allocated = allocated
+
+    def run_node(self, n: torch.fx.Node):
+        if n.op != "call_function" or n.name in self.allocated:
+            return super().run_node(n)
+        token = _IN_FUSED_KERNEL.set(True)
+        try:
+            return super().run_node(n)
+        finally:
+            _IN_FUSED_KERNEL.reset(token)
+
+
+def _constructors_before_first_use(graph: torch.fx.Graph) -> None:
+    """Move each node that reads no other node (`empty`, `full`: a buffer the graph fills later) to just before
+    its first user: inductor allocates a buffer where its first kernel runs (and orders kernels for its peak
+    memory, `reorder_for_peak_memory`), where the partitioned graph's order may create it well before."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and not node.all_input_nodes and node.users:
+            min(node.users, key=position.__getitem__).prepend(node)
+
+
 def _nop_inner_compile(graph: torch.fx.GraphModule, example_inputs, **kwargs):
-    """Inductor's inner compiler replaced: the partitioned forward or backward graph runs op by op, with the
+    """Inductor's inner compiler replaced: the partitioned forward or backward graph is lowered as inductor
+    lowers it, to learn which results it allocates (`inductor_allocations`), and then runs op by op, with the
     tensors it creates on `meta` (it was partitioned on CPU fake tensors: `inductor_partition_backend`)."""
+    allocated = inductor_allocations(graph, example_inputs, is_backward=bool(kwargs.get("is_backward")),
+                                     is_inference=bool(kwargs.get("is_inference")))
     for node in graph.graph.nodes:
         device = node.kwargs.get("device")
         if isinstance(device, torch.device) and device.type == "cpu":
             node.kwargs = {**node.kwargs, "device": torch.device("meta")}
+    _constructors_before_first_use(graph.graph)
     graph.recompile()
 
     def run(args):
-        return torch.fx.Interpreter(graph).boxed_run(args)
+        return _PartitionedGraph(graph, allocated).boxed_run(args)
 
     run._boxed_call = True
     return run
@@ -369,7 +498,8 @@ def inductor_partition_backend(graph: torch.fx.GraphModule, example_inputs: list
     """A `torch.compile` backend that runs inductor's whole pipeline up to code generation (pre-grad passes,
     its decompositions, joint-graph passes, the min-cut partitioner: what the forward saves for backward)
     and then runs the partitioned graphs eagerly, so a meta-device trace records the saved tensors and ops
-    the inductor-compiled region has. The example inputs are re-faked on the CPU: inductor's joint-graph
+    the inductor-compiled region has, and counts the memory of only the results inductor allocates
+    (`inductor_allocations`). The example inputs are re-faked on the CPU: inductor's joint-graph
     passes do not support the meta device (they fold the backward's outputs into empty tensors and the
     partition fails). Inductor's caches are off: they would hand back compiled kernels."""
     from torch._guards import detect_fake_mode
@@ -514,8 +644,9 @@ def trace_step(
     policy of the device type `autocast` ("cuda": a GPU's, "cpu"; see `AUTOCAST_OPS`).
     `recompute` applies the engine's recompute machinery (checkpointed modules, norm_act recipes) to the
     meta copy. `blocks` overrides the engine's `discover_blocks`. `compiled` traces the step as training runs
-    it under `train.compile` (`CompiledRegions` on the blocks, each block's graph partitioned as inductor
-    partitions it: `inductor_partition_backend`); a compilation that fails raises `TraceCompileError`. The output may be a tensor or a list,
+    it under `train.compile` (`CompiledRegions` with the regions it chooses, as training builds it, each
+    region's graph partitioned, lowered and fused as inductor does: `inductor_partition_backend`); a
+    compilation that fails raises `TraceCompileError`. The output may be a tensor or a list,
     tuple or dict of them (deep supervision, full resolution first); the loss gets one target: with
     `target_channels` (default: the model's `out_channels`) at the input's size, else shaped as the
     (first) output. The input model is not modified.
@@ -534,7 +665,8 @@ def trace_step(
                                 param_storages=lambda: keys)
     regions = None
     if compiled:
-        regions = CompiledRegions(meta_model, _block_pairs(meta_model, blocks), backend=inductor_partition_backend)
+        # The regions training compiles: `CompiledRegions`' own choice (run.compiling passes none either).
+        regions = CompiledRegions(meta_model, backend=inductor_partition_backend)
     autocast_ops = _instrument(meta_model, front, recorder, blocks, dtype, recompute, autocast, regions)
 
     # The batch and its target are storages of the step, allocated before it and held by the caller to

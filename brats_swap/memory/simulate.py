@@ -420,8 +420,9 @@ def floor_bytes(trace: Trace, *, optimizer_state_factor: int = ADAM_STATE_FACTOR
         record = traced.record
         if record.is_param or record.recompute or not traced.artifact_sids:
             continue
-        alloc = np.array([trace.storages[sid].alloc_op for sid in traced.artifact_sids], dtype=np.int64)
-        free = np.array([_free_op(trace, sid) for sid in traced.artifact_sids], dtype=np.int64)
+        sids = list(dict.fromkeys(traced.artifact_sids))  # unpacks that shared a storage count it once
+        alloc = np.array([trace.storages[sid].alloc_op for sid in sids], dtype=np.int64)
+        free = np.array([_free_op(trace, sid) for sid in sids], dtype=np.int64)
         starts.append(alloc)
         stops.append(np.maximum(free, alloc + 1))
         sizes.append(np.full(len(alloc), record.nbytes, dtype=np.int64))

@@ -35,7 +35,8 @@ class TracedRecord:
     record: SavedRecord
     sid: int  # physical storage (-1 for parameters and buffers, which live outside the step)
     deps: list[int] = field(default_factory=list)  # recomputed: the stored records its recipe reads
-    artifact_sids: list[int] = field(default_factory=list)  # one storage per unpack, in unpack order
+    # One storage per unpack, in unpack order; an unpack while an earlier one's storage is alive shares it.
+    artifact_sids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class OpInfo:
     module: str = ""  # innermost running module ("" in backward outside recomputation)
     recompute: bool = False  # part of a recomputation in backward (checkpoint or norm_act recipe)
     grouped: bool = False  # a grouped (e.g. depthwise) convolution or its backward: no tensor-core rate
+    fused: bool = False  # computed inside its consumer's compiled kernel: no launch of its own
 
 
 @dataclass

@@ -219,7 +219,8 @@ def _fit(config: Config, card: Card, time_model: str):
     if card.bandwidth_gbs and memory.bandwidth_gbs is None:
         memory.bandwidth_gbs = card.bandwidth_gbs
     planned = dataclasses.replace(config, memory=memory)
-    report, _ = plan_for_config(planned, budget_gib=card.memory_gib, device=time_model)
+    # Priced compiled only where the run will compile: a simulated card's run trains on this machine's CPU.
+    report, _ = plan_for_config(planned, budget_gib=card.memory_gib, device=time_model, run_device=card.kind)
     return report
 
 

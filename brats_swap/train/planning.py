@@ -26,6 +26,7 @@ from brats_swap.data.discovery import check_forced_convention, resolve_conventio
 from brats_swap.errors import DeviceOutOfMemoryError
 from brats_swap.memory.arena import arena_bytes, available_host_bytes, check_host_memory
 from brats_swap.memory.budget import BUDGET_HEADROOM, with_inflight_window, with_overhead
+from brats_swap.memory.compiled import compile_wanted
 from brats_swap.memory.planner import GIB, Planner, PlanReport, choose_policy, plan_report, resolve_cost_model
 from brats_swap.memory.presets import named_policies
 from brats_swap.memory.records import SWAP_MODES, effective_memory_config
@@ -178,15 +179,16 @@ def arena_bound_bytes(config: Config) -> int:
     return planner.arena_bytes(effective_memory_config(memory))
 
 
-def priced_compiled(config: Config) -> bool:
-    """Whether the planner prices the compiled step: only where `train.compile` is `true`, set by the user.
-
-    `auto` (which compiles on CUDA) still plans the eager step: the compiled trace's saved tensors are exact,
-    but it runs the partitioned graphs unfused, so its transient peaks and its floor come out too high at full
-    size (192³: a floor of 20.31 GiB against the eager 7.21, docs/planner.md#compiled-steps), and a floor too
-    high refuses budgets that fit. The eager step saves more than the compiled one, so its plan is an upper
-    bound on the compiled step's saved tensors."""
-    return config.train.compile is True
+def priced_compiled(config: Config, device: torch.device | str) -> tuple[bool, str]:
+    """Whether the planner prices the compiled step for a run of `config` on `device` ("gpu": a GPU's time model
+    without one at hand), and why in words: exactly when `train.compile` compiles the step there
+    (`compile_wanted`: `auto` compiles on CUDA). docs/planner.md#compiled-steps."""
+    device = torch.device("cuda" if device == "gpu" else device)
+    setting = config.train.compile
+    compiled = compile_wanted(setting, device)
+    if setting == "auto":
+        return compiled, f"train.compile auto {'compiles on CUDA' if compiled else 'runs eager on the CPU'}"
+    return compiled, f"train.compile {str(setting).lower()}"
 
 
 def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, input_shape: tuple[int, ...],
@@ -207,11 +209,12 @@ def plan_memory(config: Config, model: torch.nn.Module, folder: FoldFolder, inpu
     if reuse and plan_path.exists():
         saved = json.loads(plan_path.read_text(encoding="utf-8"))
         return effective_memory_config(from_dict(MemoryConfig, saved["memory"], "memory"))
+    compiled, step_reason = priced_compiled(config, device)
     chosen, report = choose_policy(model, config.memory, input_shape, amp_dtype(config.train.amp), device,
                                    loss_fn=training_loss(config.train.loss, model),
                                    optimizer_state_factor=optimizer_state_factor(config),
-                                   prelude_bytes=augmentation_bytes(config, table),
-                                   compiled=priced_compiled(config))
+                                   prelude_bytes=augmentation_bytes(config, table), compiled=compiled)
+    report.step_reason = step_reason
     chosen = effective_memory_config(chosen)
     atomic_write_json(plan_path, {"memory": dataclasses.asdict(chosen), "report": report.as_dict(),
                                   "input_shape": list(input_shape), "device": str(device)})
@@ -281,7 +284,7 @@ def prediction_out_of_memory_error(device: torch.device, config: Config, where: 
 def plan_for_config(config: Config, *, batch: int | None = None,
                     budget_gib: float | None = None, dtype: str | None = None,
                     bandwidth_gbs: float | None = None, device: str = "auto",
-                    profile: dict | None = None) -> tuple[PlanReport, Planner]:
+                    profile: dict | None = None, run_device: str | None = None) -> tuple[PlanReport, Planner]:
     """`brats-swap plan`: the run's model at its training sample (the patch in `train.mode: patch`, else the
     cube; `plan --size` sets the cube, so the network's stages adapt to it) and batch, every policy priced.
 
@@ -293,7 +296,8 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     saved cost model (`--save-profile`) used instead of measuring. The network has the run's outputs
     (`config_model`: 4 for a PED run, 1 for MEN-RT). Peaks include the device overhead
     (`memory.device_overhead_gib`, default: the device's); the optimizer state is `train.optimizer`'s.
-    The step is priced compiled where `train.compile` compiles on the device planned for (auto: a GPU's).
+    The step is priced compiled where `train.compile` compiles on the device the run trains on: `run_device`
+    ("cpu", "cuda"), by default the one `device` prices (a GPU for "gpu" and "auto").
     """
     cube = list(training_input_shape(config)[2:])
     batch = batch if batch is not None else config.train.batch_size
@@ -319,10 +323,11 @@ def plan_for_config(config: Config, *, batch: int | None = None,
     cost = resolve_cost_model(model, device, torch_dtype, loss_fn=loss_fn, profile=profile,
                               bandwidth_gbs=memory.bandwidth_gbs)
     prelude = augmentation_bytes(dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=batch)))
-    compiled = priced_compiled(config)
+    compiled, step_reason = priced_compiled(config, run_device or device)
     report, planner = plan_report(model, memory, (batch, config.model.in_channels, *cube), dtype=torch_dtype,
                                   cost=cost, loss_fn=loss_fn, optimizer_state_factor=optimizer_state_factor(config),
                                   prelude_bytes=prelude, compiled=compiled)
+    report.step_reason = step_reason
     if report.chosen is None and report.budget_gib is not None:
         report.reason += "; " + no_fit_advice(config, report, smallest_fitting_budget(planner, memory, report), batch)
     return report, planner
