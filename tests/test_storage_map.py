@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import gc
-
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from brats_swap.memory.frontend import StorageIndex
 from brats_swap.memory.recompute import NormActRecipes
@@ -29,8 +28,11 @@ def test_a_dead_storage_never_matches_a_new_one_at_its_address():
     for attempt in range(20):  # the allocator reuses the address of a freed storage sooner or later
         t = torch.empty(1024)
         found.put(t, attempt)
+        # Freed by its reference count at `del`, which the weak reference shows: no gc.collect() (20 of them
+        # took 12 s in a test worker whose heap holds the modules and fixtures of the files before it).
+        dead = StorageWeakRef(t.untyped_storage())
         del t
-        gc.collect()
+        assert dead.expired()
         fresh = torch.empty(1024)
         assert found.get(fresh) is None
     found.clear()
