@@ -105,6 +105,22 @@ def split_block(block: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Module]
     return compute, chain
 
 
+@functools.cache  # one wrapper per backend: dynamo's cache entries hold the backend they were compiled by
+def recomputing_pointwise(backend: str | Callable) -> Callable:
+    """`backend` with AOTAutograd's partitioner told to save as little as it can (`activation_memory_budget`
+    0): a chain's graph then saves only its input (the convolution's output, which eager saves too) and
+    recomputes the norm and activation in its backward. With the default partition nnU-Net's InstanceNorm ->
+    in-place LeakyReLU chain saved a one-byte mask besides, and its backward ran 2.1-2.5x slower than eager
+    (docs/memory.md#compiled-steps)."""
+    compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_chain(graph: torch.fx.GraphModule, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=0.0):
+            return compiler(graph, example_inputs)
+
+    return compile_chain
+
+
 def run_layers(layers: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
     """The chain's forward: each layer on the previous one's output (one code object: dynamo shares its graphs
     between chains of the same layer types and shapes)."""
@@ -236,8 +252,8 @@ class CompiledRegions:
                 inside = [sub for sub in module.modules() if sub is not module]
             else:
                 compute, layers = split
-                run = functools.partial(self._call, torch.compile(run_layers, dynamic=False, backend=backend),
-                                        run_layers)
+                compiled = torch.compile(run_layers, dynamic=False, backend=recomputing_pointwise(backend))
+                run = functools.partial(self._call, compiled, run_layers)
                 chain_name = f"{name}.{'+'.join(layer_name for layer_name, _layer in layers)}"
                 chain = CompiledChain(chain_name, [layer for _layer_name, layer in layers], run)
                 module.forward = functools.partial(_conv_then_chain, compute, chain)
