@@ -1,21 +1,25 @@
 """CPU step time eager vs compiled under the memory engine: a table on stdout, the rows as JSON.
 
 For each network and policy, the variants train side by side from the same weights, their steps interleaved
-(eager, blocks, whole, eager, ...) so that a busy machine slows each alike:
+(eager, chains, blocks, whole, eager, ...) so that a busy machine slows each alike:
 
 - `eager`: no compilation;
-- `blocks`: each block of the engine compiled (`brats_swap.memory.CompiledRegions`, what `train.compile` runs);
+- `chains`: each block's norm -> activation chain compiled, its convolution eager
+  (`brats_swap.memory.CompiledRegions`, what `train.compile` runs);
+- `blocks`: each block of the engine compiled whole (`CompiledRegions(..., granularity="blocks")`);
 - `whole`: `torch.compile(model)`, under `none` only (the engine's hooks cannot run inside one graph).
 
 Columns: the first step (compilation included; what dynamo and inductor spent of it), the median of the later
-steps and its ratio to eager, and the engine's peak resident saved bytes. Policies: `none`, the presets
-`swap_all` and `recompute` written in the network's module names (`memory.presets.resolve_presets`, with
-`min_bytes` 0 so small volumes swap), and `auto` (the planner's choice under `--budget-gib`).
+steps (wall clock, and the process's CPU time) and their ratios to eager, and the engine's peak resident saved
+bytes. Policies: `none`, the presets `swap_all` and `recompute` written in the network's module names
+(`memory.presets.resolve_presets`, with `min_bytes` 0 so small volumes swap), and `auto` (the planner's choice
+under `--budget-gib`).
+
+The first compilation fills a fresh inductor cache (a temporary folder unless `--cache-dir` names one); then,
+for each network and compiled variant, a second process compiles the same step from that cache ("cached s":
+what a later fold or `predict` pays: dynamo's tracing and the cache's loading).
 
     python scripts/bench_compile.py --cube 32 --steps 4 --json docs/benchmarks/bench_compile_cpu.json
-
-The compile cache is whatever `TORCHINDUCTOR_CACHE_DIR` says (inductor's default otherwise): run twice to see
-the cached compile time.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +55,7 @@ def network_config(network: str, filters: int, cube: int) -> ModelConfig:
 
 NETWORKS = ("isensee2017", "nnunet")
 POLICIES = ("none", "swap_all", "recompute", "auto")
+VARIANTS = ("eager", "chains", "blocks", "whole")
 
 
 def loss_for(model):
@@ -83,16 +90,17 @@ class Variant:
         torch.manual_seed(0)
         self.kind, self.model = kind, build_model(model_cfg)
         self.run = torch.compile(self.model, dynamic=False) if kind == "whole" else self.model
-        self.regions = CompiledRegions(self.model) if kind == "blocks" else None
+        self.regions = CompiledRegions(self.model, granularity=kind) if kind in ("chains", "blocks") else None
         self.engine = None if kind == "whole" else MemoryEngine(self.model, policy or "none", measure=policy is None)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.loss = loss_for(self.model)
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.compiling: list[float] = []
         self.compile_s = 0.0
 
     def step(self, x, y) -> None:
-        started, compiling = time.perf_counter(), compile_seconds_so_far()
+        started, cpu, compiling = time.perf_counter(), time.process_time(), compile_seconds_so_far()
         if self.engine is not None:
             with self.engine.step():
                 loss = self.loss(self.run(x), y)
@@ -102,6 +110,7 @@ class Variant:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.times.append(time.perf_counter() - started)
+        self.cpu_times.append(time.process_time() - cpu)
         self.compiling.append(compile_seconds_so_far() - compiling)
         self.compile_s += self.compiling[-1]
 
@@ -109,8 +118,12 @@ class Variant:
         stats = self.engine.last_stats() if self.engine is not None else None
         return {"variant": self.kind, "first_step_s": round(self.times[0], 2), "compile_s": round(self.compile_s, 1),
                 "step_s": round(statistics.median(self.times[1:]), 4),
+                "step_cpu_s": round(statistics.median(self.cpu_times[1:]), 4),
                 "peak_saved_mib": round(stats.peak_resident_saved_bytes / 2**20, 2) if stats is not None else None,
-                "times_s": [round(t, 4) for t in self.times], "compile_per_step_s": [round(c, 2) for c in self.compiling]}
+                "recomputed_mib": round(stats.recomputed_bytes / 2**20, 2) if stats is not None else None,
+                "norm_act_skipped": len(stats.norm_act_skipped) if stats is not None else None,
+                "times_s": [round(t, 4) for t in self.times], "cpu_times_s": [round(t, 4) for t in self.cpu_times],
+                "compile_per_step_s": [round(c, 2) for c in self.compiling]}
 
     def close(self) -> None:
         if self.engine is not None:
@@ -136,45 +149,90 @@ def bench(network: str, policy_name: str, args) -> list[dict]:
     eager = next((v for v in variants if v.kind == "eager"), None)
     for variant in variants:
         row = {"network": network, "policy": policy_name, "mode": policy.mode if policy is not None else "none",
-               "cube": args.cube, **variant.row()}
+               "cube": args.cube, "filters": args.filters, **variant.row()}
         if eager is not None:
             row["ratio"] = round(row["step_s"] / statistics.median(eager.times[1:]), 3)
+            row["cpu_ratio"] = round(row["step_cpu_s"] / statistics.median(eager.cpu_times[1:]), 3)
         rows.append(row)
         variant.close()
     return rows
+
+
+def compile_once(network: str, kind: str, args) -> float:
+    """Seconds dynamo and inductor spend on the first step of `kind` (`none`), in this process."""
+    model_cfg = network_config(network, args.filters, args.cube)
+    shape = (1, 4, args.cube, args.cube, args.cube)
+    variant = Variant(kind, model_cfg, None)
+    variant.step(torch.randn(shape), (torch.rand(1, 3, *shape[2:]) > 0.7).float())
+    variant.close()
+    return variant.compile_s
+
+
+def cached_compile_seconds(network: str, kind: str, args, cache_dir: Path) -> float:
+    """`compile_once` in a new process reading `cache_dir`: what a later fold pays."""
+    command = [sys.executable, __file__, "--compile-only", network, kind, "--cube", str(args.cube),
+               "--filters", str(args.filters)]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
-    parser.add_argument("--variants", nargs="+", default=["eager", "blocks", "whole"], choices=["eager", "blocks", "whole"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--cube", type=int, default=32)
     parser.add_argument("--filters", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="steps per variant (the first compiles)")
     parser.add_argument("--budget-gib", type=float, default=0.01, help="memory.budget_gib for the auto policy")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="inductor's cache (default: a fresh temporary folder, so the first compile is one)")
+    parser.add_argument("--no-cached", action="store_true", help="skip the cached compile processes")
+    parser.add_argument("--compile-only", nargs=2, metavar=("NETWORK", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.compile_only:
+        print(compile_once(*args.compile_only, args))
+        return 0
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step compiles)")
-    rows = []
-    print(f"{'network':12} {'policy':10} {'variant':8} {'first s':>8} {'compile s':>9} {'step s':>8} {'ratio':>6} "
-          f"{'peak MiB':>9}")
-    for network in args.networks:
-        for policy_name in args.policies:
-            for row in bench(network, policy_name, args):
-                rows.append(row)
-                peak = "" if row["peak_saved_mib"] is None else f"{row['peak_saved_mib']:.2f}"
-                print(f"{network:12} {policy_name:10} {row['variant']:8} {row['first_step_s']:8.2f} "
-                      f"{row['compile_s']:9.1f} {row['step_s']:8.3f} {row.get('ratio', 1.0):6.2f} {peak:>9}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as scratch:
+        cache_dir = args.cache_dir or Path(scratch)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # before anything compiles
+        rows, cached = run_table(args, cache_dir)
     record = {"torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows}
+              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows,
+              "cached_compile_s": cached}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(args.json)
     return 0
+
+
+def run_table(args, cache_dir: Path) -> tuple[list[dict], dict[str, float]]:
+    """The table's rows (printed as they come), then the cached compile time per network and compiled variant."""
+    rows = []
+    print(f"{'network':12} {'policy':10} {'variant':8} {'first s':>8} {'compile s':>9} {'step s':>8} {'ratio':>6} "
+          f"{'cpu s':>7} {'ratio':>6} {'peak MiB':>9}")
+    for network in args.networks:
+        for policy_name in args.policies:
+            for row in bench(network, policy_name, args):
+                rows.append(row)
+                peak = "" if row["peak_saved_mib"] is None else f"{row['peak_saved_mib']:.2f}"
+                print(f"{network:12} {policy_name:10} {row['variant']:8} {row['first_step_s']:8.2f} "
+                      f"{row['compile_s']:9.1f} {row['step_s']:8.3f} {row.get('ratio', 1.0):6.2f} "
+                      f"{row['step_cpu_s']:7.3f} {row.get('cpu_ratio', 1.0):6.2f} {peak:>9}", flush=True)
+    cached: dict[str, float] = {}
+    if not args.no_cached:
+        for network in args.networks:
+            for kind in args.variants:
+                if kind != "eager":
+                    cached[f"{network}/{kind}"] = round(cached_compile_seconds(network, kind, args, cache_dir), 1)
+                    print(f"{network:12} {kind:8} cached compile s {cached[f'{network}/{kind}']:.1f}", flush=True)
+    return rows, cached
 
 
 if __name__ == "__main__":

@@ -54,10 +54,10 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def compiled_history(make_model, policy, make_batch, loss_fn, steps: int = STEPS):
-    """`sgd_history` of a fresh model with its blocks compiled, under `policy` (None: no engine)."""
+def compiled_history(make_model, policy, make_batch, loss_fn, steps: int = STEPS, granularity: str = "chains"):
+    """`sgd_history` of a fresh model with its regions compiled, under `policy` (None: no engine)."""
     model = make_model()
-    regions = CompiledRegions(model)
+    regions = CompiledRegions(model, granularity=granularity)
     engine = MemoryEngine(model, policy) if policy is not None else None
     try:
         history, stats = sgd_history(model, engine, make_batch, loss_fn, steps)
@@ -92,17 +92,18 @@ def test_unet_policies_compiled_are_bitwise_none_compiled(unet_none, name):
     if name == "recompute":
         assert last.recomputed_modules > 0
     if name in ("norm_act", "hybrid"):
-        # Inside a compiled block the norm and activation are fused: kept (as the compiled graph saves them),
-        # said per module, never replayed eagerly.
-        assert last.recomputed_tensors == 0
-        assert any("compiled region" in reason for reason in last.norm_act_skipped.values())
-    if name == "swap_inner_globs":  # the globs name the blocks around those modules (the exclusion goes)
+        # Each block's norm -> activation chain is one compiled region: its output is rebuilt by replaying that
+        # compiled graph (bitwise, asserted above), so no module is left out.
+        assert last.recomputed_tensors > 0 and last.recomputed_bytes > 0
+        assert last.norm_act_skipped == {}
+    if name == "swap_inner_globs":  # the globs name the blocks around the chains' layers
         model = make_unet()
         regions = CompiledRegions(model)
         cfg = regions.at_block_granularity(memory_config_from(UNET_POLICIES[name]))
         regions.remove()
         assert cfg.swap.include[0] == "encoder.level0.in_conv" and "decoder.level0.upsample.block" in cfg.swap.include
-        assert cfg.swap.exclude == []
+        # The convolution runs eager, outside its block's compiled chain: its exclusion holds as written.
+        assert cfg.swap.exclude == ["encoder.level0.context.block1.conv"]
     # The same network again (a new instance, another policy): no graph compiled again.
     assert graphs_compiled() == graphs, f"{name}: {graphs_compiled() - graphs} recompilation(s)"
 
@@ -132,9 +133,82 @@ def test_nnunet_swap_all_compiled_is_bitwise_none_compiled():
         return dice_loss(torch.sigmoid(logits), target)
 
     reference, _ = compiled_history(make, None, lambda step: batch(step, CUBE), loss_fn)
+    graphs = graphs_compiled()
     history, stats = compiled_history(make, UNET_POLICIES["swap_all"], lambda step: batch(step, CUBE), loss_fn)
     assert_same_history(reference, history, "nnunet swap_all compiled")
     assert stats[-1].swapped_out_bytes > 0
+    # norm_act replays each compiled InstanceNorm -> in-place LeakyReLU chain from the convolution's output.
+    history, stats = compiled_history(make, UNET_POLICIES["norm_act"], lambda step: batch(step, CUBE), loss_fn)
+    assert_same_history(reference, history, "nnunet norm_act compiled")
+    assert stats[-1].recomputed_tensors > 0 and stats[-1].norm_act_skipped == {}
+    assert graphs_compiled() == graphs, "a policy compiled again"
+
+
+# ---------------------------------------------------------------------------------------------- regions
+
+
+def test_regions_are_chains_after_eager_convolutions_unless_blocks_are_asked_for():
+    """One place decides the regions: a block whose forward is conv -> pointwise chain (a Sequential, or a class
+    declaring it, as the U-Net's ConvNormAct) compiles only its chain; a bare convolution stays eager; any other
+    block (a norm with running statistics, a Linear between norms) compiles whole; `blocks` compiles each
+    block whole. Nothing compiles before a call."""
+    from brats_swap.memory.compiled import split_block
+
+    model = make_unet()
+    block = dict(model.named_modules())["encoder.level0.in_conv"]
+    compute, chain = split_block(block)
+    assert compute is block.conv and [name for name, _layer in chain] == ["norm", "act"]
+    regions = CompiledRegions(model)
+    names = dict(regions.regions)
+    assert "encoder.level0.in_conv" in names and all(not isinstance(m, nn.Conv3d) for m in names.values())
+    assert regions.region_around(block.norm) == "encoder.level0.in_conv" and regions.region_around(block.conv) is None
+    assert [name for name, _chain in regions.chains][0] == "encoder.level0.in_conv.norm+act"
+    regions.remove()
+    assert "forward" not in vars(block)
+    regions = CompiledRegions(model, granularity="blocks")
+    assert regions.region_around(block.conv) == "encoder.level0.in_conv" and regions.chains == []
+    regions.remove()
+
+    resnet = BatchNormResNet()
+    assert split_block(resnet.stem) is None  # BatchNorm3d keeps running statistics: a replay would update them twice
+    regions = CompiledRegions(resnet)
+    assert [name for name, _module in regions.regions] == ["stem", "stage"] and regions.chains == []
+    regions.remove()
+    with pytest.raises(ValueError, match="granularity"):
+        CompiledRegions(resnet, granularity="layers")
+
+
+def _chain_net() -> nn.Module:
+    """A conv -> InstanceNorm -> LeakyReLU -> channel dropout chain, then a 1x1 head: the dropout runs inside the
+    compiled chain, so norm_act's replay must draw the forward's mask again."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.InstanceNorm3d(4, affine=True), nn.LeakyReLU(0.1),
+                      nn.Dropout3d(0.5)),
+        nn.Conv3d(4, 3, 1), nn.Sigmoid())
+
+
+def test_norm_act_replays_a_compiled_chain_with_dropout_bitwise_and_without_recompiling():
+    make_batch = lambda step: batch(step, OTHER_CUBE)  # noqa: E731
+    reference, _ = compiled_history(_chain_net, None, make_batch, dice_loss)
+    graphs = graphs_compiled()
+    history, stats = compiled_history(_chain_net, UNET_POLICIES["norm_act"], make_batch, dice_loss)
+    assert_same_history(reference, history, "norm_act with dropout compiled")
+    # The chain's output (after dropout) is rebuilt, not stored: what the head saves is recomputed.
+    assert stats[-1].recomputed_tensors == 1 and stats[-1].norm_act_skipped == {}
+    assert graphs_compiled() == graphs, "the replay compiled another graph"
+
+
+def test_blocks_granularity_keeps_norm_act_tensors_with_a_reason():
+    """Compiled whole, a block fuses its norm and activation with the convolution: norm_act keeps them (a replay
+    of the eager modules would not be the fused kernel's bits) and says so per module; bitwise all the same."""
+    make_batch = lambda step: batch(step, OTHER_CUBE)  # noqa: E731
+    reference, _ = compiled_history(_chain_net, None, make_batch, dice_loss, granularity="blocks")
+    history, stats = compiled_history(_chain_net, UNET_POLICIES["norm_act"], make_batch, dice_loss,
+                                      granularity="blocks")
+    assert_same_history(reference, history, "norm_act blocks compiled")
+    assert stats[-1].recomputed_tensors == 0
+    assert any("compiled region" in reason for reason in stats[-1].norm_act_skipped.values())
 
 
 # ---------------------------------------------------------------------------------------------- networks unlike ours

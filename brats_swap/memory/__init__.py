@@ -15,8 +15,9 @@ tensors into a `Trace` (`trace_data`), the `simulate` module replays it, `cost` 
 `select_swapped(records, swap_cfg)` is its swap decision as a pure function, for planners.
 `presets.named_policies(base)` gives the named policies (the paper's swap configurations, recompute,
 norm_act, hybrid) as `MemoryConfig`s; `planner` prices them for any model, given its loss.
-`CompiledRegions(model)` compiles each block with `torch.compile` so that the engine runs compiled steps
-(`compiled`; `compile_wanted` resolves `train.compile` / `evaluate.compile` for a device).
+`CompiledRegions(model)` compiles each block's norm -> activation chain (or a whole block) with
+`torch.compile` so that the engine runs compiled steps (`compiled`; `compile_wanted` resolves
+`train.compile` / `evaluate.compile` for a device).
 `register_norm(cls)` declares a norm class replayable by `recompute.norm_act` (see `recompute`).
 
 The package depends on torch, the standard library and `brats_swap.config` only.

@@ -1,33 +1,51 @@
-"""Regional compilation: every block the engine knows runs compiled, the engine's hooks stay outside.
+"""Regional compilation: the pointwise work of each block runs compiled, the engine's hooks stay outside.
 
-`CompiledRegions(model)` replaces the `forward` of each region (by default the engine's blocks,
-`frontend.discover_blocks`: the innermost modules that own a convolution or linear layer) with
-`torch.compile(forward, dynamic=False)`. The module's `__call__` still runs its hooks eagerly around the
-compiled forward, so the memory engine built on the model afterwards keeps its decisions at the region
-boundaries:
+This module is the one place that decides the regions. `CompiledRegions(model)` takes the engine's blocks
+(`frontend.discover_blocks`: the innermost modules that own a convolution or linear layer; or the `regions`
+given) and, at the default granularity `chains`:
 
-- its module hooks sit on the regions and on the modules outside them (never inside: dynamo would trace
-  them into the graph, or, with `skip_nnmodule_hook_guards`, silently skip them);
-- a region's saved tensors are those the compiled graph saves (AOTAutograd's partitioner already
-  recomputes cheap pointwise ops from what it keeps); the saved-tensor hooks see them at runtime, all at
-  the end of the region's compiled forward (pytorch PR #150032), and the region's backward unpacks them
-  at its start. Swapping copies a saved tensor out and back unchanged, and block checkpointing replays
-  the same compiled graphs, so every policy gives bitwise the weights of `none` compiled;
-- norm_act recipes are not learned inside a region (its norm and activation are one fused kernel, which
-  a replay of the eager modules would not reproduce bit for bit): those tensors are kept, and
-  `StepStats.norm_act_skipped` says so per module;
-- checkpointing (`recompute.modules`) a module inside a region is refused: the compiled graph would not
-  see the wrapper;
-- swap globs naming modules inside regions name the regions (`at_block_granularity`).
+- a block whose forward is a convolution followed by pointwise layers (an `nn.Sequential` such as nnU-Net's
+  conv -> dropout -> norm -> nonlin, or a class declaring `conv_then_chain` as the U-Net's ConvNormAct) runs
+  its convolution eager (oneDNN's or torch's own kernel, as without compile) and its norm -> activation
+  (-> dropout) chain as one `torch.compile(run_layers, dynamic=False)` graph (`CompiledChain`);
+- a bare convolution or linear layer (a transposed convolution, a segmentation head) stays eager: compiling
+  it adds a graph call around the same library kernel;
+- any other block (a transformer's attention or MLP, a chain whose norm keeps running statistics) has its
+  `forward` compiled whole, as at granularity `blocks`, which compiles every block whole.
+
+Why chains by default: on the CPU the convolutions are the same library kernels compiled or not, and inside
+a compiled block they ran slower than eager (docs/memory.md#compiled-steps), while the norm -> activation
+chains are what compilation fuses; and a chain is a unit norm_act can replay (below).
+
+A module's `__call__` still runs its hooks eagerly around the compiled code, so the memory engine built on
+the model afterwards keeps its decisions at the regions' boundaries:
+
+- its module hooks sit on the blocks, on the eager convolutions and on the modules outside blocks (never
+  inside a compiled graph: dynamo would trace them into the graph, or, with `skip_nnmodule_hook_guards`,
+  silently skip them);
+- a region's saved tensors are those its compiled graph saves (AOTAutograd's partitioner already recomputes
+  cheap pointwise ops from what it keeps); the saved-tensor hooks see them at runtime, all at the end of the
+  region's compiled forward (pytorch PR #150032), and the region's backward unpacks them at its start.
+  Swapping copies a saved tensor out and back unchanged, and block checkpointing replays the same compiled
+  graphs, so every policy gives bitwise the weights of `none` compiled;
+- norm_act treats a compiled chain as one norm: the chain's output is rebuilt from the convolution's output
+  (which the chain's graph saves anyway) by replaying the same compiled graph (`CompiledChain`), bitwise and
+  without a new compilation. Inside a block compiled whole the norm and activation are fused with the
+  convolution, which a replay of the eager modules would not reproduce bit for bit: those tensors are kept,
+  and `StepStats.norm_act_skipped` says so per module;
+- checkpointing (`recompute.modules`) a module inside a compiled region is refused: the compiled graph would
+  not see the wrapper;
+- swap globs naming modules inside regions name the regions' blocks (`at_block_granularity`).
 
 Shapes are static (`dynamic=False`): a step of a new shape (validation's whole cube, eval mode) compiles
-once, later steps of a known shape reuse it. Regions of one class share a code object, and dynamo caches
-per code object, so the recompile limit is raised to cover every region in both modes.
-`remove()` puts the eager forwards back (the fallback after a failed compilation).
+once, later steps of a known shape reuse it. Regions of one class share a code object (every chain runs
+`run_layers`), and dynamo caches per code object, so the recompile limit is raised to cover every region in
+both modes. `remove()` puts the eager forwards back (the fallback after a failed compilation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -38,14 +56,123 @@ import torch
 from torch import nn
 
 from brats_swap.config import MemoryConfig
-from brats_swap.memory.frontend import discover_blocks
-from brats_swap.memory.recompute import restore_forwards
+from brats_swap.memory.frontend import COMPUTE_TYPES, discover_blocks
+from brats_swap.memory.recompute import (
+    DROPOUT_TYPES,
+    forward_owner,
+    is_pointwise_layer,
+    restore_forwards,
+    rng_as,
+    rng_state,
+)
 
 # Models with compiled regions -> their `CompiledRegions` (the engine asks, `compiled_regions`).
 COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Cache entries per region that dynamo may keep: train and eval mode, with and without grad, two shapes.
 ENTRIES_PER_REGION = 8
+
+# What a region is (module docstring): "chains" compiles each block's norm -> activation (-> dropout) chain and
+# leaves its convolution to its library; "blocks" compiles each block whole.
+GRANULARITIES = ("chains", "blocks")
+# In a block class's body, `conv_then_chain = ("conv", "norm", "act")` declares that its forward(*x) is exactly
+# act(norm(conv(*x))), child by child (how `brats_swap.model.unet.ConvNormAct` joins: model/ does not import
+# memory/). An `nn.Sequential` says so by being one.
+CHAIN_DECLARATION = "conv_then_chain"
+
+
+def split_block(block: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Module]]] | None:
+    """(its compute layer, the pointwise layers that follow it, in order) when `block`'s forward is exactly
+    that chain (an `nn.Sequential`'s own forward, or a class declaring `CHAIN_DECLARATION`), every layer after
+    the first is pointwise (`recompute.is_pointwise_layer`) and none keeps running statistics (a replay of
+    the compiled chain would update them twice); else None."""
+    if type(block).forward is nn.Sequential.forward:
+        names = list(block._modules)
+    else:
+        declared = vars(forward_owner(type(block))).get(CHAIN_DECLARATION)
+        if not isinstance(declared, tuple):
+            return None
+        names = list(declared)
+    layers = [(name, block._modules.get(name)) for name in names]
+    if len(layers) < 2 or any(layer is None for _name, layer in layers):
+        return None
+    (_first, compute), chain = layers[0], layers[1:]
+    if not isinstance(compute, COMPUTE_TYPES):
+        return None
+    for _name, layer in chain:
+        if not is_pointwise_layer(layer) or getattr(layer, "running_mean", None) is not None:
+            return None
+    return compute, chain
+
+
+@functools.cache  # one wrapper per backend: dynamo's cache entries hold the backend they were compiled by
+def recomputing_pointwise(backend: str | Callable) -> Callable:
+    """`backend` with AOTAutograd's partitioner told to save as little as it can (`activation_memory_budget`
+    0): a chain's graph then saves only its input (the convolution's output, which eager saves too) and
+    recomputes the norm and activation in its backward. With the default partition nnU-Net's InstanceNorm ->
+    in-place LeakyReLU chain saved a one-byte mask besides, and its backward ran 2.1-2.5x slower than eager
+    (docs/memory.md#compiled-steps)."""
+    compiler = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_chain(graph: torch.fx.GraphModule, example_inputs):
+        with torch._functorch.config.patch(activation_memory_budget=0.0):
+            return compiler(graph, example_inputs)
+
+    return compile_chain
+
+
+def run_layers(layers: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+    """The chain's forward: each layer on the previous one's output (one code object: dynamo shares its graphs
+    between chains of the same layer types and shapes)."""
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+class CompiledChain(nn.Module):
+    """A block's pointwise chain (norm -> activation, dropouts among them) as one compiled region: `run` is
+    `run_layers` compiled (with `CompiledRegions`' eager fallback). Not a submodule of the model (its module
+    tree is unchanged): the block's forward calls it on its convolution's output.
+
+    To norm_act it is one norm (`replayable_norm`): a recipe rebuilds the chain's output from the
+    convolution's output, which the chain's graph saves anyway, by replaying the same compiled graph with the
+    forward's grad mode, input `requires_grad` and RNG state (dropout), so the rebuilt tensor is bitwise the
+    forward's and dynamo finds the graph in its cache (no recompilation).
+    """
+
+    replayable_norm = True
+
+    def __init__(self, name: str, layers: list[nn.Module], run: Callable):
+        super().__init__()
+        self.name = name
+        self.layers = tuple(layers)  # a tuple: not registered as submodules
+        self._run = run
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(self.layers, x)
+
+    def replay_as_in_forward(self, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How norm_act re-runs this call on `x` (`recompute.REPLAY_METHOD`): the same graph, output detached."""
+        requires_grad, device = x.requires_grad, x.device
+        dropout = any(isinstance(layer, DROPOUT_TYPES) and layer.training for layer in self.layers)
+        rng = rng_state(device) if dropout else None
+
+        def replay(inp: torch.Tensor) -> torch.Tensor:
+            with contextlib.ExitStack() as stack:
+                if rng is not None:
+                    stack.enter_context(rng_as(rng, device))
+                stack.enter_context(torch.enable_grad())
+                return self.forward(inp.detach().requires_grad_(requires_grad)).detach()
+
+        return replay
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def _conv_then_chain(compute: nn.Module, chain: CompiledChain, *args, **kwargs) -> torch.Tensor:
+    """A split block's forward: its compute layer eager (hooks and all), then its compiled chain."""
+    return chain(compute(*args, **kwargs))
 
 
 def compile_wanted(setting: bool | str, device: torch.device) -> bool:
@@ -85,8 +212,11 @@ def compile_cause(exc: BaseException) -> str:
 
 
 class CompiledRegions:
-    """Compile each region of `model` (module docstring); `regions` are (name, module) pairs (default the
-    engine's blocks). `backend` is `torch.compile`'s (tests pass one that fails).
+    """Compile the regions of `model` (module docstring): `regions` are the blocks, (name, module) pairs (default
+    the engine's), `granularity` ("chains" or "blocks") what of each block is compiled. `backend` is
+    `torch.compile`'s (tests pass one that fails). `regions` lists the blocks whose forward was replaced
+    (whole or split into an eager convolution and a chain), `chains` each `CompiledChain` with its name
+    ("<block>.<layer>+<layer>").
 
     A region whose compilation fails (the compiler raises before the graph runs) runs its eager forward for
     that call, every region goes back to eager (`remove`) and `on_failure(cause)` is called once, with the
@@ -95,21 +225,44 @@ class CompiledRegions:
     """
 
     def __init__(self, model: nn.Module, regions: Sequence[tuple[str, nn.Module]] | None = None, *,
-                 backend: str | Callable = "inductor", on_failure: Callable[[str], None] | None = None):
+                 granularity: str = "chains", backend: str | Callable = "inductor",
+                 on_failure: Callable[[str], None] | None = None):
         if model in COMPILED:
             raise RuntimeError("the model's regions are compiled already")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"CompiledRegions: granularity {granularity!r} is not one of {GRANULARITIES}")
         self.model = model
-        self.regions = list(regions) if regions is not None else discover_blocks(model)
+        self.granularity = granularity
+        blocks = list(regions) if regions is not None else discover_blocks(model)
         self.on_failure = on_failure
         self.failed: str | None = None
+        self.regions: list[tuple[str, nn.Module]] = []  # the blocks whose forward is replaced
+        self.chains: list[tuple[str, CompiledChain]] = []
         self._patched: list[tuple[nn.Module, object]] = []
-        for _name, module in self.regions:
+        self._inside: dict[int, str] = {}
+        for name, module in blocks:
+            split = split_block(module) if granularity == "chains" else None
+            if split is None and granularity == "chains" and isinstance(module, COMPUTE_TYPES):
+                continue  # a bare convolution or linear layer: its library's kernel, compiled or not
             previous = module.__dict__.get("forward")
-            eager = module.forward
-            compiled = torch.compile(eager, dynamic=False, backend=backend)
-            module.forward = functools.partial(self._call, compiled, eager)
+            if split is None:
+                eager = module.forward
+                compiled = torch.compile(eager, dynamic=False, backend=backend)
+                module.forward = functools.partial(self._call, compiled, eager)
+                inside = [sub for sub in module.modules() if sub is not module]
+            else:
+                compute, layers = split
+                compiled = torch.compile(run_layers, dynamic=False, backend=recomputing_pointwise(backend))
+                run = functools.partial(self._call, compiled, run_layers)
+                chain_name = f"{name}.{'+'.join(layer_name for layer_name, _layer in layers)}"
+                chain = CompiledChain(chain_name, [layer for _layer_name, layer in layers], run)
+                module.forward = functools.partial(_conv_then_chain, compute, chain)
+                self.chains.append((chain_name, chain))
+                inside = [sub for _layer_name, layer in layers for sub in layer.modules()]
             self._patched.append((module, previous))
-        self._inside = self._modules_inside()
+            self.regions.append((name, module))
+            for sub in inside:  # a saved tensor of the region belongs to its block
+                self._inside[id(sub)] = name
         limit = ENTRIES_PER_REGION * max(1, len(self.regions))
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         torch._dynamo.config.accumulated_recompile_limit = max(
@@ -135,15 +288,6 @@ class CompiledRegions:
         self.remove()
         if self.on_failure is not None:
             self.on_failure(cause)
-
-    def _modules_inside(self) -> dict[int, str]:
-        """id(module) -> its region's name, for every module strictly inside a region."""
-        inside: dict[int, str] = {}
-        for name, region in self.regions:
-            for sub in region.modules():
-                if sub is not region:
-                    inside[id(sub)] = name
-        return inside
 
     @property
     def names(self) -> list[str]:

@@ -151,7 +151,8 @@ class MemoryEngine:
             if cfg.recompute.modules:
                 self._checkpoint(model, cfg.recompute.modules, inside_compiled)
             if cfg.recompute.norm_act:
-                self.recipes = NormActRecipes(model, self.front, inside_compiled)
+                self.recipes = NormActRecipes(model, self.front, inside_compiled,
+                                              regions.chains if regions is not None else None)
                 self.front.recipes = self.recipes
 
     def _checkpoint(self, model: nn.Module, patterns: list[str], inside_compiled) -> None:

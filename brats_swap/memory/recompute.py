@@ -95,6 +95,9 @@ NORM_LOOKALIKE_TYPES: tuple[type[nn.Module], ...] = (
 REPLAYABLE_NORM_FLAG = "replayable_norm"  # `replayable_norm = True` in a class body registers that class
 # `norm_act_follower = "act"` ("dropout", "resize") in a class body registers its forward as a follower.
 FOLLOWER_FLAG = "norm_act_follower"
+# A module method `replay_as_in_forward(x) -> replay(inp)`: how a norm recipe re-runs that module's call on `x`
+# (`compiled.CompiledChain`); without it the class `forward` is re-run under no_grad.
+REPLAY_METHOD = "replay_as_in_forward"
 
 # The registry holds `forward` functions, not classes: a module is a norm when the forward it runs is one
 # known to be replayable, so a subclass that overrides `forward` is never registered by its parent.
@@ -124,7 +127,7 @@ def register_norm(cls: type[nn.Module]) -> type[nn.Module]:
     return cls
 
 
-def _forward_owner(cls: type) -> type:
+def forward_owner(cls: type) -> type:
     """The class in `cls`'s MRO that defines the `forward` its instances run."""
     return next(klass for klass in cls.__mro__ if "forward" in vars(klass))
 
@@ -132,7 +135,7 @@ def _forward_owner(cls: type) -> type:
 def is_replayable_norm(module: nn.Module) -> bool:
     """The module's class forward is a registered norm (by `register_norm` or `replayable_norm = True`)."""
     cls = type(module)
-    return cls.forward in _REPLAYABLE_NORM_FORWARDS or vars(_forward_owner(cls)).get(REPLAYABLE_NORM_FLAG) is True
+    return cls.forward in _REPLAYABLE_NORM_FORWARDS or vars(forward_owner(cls)).get(REPLAYABLE_NORM_FLAG) is True
 
 
 def _kind_of(module: nn.Module) -> str | None:
@@ -140,15 +143,22 @@ def _kind_of(module: nn.Module) -> str | None:
     if is_replayable_norm(module):
         return "norm"
     cls = type(module)
-    declared = vars(_forward_owner(cls)).get(FOLLOWER_FLAG)
+    declared = vars(forward_owner(cls)).get(FOLLOWER_FLAG)
     return _FOLLOWER_FORWARDS.get(cls.forward) or (declared if declared in _FOLLOWER_FORWARDS.values() else None)
+
+
+def is_pointwise_layer(module: nn.Module) -> bool:
+    """A layer a compiled norm-activation chain may hold (`compiled.CompiledChain`): a registered norm, an
+    activation or a dropout (what norm_act recognises, resizes aside), or an `nn.Identity`."""
+    return isinstance(module, nn.Identity) or _kind_of(module) in ("norm", "act", "dropout")
 
 
 def _looks_like_norm(module: nn.Module) -> bool:
     return isinstance(module, NORM_LOOKALIKE_TYPES) or type(module).__name__.endswith("Norm")
 
 
-def _updates_running_stats(module: nn.Module) -> bool:
+def updates_running_stats(module: nn.Module) -> bool:
+    """A train-mode norm with running statistics: each call updates them."""
     return bool(module.training and getattr(module, "track_running_stats", False)
                 and getattr(module, "running_mean", None) is not None)
 
@@ -162,7 +172,7 @@ def _first_call_updates_stats(region: nn.Module, original: Callable) -> Callable
     recomputed outputs are the same (a train-mode norm uses the batch statistics), and the running
     statistics and `num_batches_tracked` are updated once per step, by the forward, as without
     checkpointing."""
-    norms = [m for m in region.modules() if _updates_running_stats(m)]
+    norms = [m for m in region.modules() if updates_running_stats(m)]
     calls = 0
 
     def run(*args, **kwargs):
@@ -288,8 +298,13 @@ def _scratch_buffers(module: nn.Module) -> Iterator[None]:
         module._buffers.update(originals)
 
 
+def rng_state(device: torch.device) -> tuple:
+    """The RNG state a call on `device` sees now (CPU, and the device's on CUDA), for `rng_as`."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
 @contextlib.contextmanager
-def _rng_as(state: tuple, device: torch.device) -> Iterator[None]:
+def rng_as(state: tuple, device: torch.device) -> Iterator[None]:
     """The RNG state a call saw in the forward pass, leaving the global RNG untouched."""
     cpu_state, device_state = state
     devices = [device] if device_state is not None else []
@@ -302,13 +317,17 @@ def _rng_as(state: tuple, device: torch.device) -> Iterator[None]:
 
 def _replay_as_in_forward(module: nn.Module, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The module's class `forward` as it is about to run on `x`: same training flag, same RNG state
-    (dropout), running statistics untouched."""
+    (dropout), running statistics untouched. A module with its own `REPLAY_METHOD` (a compiled chain, whose
+    replay must run the very graph of its forward) says how instead."""
+    own = getattr(module, REPLAY_METHOD, None)
+    if own is not None:
+        return own(x)
     forward = type(module).forward
     training = module.training
-    scratch = _updates_running_stats(module)
+    scratch = updates_running_stats(module)
     rng = None
     if training and isinstance(module, DROPOUT_TYPES):
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None)
+        rng = rng_state(x.device)
     device = x.device
 
     def replay(inp: torch.Tensor) -> torch.Tensor:
@@ -317,7 +336,7 @@ def _replay_as_in_forward(module: nn.Module, x: torch.Tensor) -> Callable[[torch
             if scratch:
                 stack.enter_context(_scratch_buffers(module))
             if rng is not None:
-                stack.enter_context(_rng_as(rng, device))
+                stack.enter_context(rng_as(rng, device))
             return forward(module, inp)
 
     return replay
@@ -359,7 +378,8 @@ class NormActRecipes:
     """
 
     def __init__(self, model: nn.Module, engine,
-                 inside_compiled: Callable[[nn.Module], str | None] = lambda module: None):
+                 inside_compiled: Callable[[nn.Module], str | None] = lambda module: None,
+                 chains: list[tuple[str, nn.Module]] | None = None):
         self.engine = engine
         self.active = False  # only during the engine's forward
         self.registry: StorageMap[Recipe] = StorageMap()  # the recipe of each output made recomputable
@@ -371,7 +391,13 @@ class NormActRecipes:
         self._calls: dict[int, _Call] = {}
         self._guard_ids: dict[int, tuple[int, int, int, int]] = {}
         self._hooks = []
-        for name, module in model.named_modules():
+        # Compiled norm-activation chains (`compiled.CompiledChain`, not submodules of the model): each is
+        # guarded as one norm, replaying its compiled graph; the layers it runs are covered by it.
+        chains = list(chains or [])
+        in_chain = {id(layer) for _name, chain in chains for layer in chain.layers}
+        for name, module in [*model.named_modules(), *chains]:
+            if id(module) in in_chain:
+                continue
             kind = _kind_of(module)
             region = inside_compiled(module)
             if region is not None and (kind is not None or _looks_like_norm(module)):

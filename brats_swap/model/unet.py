@@ -333,6 +333,10 @@ class ConvNormAct(nn.Module):
         # Out of place so every saved tensor is a distinct, well-defined activation for the memory engine.
         self.act = nn.LeakyReLU(leaky_slope, inplace=False)
 
+    # forward(*x) is act(norm(conv(*x))): under `train.compile` memory's compiled regions run the conv eager
+    # and the norm -> act chain compiled (docs/memory.md#compiled-steps).
+    conv_then_chain = ("conv", "norm", "act")
+
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.act(self.norm(self.conv(*inputs)))
 

@@ -1,7 +1,8 @@
 """Compiled steps for a run: whether they run compiled, how long compiling took, and the eager fallback.
 
-`StepCompilation` compiles a network's blocks (`memory.CompiledRegions`, which keeps the memory engine's
-decisions at the blocks' edges; docs/memory.md#compiled-steps) and optionally a loss, when
+`StepCompilation` compiles a network's regions (`memory.CompiledRegions`: each block's norm -> activation
+chain, its convolution eager, which keeps the memory engine's decisions at the regions' edges;
+docs/memory.md#compiled-steps) and optionally a loss, when
 `train.compile` / `evaluate.compile` asks for it on the device (`memory.compile_wanted`). `run(step)`
 runs one step (or a validation, a prediction) and adds what dynamo and inductor spent compiling during
 it to `compile_seconds`; a step that compiled says so in one line ("compiling: 1 min 42 s").
@@ -163,7 +164,7 @@ class StepCompilation:
 
 
 def compile_for_inference(model: nn.Module, setting: bool | str, device: torch.device) -> None:
-    """`evaluate.compile` for a model that predicts (predict, evaluate, serve-challenge): its blocks compiled
+    """`evaluate.compile` for a model that predicts (predict, evaluate, serve-challenge): its regions compiled
     when the setting asks for it on `device`, eager otherwise (a setting changed by `--set` after loading);
     a failed compilation says one line and predicts eager. No backward runs, so a region's own fallback
     covers every failure."""
