@@ -3,7 +3,7 @@
 The trace compiles the engine's blocks on the meta device with inductor's own partitioner, so it records the
 saved tensors the inductor-compiled graphs keep; here that is checked against the engine's measurement of a
 real compiled step (per block, byte for byte) and, on the emulated link, the peak of compiled steps under
-swap_all and the auto plan against the prediction. One tiny U-Net (16³, as tests/test_compile.py, whose
+swap_all, norm_act (the compiled chains replayed), hybrid and the auto plan against the prediction. One tiny U-Net (16³, as tests/test_compile.py, whose
 compiled graphs it shares in one process) is compiled once for the whole file.
 """
 
@@ -88,7 +88,7 @@ def test_the_compiled_trace_saves_what_the_compiled_step_saves(compiled_unet, pl
     assert planner.trace().saved_bytes == stats.saved_bytes < planners[False].trace().saved_bytes
 
 
-@pytest.mark.parametrize("name", ["swap_all", "auto"])
+@pytest.mark.parametrize("name", ["swap_all", "norm_act", "hybrid", "auto"])
 def test_compiled_peak_on_the_emulated_link_is_within_5_percent_of_the_plan(compiled_unet, planners, name):
     planner = planners[True]
     base = link_base()
@@ -104,9 +104,11 @@ def test_compiled_peak_on_the_emulated_link_is_within_5_percent_of_the_plan(comp
     assert stats.swapped_out_bytes > 0 or policy.mode == "recompute"
     assert abs(stats.peak_resident_saved_bytes - predicted) <= 0.05 * predicted, (stats.peak_resident_saved_bytes,
                                                                                    predicted)
-    # The eager step's price is not the compiled step's: the test tells them apart.
+    # The eager step's price is not the compiled step's: the test tells them apart where they differ. Under
+    # norm_act and hybrid they nearly agree: a compiled chain, replayed, keeps what eager norm_act keeps.
     eager = planners[False].memory(policy).peak_resident_saved_bytes
-    assert abs(stats.peak_resident_saved_bytes - eager) > 0.05 * eager, (stats.peak_resident_saved_bytes, eager)
+    if name in ("swap_all", "auto"):
+        assert abs(stats.peak_resident_saved_bytes - eager) > 0.05 * eager, (stats.peak_resident_saved_bytes, eager)
 
 
 def test_the_compiled_floor_counts_what_inductor_allocates(monkeypatch):

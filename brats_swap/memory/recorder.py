@@ -554,7 +554,8 @@ def _instrument(meta_model: nn.Module, front: SavedTensorFrontEnd, recorder: Tra
     if recompute is not None and recompute.modules:
         CheckpointedModules(meta_model, list(recompute.modules), front.checkpoint_called, front.region_done)
     if recompute is not None and recompute.norm_act:
-        front.recipes = NormActRecipes(meta_model, front, inside)
+        # The compiled chains are norm_act's units, as in the engine (a chain replays its own graph).
+        front.recipes = NormActRecipes(meta_model, front, inside, regions.chains if regions is not None else None)
     return ops
 
 
