@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+# A suite started in the background of a non-interactive shell (`make test &`, nohup, some CI runners)
+# inherits SIGINT ignored, and so would every command the tests start: the tests that send a Ctrl-C to a
+# `data prepare` or a `train-challenge` would then see it ignored and the command run to its end. What those
+# tests check is a user's terminal, where Ctrl-C arrives: give the suite Python's own handler back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -405,6 +405,9 @@ def test_training_compiled_says_so_and_never_recompiles_a_known_shape(tmp_path_f
 
     from brats_swap.train.loop import train_fold
 
+    # This run's "compiling:" line needs a step that compiles for at least 0.5 s: with its graphs already made
+    # in this process by an earlier test, and inductor's disk cache warm from an earlier session, none would.
+    torch._dynamo.reset()
     root, cache = small_dataset(tmp_path_factory)
     overrides = (*SMALL, "model.depth=3", "model.segmentation_levels=2", "model.base_filters=2",
                  "train.compile=true", "memory.mode=swap", "memory.swap.min_bytes=0")
