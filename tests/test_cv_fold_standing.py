@@ -139,7 +139,9 @@ def test_a_copied_run_stays_evaluated_and_a_forged_record_never_names_a_file(cv_
     record = json.loads((copied / "fold_0" / "evaluated_checkpoint.json").read_text())
     assert record["training_state"]["mtime_ns"] == (copied / "fold_0" / record["training_state"]["name"]).stat().st_mtime_ns
 
-    for forged in ({"training_state": {"name": "../../../etc/passwd", "size": 1, "mtime_ns": 1}}, ["not", "a", "record"]):
+    huge = {"training_state": None, "padding": "x" * (1 << 20)}  # a 1 MB "record" is not read
+    for forged in ({"training_state": {"name": "../../../etc/passwd", "size": 1, "mtime_ns": 1}}, ["not", "a", "record"],
+                   huge):
         (copied / "fold_1" / "evaluated_checkpoint.json").write_text(json.dumps(forged))
         status = invoke("cv", "status", "--run", copied)
         assert status.exit_code == 0, status.output

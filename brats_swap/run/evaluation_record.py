@@ -23,6 +23,7 @@ from brats_swap.run.folder import LATEST, PREVIOUS, FoldFolder
 
 _NAMES = (LATEST, PREVIOUS)  # the newest training state, in load_latest's order of preference
 RECORD_VERSION = 1
+MAX_RECORD_BYTES = 64 << 10  # ours are about 200 bytes; a larger file is not ours and is not read
 
 
 def _newest_training_state(folder: FoldFolder) -> Path | None:
@@ -55,9 +56,11 @@ def trained_since_evaluation(folder: FoldFolder) -> bool:
     further (or its checkpoints were replaced) after its metrics were written. A fold evaluated before these
     records existed has none and keeps the old rule (evaluated)."""
     path = folder.evaluated_checkpoint
-    if not path.is_file():
+    if not path.is_file():  # also a FIFO or a device under that name: no record, the old rule
         return False
     try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            return True  # not a record this package wrote: re-evaluating is the safe answer
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return True  # written atomically: unreadable means edited; re-evaluating is the safe answer
