@@ -7,6 +7,7 @@ scripts/bench_cli_startup.py (docs/benchmarks.md), never here.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -96,3 +97,19 @@ def test_a_config_error_in_a_runs_own_config_is_reported_before_the_training_sta
     for result in _run([["train", "--resume", "--run", str(run)], ["cv", "run", "--run", str(run)]]):
         assert result["code"] == 2 and "unknown config key 'train.lrr'" in result["stderr"], result
         assert result["loaded"] == [], result
+
+
+def test_the_environment_record_names_monais_version_without_importing_it():
+    # A run whose network and loss are our own never needs MONAI; reading its version for env.json once imported
+    # all of it (2.5 s of CPU per training process).
+    probe = textwrap.dedent("""
+        import json, sys, torch
+        from brats_swap.run.environment import environment_record
+        record = environment_record(torch.device("cpu"))
+        print(json.dumps({"monai": record["monai"], "imported": "monai" in sys.modules}))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["imported"] is False
+    assert result["monai"] == importlib.metadata.version("monai")
