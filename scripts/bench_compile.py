@@ -6,6 +6,8 @@ For each network and policy, the variants train side by side from the same weigh
 - `eager`: no compilation;
 - `chains`: each block's norm -> activation chain compiled, its convolution eager
   (`brats_swap.memory.CompiledRegions`, what `train.compile` runs);
+- `chains_torch`: the same chains, each convolution left to torch's own kernel choice (`convolutions="torch"`):
+  what the chains gain without the oneDNN convolutions;
 - `blocks`: each block of the engine compiled whole (`CompiledRegions(..., granularity="blocks")`);
 - `whole`: `torch.compile(model)`, under `none` only (the engine's hooks cannot run inside one graph).
 
@@ -55,7 +57,7 @@ def network_config(network: str, filters: int, cube: int) -> ModelConfig:
 
 NETWORKS = ("isensee2017", "nnunet")
 POLICIES = ("none", "swap_all", "recompute", "auto")
-VARIANTS = ("eager", "chains", "blocks", "whole")
+VARIANTS = ("eager", "chains", "chains_torch", "blocks", "whole")
 
 
 def loss_for(model):
@@ -90,7 +92,11 @@ class Variant:
         torch.manual_seed(0)
         self.kind, self.model = kind, build_model(model_cfg)
         self.run = torch.compile(self.model, dynamic=False) if kind == "whole" else self.model
-        self.regions = CompiledRegions(self.model, granularity=kind) if kind in ("chains", "blocks") else None
+        self.regions = None
+        if kind == "chains_torch":
+            self.regions = CompiledRegions(self.model, granularity="chains", convolutions="torch")
+        elif kind in ("chains", "blocks"):
+            self.regions = CompiledRegions(self.model, granularity=kind)
         self.engine = None if kind == "whole" else MemoryEngine(self.model, policy or "none", measure=policy is None)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.loss = loss_for(self.model)
@@ -134,14 +140,14 @@ class Variant:
 
 def bench(network: str, policy_name: str, args) -> list[dict]:
     model_cfg = network_config(network, args.filters, args.cube)
-    shape = (1, 4, args.cube, args.cube, args.cube)
+    shape = (args.batch, 4, args.cube, args.cube, args.cube)
     torch.manual_seed(0)
     policy = policy_for(policy_name, build_model(model_cfg), shape, args.budget_gib)
     kinds = [k for k in args.variants if k != "whole" or policy is None]
     variants = [Variant(kind, model_cfg, policy) for kind in kinds]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator)
-    y = (torch.rand(1, 3, *shape[2:], generator=generator) > 0.7).float()
+    y = (torch.rand(args.batch, 3, *shape[2:], generator=generator) > 0.7).float()
     for _ in range(args.steps):
         for variant in variants:
             variant.step(x, y)
@@ -149,7 +155,7 @@ def bench(network: str, policy_name: str, args) -> list[dict]:
     eager = next((v for v in variants if v.kind == "eager"), None)
     for variant in variants:
         row = {"network": network, "policy": policy_name, "mode": policy.mode if policy is not None else "none",
-               "cube": args.cube, "filters": args.filters, **variant.row()}
+               "cube": args.cube, "filters": args.filters, "batch": args.batch, **variant.row()}
         if eager is not None:
             row["ratio"] = round(row["step_s"] / statistics.median(eager.times[1:]), 3)
             row["cpu_ratio"] = round(row["step_cpu_s"] / statistics.median(eager.cpu_times[1:]), 3)
@@ -161,9 +167,9 @@ def bench(network: str, policy_name: str, args) -> list[dict]:
 def compile_once(network: str, kind: str, args) -> float:
     """Seconds dynamo and inductor spend on the first step of `kind` (`none`), in this process."""
     model_cfg = network_config(network, args.filters, args.cube)
-    shape = (1, 4, args.cube, args.cube, args.cube)
+    shape = (args.batch, 4, args.cube, args.cube, args.cube)
     variant = Variant(kind, model_cfg, None)
-    variant.step(torch.randn(shape), (torch.rand(1, 3, *shape[2:]) > 0.7).float())
+    variant.step(torch.randn(shape), (torch.rand(args.batch, 3, *shape[2:]) > 0.7).float())
     variant.close()
     return variant.compile_s
 
@@ -171,7 +177,7 @@ def compile_once(network: str, kind: str, args) -> float:
 def cached_compile_seconds(network: str, kind: str, args, cache_dir: Path) -> float:
     """`compile_once` in a new process reading `cache_dir`: what a later fold pays."""
     command = [sys.executable, __file__, "--compile-only", network, kind, "--cube", str(args.cube),
-               "--filters", str(args.filters)]
+               "--filters", str(args.filters), "--batch", str(args.batch)]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
@@ -184,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--cube", type=int, default=32)
     parser.add_argument("--filters", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="batch size (from 2, torch's own rule already picks oneDNN for every 3-D convolution)")
     parser.add_argument("--steps", type=int, default=4, help="steps per variant (the first compiles)")
     parser.add_argument("--budget-gib", type=float, default=0.01, help="memory.budget_gib for the auto policy")
     parser.add_argument("--cache-dir", type=Path, default=None,
@@ -215,14 +223,14 @@ def main(argv: list[str] | None = None) -> int:
 def run_table(args, cache_dir: Path) -> tuple[list[dict], dict[str, float]]:
     """The table's rows (printed as they come), then the cached compile time per network and compiled variant."""
     rows = []
-    print(f"{'network':12} {'policy':10} {'variant':8} {'first s':>8} {'compile s':>9} {'step s':>8} {'ratio':>6} "
+    print(f"{'network':12} {'policy':10} {'variant':12} {'first s':>8} {'compile s':>9} {'step s':>8} {'ratio':>6} "
           f"{'cpu s':>7} {'ratio':>6} {'peak MiB':>9}")
     for network in args.networks:
         for policy_name in args.policies:
             for row in bench(network, policy_name, args):
                 rows.append(row)
                 peak = "" if row["peak_saved_mib"] is None else f"{row['peak_saved_mib']:.2f}"
-                print(f"{network:12} {policy_name:10} {row['variant']:8} {row['first_step_s']:8.2f} "
+                print(f"{network:12} {policy_name:10} {row['variant']:12} {row['first_step_s']:8.2f} "
                       f"{row['compile_s']:9.1f} {row['step_s']:8.3f} {row.get('ratio', 1.0):6.2f} "
                       f"{row['step_cpu_s']:7.3f} {row.get('cpu_ratio', 1.0):6.2f} {peak:>9}", flush=True)
     cached: dict[str, float] = {}
@@ -231,7 +239,7 @@ def run_table(args, cache_dir: Path) -> tuple[list[dict], dict[str, float]]:
             for kind in args.variants:
                 if kind != "eager":
                     cached[f"{network}/{kind}"] = round(cached_compile_seconds(network, kind, args, cache_dir), 1)
-                    print(f"{network:12} {kind:8} cached compile s {cached[f'{network}/{kind}']:.1f}", flush=True)
+                    print(f"{network:12} {kind:12} cached compile s {cached[f'{network}/{kind}']:.1f}", flush=True)
     return rows, cached
 
 

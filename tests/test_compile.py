@@ -114,6 +114,7 @@ def test_compiled_differs_from_eager_by_little(unet_none):
     model = make_unet()
     eager, _ = sgd_history(model, None, lambda step: batch(step, CUBE), dice_loss, STEPS)
     largest = max(float((a - b).abs().max()) for a, b in zip(eager[-1][2], reference[-1][2], strict=True))
+    print(f"largest weight difference, eager against compiled: {largest:.2g}")
     assert largest < 1e-3, largest
 
 
@@ -163,8 +164,14 @@ def test_regions_are_chains_after_eager_convolutions_unless_blocks_are_asked_for
     assert "encoder.level0.in_conv" in names and all(not isinstance(m, nn.Conv3d) for m in names.values())
     assert regions.region_around(block.norm) == "encoder.level0.in_conv" and regions.region_around(block.conv) is None
     assert [name for name, _chain in regions.chains][0] == "encoder.level0.in_conv.norm+act"
+    # The chains' 3-D convolutions run oneDNN's kernel (3x3x3 here); the 1x1x1 heads keep torch's.
+    assert "encoder.level0.in_conv" in regions.onednn and "forward" in vars(block.conv)
+    assert set(regions.onednn) <= set(names)
     regions.remove()
-    assert "forward" not in vars(block)
+    assert "forward" not in vars(block) and "forward" not in vars(block.conv)
+    regions = CompiledRegions(model, convolutions="torch")
+    assert regions.onednn == [] and "forward" not in vars(block.conv)
+    regions.remove()
     regions = CompiledRegions(model, granularity="blocks")
     assert regions.region_around(block.conv) == "encoder.level0.in_conv" and regions.chains == []
     regions.remove()
@@ -176,6 +183,37 @@ def test_regions_are_chains_after_eager_convolutions_unless_blocks_are_asked_for
     regions.remove()
     with pytest.raises(ValueError, match="granularity"):
         CompiledRegions(resnet, granularity="layers")
+
+
+def test_a_chains_convolution_runs_onednn_on_the_cpu_in_float32_and_torchs_choice_elsewhere():
+    """torch runs a 4-channel 16³ convolution with its own im2col kernel; a compiled chain's convolution calls
+    oneDNN's instead (forward; its backward is torch's `convolution_backward`), with the same result up to
+    rounding. A 1x1x1 kernel, autocast and float64 keep torch's choice."""
+    from brats_swap.memory.compiled import onednn_convolution, takes_onednn
+
+    torch.manual_seed(0)
+    conv = nn.Conv3d(4, 4, 3, padding=1)
+    x = torch.randn(1, 4, CUBE, CUBE, CUBE)
+
+    def kernels(run) -> set[str]:
+        with torch.profiler.profile() as profile:
+            run().sum().backward()
+        return {event.name for event in profile.events() if event.name in ("aten::mkldnn_convolution",
+                                                                            "aten::slow_conv3d_forward")}
+
+    assert kernels(lambda: conv(x)) == {"aten::slow_conv3d_forward"}  # torch's own rule at this size
+    assert kernels(lambda: onednn_convolution(conv, x)) == {"aten::mkldnn_convolution"}
+    assert torch.allclose(onednn_convolution(conv, x), conv(x), atol=1e-5)
+    assert not torch.equal(onednn_convolution(conv, x), conv(x))  # another kernel: not the same rounding
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's own cast and kernel, as eager
+        out = onednn_convolution(conv, x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, conv(x))
+    conv64 = nn.Conv3d(4, 4, 3, padding=1).double()
+    assert kernels(lambda: onednn_convolution(conv64, x.double())) == {"aten::slow_conv3d_forward"}
+    assert takes_onednn(conv) and not takes_onednn(nn.Conv3d(4, 3, 1))
+    assert not takes_onednn(nn.Conv3d(4, 4, 3, padding="same")) and not takes_onednn(nn.ConvTranspose3d(4, 4, 2))
+    with pytest.raises(ValueError, match="convolutions"):
+        CompiledRegions(make_unet(), convolutions="mkl")
 
 
 def _chain_net() -> nn.Module:

@@ -8,6 +8,10 @@ given) and, at the default granularity `chains`:
   conv -> dropout -> norm -> nonlin, or a class declaring `conv_then_chain` as the U-Net's ConvNormAct) runs
   its convolution eager (oneDNN's or torch's own kernel, as without compile) and its norm -> activation
   (-> dropout) chain as one `torch.compile(run_layers, dynamic=False)` graph (`CompiledChain`);
+- the chain's 3-D convolution (kernel larger than 1x1x1) runs oneDNN's kernel on the CPU in float32
+  (`onednn_convolution`; `convolutions="torch"` leaves the choice to torch): torch's own size rule sends the
+  small convolutions of a U-Net to its slower im2col kernel. Choosing kernels is part of what compiling
+  decides, as inductor does for convolutions on a GPU; the eager step keeps torch's choice;
 - a bare convolution or linear layer (a transposed convolution, a segmentation head) stays eager: compiling
   it adds a graph call around the same library kernel;
 - any other block (a transformer's attention or MLP, a chain whose norm keeps running statistics) has its
@@ -48,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
@@ -170,6 +175,36 @@ class CompiledChain(nn.Module):
         return self.name
 
 
+# How a chain's eager convolution is run (module docstring): "onednn" calls oneDNN for a 3-D convolution whose
+# kernel is larger than 1 (`onednn_convolution`), "torch" leaves the choice to torch.
+CONVOLUTIONS = ("onednn", "torch")
+
+
+def takes_onednn(conv: nn.Module) -> bool:
+    """Whether `onednn_convolution` may run `conv`: a `Conv3d` with zero padding given as numbers, a kernel larger
+    than 1x1x1 (at 1x1x1 torch's own kernel was 1.6-2.7x faster than oneDNN's, docs/benchmarks.md), and a torch
+    built with oneDNN."""
+    return (type(conv) is nn.Conv3d and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+            and math.prod(conv.kernel_size) > 1 and torch.backends.mkldnn.is_available())
+
+
+def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+    """`conv(x)` by oneDNN on the CPU in float32 (its forward; the backward is torch's `convolution_backward`, as
+    eager), torch's own choice elsewhere (a GPU, another dtype, autocast, oneDNN switched off).
+
+    Why: for a 3-D convolution torch picks its im2col kernel (`slow_conv3d`) over oneDNN's when the batch is 1 and
+    channels x depth x height is at most 20,480 (a rule tuned for 2-D images), which at the small channel
+    counts of a U-Net's levels is most of its convolutions; oneDNN's forward ran them 3-8x faster on this
+    project's CPU, 0.54-0.86x the time forward and backward together (docs/benchmarks.md). Compiling is where
+    such a choice belongs (inductor chooses convolution layouts and kernels on a GPU); the eager step stays
+    plain PyTorch, the reference every policy's weights are compared with bit for bit. A compiled step makes
+    the same choice at every call of the same convolution, so its policies stay bitwise equal to each other."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or conv.weight.dtype != torch.float32
+            or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled):
+        return nn.Conv3d.forward(conv, x)
+    return torch.mkldnn_convolution(x, conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, conv.groups)
+
+
 def _conv_then_chain(compute: nn.Module, chain: CompiledChain, *args, **kwargs) -> torch.Tensor:
     """A split block's forward: its compute layer eager (hooks and all), then its compiled chain."""
     return chain(compute(*args, **kwargs))
@@ -216,7 +251,8 @@ class CompiledRegions:
     the engine's), `granularity` ("chains" or "blocks") what of each block is compiled. `backend` is
     `torch.compile`'s (tests pass one that fails). `regions` lists the blocks whose forward was replaced
     (whole or split into an eager convolution and a chain), `chains` each `CompiledChain` with its name
-    ("<block>.<layer>+<layer>").
+    ("<block>.<layer>+<layer>"), `onednn` the split blocks whose convolution runs `onednn_convolution`
+    (`convolutions`: "onednn", the default, or "torch").
 
     A region whose compilation fails (the compiler raises before the graph runs) runs its eager forward for
     that call, every region goes back to eager (`remove`) and `on_failure(cause)` is called once, with the
@@ -225,12 +261,14 @@ class CompiledRegions:
     """
 
     def __init__(self, model: nn.Module, regions: Sequence[tuple[str, nn.Module]] | None = None, *,
-                 granularity: str = "chains", backend: str | Callable = "inductor",
+                 granularity: str = "chains", convolutions: str = "onednn", backend: str | Callable = "inductor",
                  on_failure: Callable[[str], None] | None = None):
         if model in COMPILED:
             raise RuntimeError("the model's regions are compiled already")
         if granularity not in GRANULARITIES:
             raise ValueError(f"CompiledRegions: granularity {granularity!r} is not one of {GRANULARITIES}")
+        if convolutions not in CONVOLUTIONS:
+            raise ValueError(f"CompiledRegions: convolutions {convolutions!r} is not one of {CONVOLUTIONS}")
         self.model = model
         self.granularity = granularity
         blocks = list(regions) if regions is not None else discover_blocks(model)
@@ -238,6 +276,7 @@ class CompiledRegions:
         self.failed: str | None = None
         self.regions: list[tuple[str, nn.Module]] = []  # the blocks whose forward is replaced
         self.chains: list[tuple[str, CompiledChain]] = []
+        self.onednn: list[str] = []  # the blocks whose convolution runs `onednn_convolution`
         self._patched: list[tuple[nn.Module, object]] = []
         self._inside: dict[int, str] = {}
         for name, module in blocks:
@@ -258,6 +297,10 @@ class CompiledRegions:
                 chain = CompiledChain(chain_name, [layer for _layer_name, layer in layers], run)
                 module.forward = functools.partial(_conv_then_chain, compute, chain)
                 self.chains.append((chain_name, chain))
+                if convolutions == "onednn" and takes_onednn(compute):
+                    self._patched.append((compute, compute.__dict__.get("forward")))
+                    compute.forward = functools.partial(onednn_convolution, compute)
+                    self.onednn.append(name)
                 inside = [sub for _layer_name, layer in layers for sub in layer.modules()]
             self._patched.append((module, previous))
             self.regions.append((name, module))
