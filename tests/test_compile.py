@@ -188,7 +188,7 @@ def test_regions_are_chains_after_eager_convolutions_unless_blocks_are_asked_for
 def test_a_chains_convolution_runs_onednn_on_the_cpu_in_float32_and_torchs_choice_elsewhere():
     """torch runs a 4-channel 16³ convolution with its own im2col kernel; a compiled chain's convolution calls
     oneDNN's instead (forward; its backward is torch's `convolution_backward`), with the same result up to
-    rounding. A 1x1x1 kernel, autocast and float64 keep torch's choice."""
+    rounding. A 1x1x1 kernel, an input under 8³ voxels, autocast and float64 keep torch's choice."""
     from brats_swap.memory.compiled import onednn_convolution, takes_onednn
 
     torch.manual_seed(0)
@@ -208,6 +208,8 @@ def test_a_chains_convolution_runs_onednn_on_the_cpu_in_float32_and_torchs_choic
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's own cast and kernel, as eager
         out = onednn_convolution(conv, x)
         assert out.dtype == torch.bfloat16 and torch.equal(out, conv(x))
+    small = torch.randn(1, 4, 4, 4, 4)  # under 8³ voxels per channel: torch's kernel, oneDNN's costs more there
+    assert kernels(lambda: onednn_convolution(conv, small)) == {"aten::slow_conv3d_forward"}
     conv64 = nn.Conv3d(4, 4, 3, padding=1).double()
     assert kernels(lambda: onednn_convolution(conv64, x.double())) == {"aten::slow_conv3d_forward"}
     assert takes_onednn(conv) and not takes_onednn(nn.Conv3d(4, 3, 1))

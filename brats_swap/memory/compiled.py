@@ -180,6 +180,11 @@ class CompiledChain(nn.Module):
 CONVOLUTIONS = ("onednn", "torch")
 
 
+# Below 8³ voxels per channel oneDNN's fixed cost per call outweighs its faster loops (at 4³ and 2³ it took
+# 1.3-1.8x torch's time, forward and backward; at 8³ and up 0.5-0.9x: scripts/bench_conv_kernels.py).
+ONEDNN_MIN_VOXELS = 8**3
+
+
 def takes_onednn(conv: nn.Module) -> bool:
     """Whether `onednn_convolution` may run `conv`: a `Conv3d` with zero padding given as numbers, a kernel larger
     than 1x1x1 (at 1x1x1 torch's own kernel was 1.6-2.7x faster than oneDNN's, docs/benchmarks.md), and a torch
@@ -190,7 +195,8 @@ def takes_onednn(conv: nn.Module) -> bool:
 
 def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
     """`conv(x)` by oneDNN on the CPU in float32 (its forward; the backward is torch's `convolution_backward`, as
-    eager), torch's own choice elsewhere (a GPU, another dtype, autocast, oneDNN switched off).
+    eager), torch's own choice elsewhere (a GPU, another dtype, autocast, oneDNN switched off, an input under
+    `ONEDNN_MIN_VOXELS` per channel).
 
     Why: for a 3-D convolution torch picks its im2col kernel (`slow_conv3d`) over oneDNN's when the batch is 1 and
     channels x depth x height is at most 20,480 (a rule tuned for 2-D images), which at the small channel
@@ -200,7 +206,8 @@ def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
     plain PyTorch, the reference every policy's weights are compared with bit for bit. A compiled step makes
     the same choice at every call of the same convolution, so its policies stay bitwise equal to each other."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or conv.weight.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled):
+            or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled
+            or math.prod(x.shape[2:]) < ONEDNN_MIN_VOXELS):
         return nn.Conv3d.forward(conv, x)
     return torch.mkldnn_convolution(x, conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, conv.groups)
 
