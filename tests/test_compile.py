@@ -9,6 +9,8 @@ use backends that fail at once.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from memory_helpers import assert_same_history, batch, dice_loss, sgd_history
@@ -186,33 +188,54 @@ def test_regions_are_chains_after_eager_convolutions_unless_blocks_are_asked_for
 
 
 def test_a_chains_convolution_runs_onednn_on_the_cpu_in_float32_and_torchs_choice_elsewhere():
-    """torch runs a 4-channel 16³ convolution with its own im2col kernel; a compiled chain's convolution calls
-    oneDNN's instead (forward; its backward is torch's `convolution_backward`), with the same result up to
-    rounding. A 1x1x1 kernel, an input under 8³ voxels, autocast and float64 keep torch's choice."""
+    """torch runs a 4-channel 16³ convolution of a batch of 1 with its own im2col kernel, forward and backward; a
+    compiled chain's convolution runs oneDNN's forward convolutions for its forward and, at stride 1, its
+    backward (`OneDNNConvolution`); at stride 2 the forward only. Outputs and gradients are those of a float64
+    convolution up to float32 rounding. A 1x1x1 kernel, an input under 8³ voxels, a batch of 2, autocast and
+    float64 keep torch's choice."""
     from brats_swap.memory.compiled import onednn_convolution, takes_onednn
 
-    torch.manual_seed(0)
-    conv = nn.Conv3d(4, 4, 3, padding=1)
-    x = torch.randn(1, 4, CUBE, CUBE, CUBE)
-
-    def kernels(run) -> set[str]:
+    def kernels(run, *args) -> set[str]:
         with torch.profiler.profile() as profile:
-            run().sum().backward()
-        return {event.name for event in profile.events() if event.name in ("aten::mkldnn_convolution",
-                                                                            "aten::slow_conv3d_forward")}
+            run(*args).sum().backward()
+        return {event.name for event in profile.events() if event.name in (
+            "aten::mkldnn_convolution", "aten::slow_conv3d_forward", "aten::convolution_backward")}
 
-    assert kernels(lambda: conv(x)) == {"aten::slow_conv3d_forward"}  # torch's own rule at this size
-    assert kernels(lambda: onednn_convolution(conv, x)) == {"aten::mkldnn_convolution"}
-    assert torch.allclose(onednn_convolution(conv, x), conv(x), atol=1e-5)
-    assert not torch.equal(onednn_convolution(conv, x), conv(x))  # another kernel: not the same rounding
+    def against_float64(conv, x) -> float:
+        """The largest error of output and gradients relative to the float64 convolution's."""
+        conv.zero_grad(set_to_none=True)
+        x = x.detach().requires_grad_()
+        out = onednn_convolution(conv, x)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        double = copy.deepcopy(conv).double()
+        x64 = x.detach().double().requires_grad_()
+        out64 = double(x64)
+        out64.backward(grad.double())
+        pairs = [(out, out64), (x.grad, x64.grad), (conv.weight.grad, double.weight.grad),
+                 (conv.bias.grad, double.bias.grad)]
+        conv.zero_grad(set_to_none=True)
+        return max(float((a.double() - b).abs().max() / b.abs().max()) for a, b in pairs)
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, CUBE, CUBE, CUBE)
+    for conv in (nn.Conv3d(4, 6, 3, padding=1), nn.Conv3d(4, 6, (3, 1, 2), padding=(0, 0, 1)),
+                 nn.Conv3d(4, 6, 3, stride=2, padding=1)):
+        assert takes_onednn(conv)
+        assert kernels(conv, x) == {"aten::slow_conv3d_forward", "aten::convolution_backward"}
+        backward = set() if conv.stride == (1, 1, 1) else {"aten::convolution_backward"}
+        assert kernels(onednn_convolution, conv, x) == {"aten::mkldnn_convolution", *backward}
+        assert against_float64(conv, x) < 1e-5
+        assert not torch.equal(onednn_convolution(conv, x), conv(x))  # another kernel: not the same rounding
+    conv = nn.Conv3d(4, 4, 3, padding=1)
+    for other in (torch.randn(1, 4, 4, 4, 4), torch.randn(2, 4, CUBE, CUBE, CUBE)):  # under 8³; a batch of 2
+        assert kernels(onednn_convolution, conv, other) == kernels(conv, other)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's own cast and kernel, as eager
         out = onednn_convolution(conv, x)
         assert out.dtype == torch.bfloat16 and torch.equal(out, conv(x))
-    small = torch.randn(1, 4, 4, 4, 4)  # under 8³ voxels per channel: torch's kernel, oneDNN's costs more there
-    assert kernels(lambda: onednn_convolution(conv, small)) == {"aten::slow_conv3d_forward"}
     conv64 = nn.Conv3d(4, 4, 3, padding=1).double()
-    assert kernels(lambda: onednn_convolution(conv64, x.double())) == {"aten::slow_conv3d_forward"}
-    assert takes_onednn(conv) and not takes_onednn(nn.Conv3d(4, 3, 1))
+    assert kernels(onednn_convolution, conv64, x.double()) == kernels(conv64, x.double())
+    assert not takes_onednn(nn.Conv3d(4, 3, 1)) and not takes_onednn(nn.Conv3d(4, 4, 3, groups=2))
     assert not takes_onednn(nn.Conv3d(4, 4, 3, padding="same")) and not takes_onednn(nn.ConvTranspose3d(4, 4, 2))
     with pytest.raises(ValueError, match="convolutions"):
         CompiledRegions(make_unet(), convolutions="mkl")

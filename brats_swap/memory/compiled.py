@@ -183,33 +183,76 @@ CONVOLUTIONS = ("onednn", "torch")
 # Below 8³ voxels per channel oneDNN's fixed cost per call outweighs its faster loops (at 4³ and 2³ it took
 # 1.3-1.8x torch's time, forward and backward; at 8³ and up 0.5-0.9x: scripts/bench_conv_kernels.py).
 ONEDNN_MIN_VOXELS = 8**3
+# torch's own rule (aten/src/ATen/native/ConvUtils.h, `ConvParams::use_mkldnn`) takes oneDNN for a float32 CPU
+# convolution of one group and a kernel at most 3 wide when the batch is larger than 1 or batch x channels x
+# depth x height is larger than this; otherwise its im2col kernel, `slow_conv3d`, forward and backward.
+TORCH_ONEDNN_FROM = 20480
 
 
 def takes_onednn(conv: nn.Module) -> bool:
-    """Whether `onednn_convolution` may run `conv`: a `Conv3d` with zero padding given as numbers, a kernel larger
-    than 1x1x1 (at 1x1x1 torch's own kernel was 1.6-2.7x faster than oneDNN's, docs/benchmarks.md), and a torch
+    """Whether `onednn_convolution` may run `conv`: a `Conv3d` of one group with zero padding given as numbers, a
+    kernel larger than 1x1x1 (at 1x1x1 torch's own kernel was 1.6-2.7x faster than oneDNN's), and a torch
     built with oneDNN."""
     return (type(conv) is nn.Conv3d and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
-            and math.prod(conv.kernel_size) > 1 and torch.backends.mkldnn.is_available())
+            and conv.groups == 1 and math.prod(conv.kernel_size) > 1 and torch.backends.mkldnn.is_available())
+
+
+class OneDNNConvolution(torch.autograd.Function):
+    """A stride-1 3-D convolution of a batch of 1 by oneDNN forward and backward: the input's gradient is the
+    convolution of the output's gradient with the kernel flipped and its channels swapped, the kernel's
+    gradient the convolution of the input (channels as the batch) with the output's gradient (as the kernel).
+    Both are oneDNN forward convolutions: torch's `convolution_backward` offers no way to ask for oneDNN's
+    backward (it applies the same size rule as the forward) and its im2col backward took 2.5-4x longer here.
+    Saves what torch's convolution saves (its input and weight)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, padding):
+        ctx.save_for_backward(x, weight)
+        ctx.padding, ctx.has_bias = padding, bias is not None
+        return torch.mkldnn_convolution(x, weight, bias, padding, (1, 1, 1), (1, 1, 1), 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            flipped = weight.flip(2, 3, 4).transpose(0, 1).contiguous()
+            padding = [k - 1 - p for k, p in zip(weight.shape[2:], ctx.padding, strict=True)]
+            grad_x = torch.mkldnn_convolution(grad, flipped, None, padding, (1, 1, 1), (1, 1, 1), 1)
+        if ctx.needs_input_grad[1]:  # batch 1: both transposes are views of contiguous memory
+            grad_weight = torch.mkldnn_convolution(x.transpose(0, 1), grad.transpose(0, 1), None, ctx.padding,
+                                                   (1, 1, 1), (1, 1, 1), 1).transpose(0, 1).contiguous()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum((0, 2, 3, 4))
+        return grad_x, grad_weight, grad_bias, None
 
 
 def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
-    """`conv(x)` by oneDNN on the CPU in float32 (its forward; the backward is torch's `convolution_backward`, as
-    eager), torch's own choice elsewhere (a GPU, another dtype, autocast, oneDNN switched off, an input under
-    `ONEDNN_MIN_VOXELS` per channel).
+    """`conv(x)` (a `takes_onednn` convolution) by oneDNN on the CPU in float32 for a batch of 1: forward and
+    backward (`OneDNNConvolution`) at stride 1; at other strides the forward only, where torch would run its
+    im2col kernel (`TORCH_ONEDNN_FROM`; the backward is then torch's). Elsewhere torch's own choice: a GPU,
+    another dtype, autocast, oneDNN switched off, a larger batch (torch takes oneDNN itself), an input under
+    `ONEDNN_MIN_VOXELS` per channel.
 
-    Why: for a 3-D convolution torch picks its im2col kernel (`slow_conv3d`) over oneDNN's when the batch is 1 and
-    channels x depth x height is at most 20,480 (a rule tuned for 2-D images), which at the small channel
-    counts of a U-Net's levels is most of its convolutions; oneDNN's forward ran them 3-8x faster on this
-    project's CPU, 0.54-0.86x the time forward and backward together (docs/benchmarks.md). Compiling is where
-    such a choice belongs (inductor chooses convolution layouts and kernels on a GPU); the eager step stays
-    plain PyTorch, the reference every policy's weights are compared with bit for bit. A compiled step makes
-    the same choice at every call of the same convolution, so its policies stay bitwise equal to each other."""
+    Why: torch's size rule, written for 2-D images, sends most of a batch-1 3-D U-Net's convolutions to
+    `slow_conv3d`, and where it does take oneDNN its backward took about 5x its forward; the same convolutions
+    ran forward and backward in a fraction of that time as oneDNN forward convolutions on this project's CPU
+    (scripts/bench_conv_kernels.py, docs/benchmarks.md). Choosing kernels is part of what compiling decides (on a
+    GPU inductor chooses convolution layouts and kernels); the eager step stays plain PyTorch, the reference
+    every policy's weights are compared with bit for bit. A compiled step makes the same choice at every call of
+    the same convolution, so its policies stay bitwise equal to each other."""
     if (x.device.type != "cpu" or x.dtype != torch.float32 or conv.weight.dtype != torch.float32
-            or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled
-            or math.prod(x.shape[2:]) < ONEDNN_MIN_VOXELS):
+            or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled or x.dim() != 5
+            or x.shape[0] != 1 or math.prod(x.shape[2:]) < ONEDNN_MIN_VOXELS):
         return nn.Conv3d.forward(conv, x)
-    return torch.mkldnn_convolution(x, conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, conv.groups)
+    x = x.contiguous()
+    if (all(s == 1 for s in conv.stride) and all(d == 1 for d in conv.dilation)
+            and all(p <= k - 1 for p, k in zip(conv.padding, conv.kernel_size, strict=True))):
+        return OneDNNConvolution.apply(x, conv.weight, conv.bias, tuple(conv.padding))
+    if math.prod(x.shape[:4]) > TORCH_ONEDNN_FROM:
+        return nn.Conv3d.forward(conv, x)  # torch takes oneDNN itself, forward and backward
+    return torch.mkldnn_convolution(x, conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, 1)
 
 
 def _conv_then_chain(compute: nn.Module, chain: CompiledChain, *args, **kwargs) -> torch.Tensor:
