@@ -2,10 +2,11 @@
 
 For every distinct convolution (input shape, weight, stride) of the networks `scripts/bench_compile.py` runs,
 the kernel torch picks (`aten::slow_conv3d_forward`, its im2col kernel, or `aten::mkldnn_convolution`, read
-from the profiler), then the forward and backward times of `F.conv3d` (torch's choice) and of
-`brats_swap.memory.compiled.onednn_convolution` (what a compiled chain runs: oneDNN's forward, torch's
-`convolution_backward`), the two calls interleaved, medians of `--repeats` after one warm-up. A table on
-stdout, the rows as JSON.
+from the profiler), what a compiled chain runs (`brats_swap.memory.compiled.onednn_path`: oneDNN "forward and
+backward", oneDNN's "forward" only, or torch's own choice: "torch"), then the forward and backward times of
+`F.conv3d` (torch's choice) and of `onednn_convolution` with its size floor off (`min_voxels=0`, so the
+inputs under the floor are timed too: the floor's evidence), medians of `--repeats` after one warm-up. A
+table on stdout, the rows as JSON.
 
     OMP_NUM_THREADS=1 python scripts/bench_conv_kernels.py --cubes 64 96 --json docs/benchmarks/bench_conv_kernels.json
 """
@@ -27,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compile import NETWORKS, network_config  # noqa: E402  (the same networks as the compiled-step table)
 
-from brats_swap.memory.compiled import onednn_convolution, takes_onednn  # noqa: E402
+from brats_swap.memory.compiled import onednn_convolution, onednn_path, takes_onednn  # noqa: E402
 from brats_swap.model import build_model  # noqa: E402
 
 
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started_load = os.getloadavg()
     rows = []
-    print(f"{'network':12} {'cube':>4} {'input':>22} {'weight':>18} {'s':>1} {'torch picks':>18} "
-          f"{'torch f/b ms':>14} {'oneDNN f/b ms':>14} {'× f+b':>6}")
+    print(f"{'network':12} {'cube':>4} {'input':>22} {'weight':>18} {'s':>1} {'torch picks':>19} "
+          f"{'compiled runs':>20} {'torch f/b ms':>14} {'oneDNN f/b ms':>14} {'× f+b':>6}")
     for network in args.networks:
         for cube in args.cubes:
             for conv, shape in distinct_convolutions(network, args.filters, cube, args.batch):
@@ -95,15 +96,17 @@ def main(argv: list[str] | None = None) -> int:
                 kernel = torchs_kernel(conv, x)
                 eager = forward_backward_ms(lambda c, i: F.conv3d(i, c.weight, c.bias, c.stride, c.padding), conv, x,
                                             args.repeats)
-                onednn = forward_backward_ms(onednn_convolution, conv, x, args.repeats)
+                path = onednn_path(conv, x) or "torch"
+                onednn = forward_backward_ms(lambda c, i: onednn_convolution(c, i, min_voxels=0), conv, x,
+                                             args.repeats)
                 row = {"network": network, "cube": cube, "batch": args.batch, "input": list(shape),
-                       "weight": list(conv.weight.shape), "stride": conv.stride[0], "torch_kernel": kernel,
+                       "weight": list(conv.weight.shape), "stride": conv.stride[0], "torch_kernel": kernel, "compiled_runs": path,
                        "torch_forward_ms": round(eager[0], 2), "torch_backward_ms": round(eager[1], 2),
                        "onednn_forward_ms": round(onednn[0], 2), "onednn_backward_ms": round(onednn[1], 2),
                        "ratio": round(sum(onednn) / sum(eager), 3)}
                 rows.append(row)
                 print(f"{network:12} {cube:4} {str(tuple(shape)):>22} {str(tuple(conv.weight.shape)):>18} "
-                      f"{conv.stride[0]:1} {kernel:>18} {eager[0]:6.1f}/{eager[1]:6.1f} "
+                      f"{conv.stride[0]:1} {kernel:>19} {path:>20} {eager[0]:6.1f}/{eager[1]:6.1f} "
                       f"{onednn[0]:6.1f}/{onednn[1]:6.1f} {row['ratio']:6.2f}", flush=True)
     record = {"torch": torch.__version__, "threads": torch.get_num_threads(),
               "load_average": {"start": started_load, "end": os.getloadavg()},

@@ -228,12 +228,12 @@ class OneDNNConvolution(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor, min_voxels: int | None = None) -> torch.Tensor:
     """`conv(x)` (a `takes_onednn` convolution) by oneDNN on the CPU in float32 for a batch of 1: forward and
     backward (`OneDNNConvolution`) at stride 1; at other strides the forward only, where torch would run its
     im2col kernel (`TORCH_ONEDNN_FROM`; the backward is then torch's). Elsewhere torch's own choice: a GPU,
     another dtype, autocast, oneDNN switched off, a larger batch (torch takes oneDNN itself), an input under
-    `ONEDNN_MIN_VOXELS` per channel.
+    `ONEDNN_MIN_VOXELS` per channel (`min_voxels` if given; `onednn_path` says which).
 
     Why: torch's size rule, written for 2-D images, sends most of a batch-1 3-D U-Net's convolutions to
     `slow_conv3d`, and where it does take oneDNN its backward took about 5x its forward; the same convolutions
@@ -242,17 +242,30 @@ def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
     GPU inductor chooses convolution layouts and kernels); the eager step stays plain PyTorch, the reference
     every policy's weights are compared with bit for bit. A compiled step makes the same choice at every call of
     the same convolution, so its policies stay bitwise equal to each other."""
+    path = onednn_path(conv, x, min_voxels)
+    if path is None:
+        return nn.Conv3d.forward(conv, x)
+    if path == "forward and backward":
+        return OneDNNConvolution.apply(x.contiguous(), conv.weight, conv.bias, tuple(conv.padding))
+    return torch.mkldnn_convolution(x.contiguous(), conv.weight, conv.bias, conv.padding, conv.stride,
+                                    conv.dilation, 1)
+
+
+def onednn_path(conv: nn.Conv3d, x: torch.Tensor, min_voxels: int | None = None) -> str | None:
+    """What `onednn_convolution` runs for `conv(x)`: "forward and backward" (`OneDNNConvolution`), "forward"
+    (oneDNN's forward, torch's backward) or None (torch's own choice). `min_voxels`: `ONEDNN_MIN_VOXELS`
+    unless given (scripts/bench_conv_kernels.py times the smaller inputs too)."""
+    min_voxels = ONEDNN_MIN_VOXELS if min_voxels is None else min_voxels
     if (x.device.type != "cpu" or x.dtype != torch.float32 or conv.weight.dtype != torch.float32
             or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled or x.dim() != 5
-            or x.shape[0] != 1 or math.prod(x.shape[2:]) < ONEDNN_MIN_VOXELS):
-        return nn.Conv3d.forward(conv, x)
-    x = x.contiguous()
+            or x.shape[0] != 1 or math.prod(x.shape[2:]) < min_voxels):
+        return None
     if (all(s == 1 for s in conv.stride) and all(d == 1 for d in conv.dilation)
             and all(p <= k - 1 for p, k in zip(conv.padding, conv.kernel_size, strict=True))):
-        return OneDNNConvolution.apply(x, conv.weight, conv.bias, tuple(conv.padding))
+        return "forward and backward"
     if math.prod(x.shape[:4]) > TORCH_ONEDNN_FROM:
-        return nn.Conv3d.forward(conv, x)  # torch takes oneDNN itself, forward and backward
-    return torch.mkldnn_convolution(x, conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, 1)
+        return None  # torch takes oneDNN itself, forward and backward
+    return "forward"
 
 
 def _conv_then_chain(compute: nn.Module, chain: CompiledChain, *args, **kwargs) -> torch.Tensor:
