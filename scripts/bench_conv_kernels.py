@@ -1,6 +1,7 @@
 """Each 3-D convolution of a network, forward and backward on the CPU: torch's own kernel against oneDNN's.
 
-For every distinct convolution (input shape, weight, stride) of the networks `scripts/bench_compile.py` runs,
+For every distinct convolution (input shape, weight, stride) of the networks `scripts/bench_compile.py` runs
+(the 1x1x1 ones included, which the compiled step leaves to torch: their oneDNN column is oneDNN's forward),
 the kernel torch picks (`aten::slow_conv3d_forward`, its im2col kernel, or `aten::mkldnn_convolution`, read
 from the profiler), what a compiled chain runs (`brats_swap.memory.compiled.onednn_path`: oneDNN "forward and
 backward", oneDNN's "forward" only, or torch's own choice: "torch"), then the forward and backward times of
@@ -74,6 +75,14 @@ def forward_backward_ms(call, conv: nn.Conv3d, x: torch.Tensor, repeats: int) ->
     return statistics.median(forward[1:]) * 1e3, statistics.median(backward[1:]) * 1e3
 
 
+def onednn_call(conv: nn.Conv3d):
+    """How the oneDNN column runs `conv`: `onednn_convolution` with its size floor off; a convolution it never
+    takes (a 1x1x1 kernel) as `torch.mkldnn_convolution`, oneDNN's forward with torch's backward."""
+    if takes_onednn(conv):
+        return lambda c, i: onednn_convolution(c, i, min_voxels=0)
+    return lambda c, i: torch.mkldnn_convolution(i, c.weight, c.bias, c.padding, c.stride, c.dilation, c.groups)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
@@ -90,15 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     for network in args.networks:
         for cube in args.cubes:
             for conv, shape in distinct_convolutions(network, args.filters, cube, args.batch):
-                if not takes_onednn(conv):
-                    continue  # a 1x1x1 kernel: compiled chains leave it to torch
                 x = torch.randn(shape)
                 kernel = torchs_kernel(conv, x)
                 eager = forward_backward_ms(lambda c, i: F.conv3d(i, c.weight, c.bias, c.stride, c.padding), conv, x,
                                             args.repeats)
-                path = onednn_path(conv, x) or "torch"
-                onednn = forward_backward_ms(lambda c, i: onednn_convolution(c, i, min_voxels=0), conv, x,
-                                             args.repeats)
+                path = (onednn_path(conv, x) if takes_onednn(conv) else None) or "torch"
+                onednn = forward_backward_ms(onednn_call(conv), conv, x, args.repeats)
                 row = {"network": network, "cube": cube, "batch": args.batch, "input": list(shape),
                        "weight": list(conv.weight.shape), "stride": conv.stride[0], "torch_kernel": kernel, "compiled_runs": path,
                        "torch_forward_ms": round(eager[0], 2), "torch_backward_ms": round(eager[1], 2),

@@ -190,7 +190,7 @@ def test_regions_are_chains_after_eager_convolutions_unless_blocks_are_asked_for
 def test_a_chains_convolution_runs_onednn_on_the_cpu_in_float32_and_torchs_choice_elsewhere():
     """torch runs a 4-channel 16³ convolution of a batch of 1 with its own im2col kernel, forward and backward; a
     compiled chain's convolution runs oneDNN's forward convolutions for its forward and, at stride 1, its
-    backward (`OneDNNConvolution`); at stride 2 the forward only. Outputs and gradients are those of a float64
+    backward (`OneDNNConvolution`); at stride 2 the forward only, from 24³. Outputs and gradients are those of a float64
     convolution up to float32 rounding. A 1x1x1 kernel, an input under 8³ voxels, a batch of 2, autocast and
     float64 keep torch's choice."""
     from brats_swap.memory.compiled import onednn_convolution, takes_onednn
@@ -219,14 +219,17 @@ def test_a_chains_convolution_runs_onednn_on_the_cpu_in_float32_and_torchs_choic
 
     torch.manual_seed(0)
     x = torch.randn(1, 4, CUBE, CUBE, CUBE)
-    for conv in (nn.Conv3d(4, 6, 3, padding=1), nn.Conv3d(4, 6, (3, 1, 2), padding=(0, 0, 1)),
-                 nn.Conv3d(4, 6, 3, stride=2, padding=1)):
+    x24 = torch.randn(1, 4, 24, 24, 24)  # oneDNN's forward alone gains from 24³ up
+    for conv, inp in ((nn.Conv3d(4, 6, 3, padding=1), x), (nn.Conv3d(4, 6, (3, 1, 2), padding=(0, 0, 1)), x),
+                      (nn.Conv3d(4, 6, 3, stride=2, padding=1), x24)):
         assert takes_onednn(conv)
-        assert kernels(conv, x) == {"aten::slow_conv3d_forward", "aten::convolution_backward"}
+        assert kernels(conv, inp) == {"aten::slow_conv3d_forward", "aten::convolution_backward"}
         backward = set() if conv.stride == (1, 1, 1) else {"aten::convolution_backward"}
-        assert kernels(onednn_convolution, conv, x) == {"aten::mkldnn_convolution", *backward}
-        assert against_float64(conv, x) < 1e-5
-        assert not torch.equal(onednn_convolution(conv, x), conv(x))  # another kernel: not the same rounding
+        assert kernels(onednn_convolution, conv, inp) == {"aten::mkldnn_convolution", *backward}
+        assert against_float64(conv, inp) < 1e-5
+        assert not torch.equal(onednn_convolution(conv, inp), conv(inp))  # another kernel: not the same rounding
+    stride2 = nn.Conv3d(4, 6, 3, stride=2, padding=1)
+    assert kernels(onednn_convolution, stride2, x) == kernels(stride2, x)  # its forward alone: not under 24³
     conv = nn.Conv3d(4, 4, 3, padding=1)
     for other in (torch.randn(1, 4, 4, 4, 4), torch.randn(2, 4, CUBE, CUBE, CUBE)):  # under 8³; a batch of 2
         assert kernels(onednn_convolution, conv, other) == kernels(conv, other)

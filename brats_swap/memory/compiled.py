@@ -180,9 +180,12 @@ class CompiledChain(nn.Module):
 CONVOLUTIONS = ("onednn", "torch")
 
 
-# Below 8³ voxels per channel oneDNN's fixed cost per call outweighs its faster loops (at 4³ and 2³ it took
-# 1.3-1.8x torch's time, forward and backward; at 8³ and up 0.5-0.9x: scripts/bench_conv_kernels.py).
+# Below 8³ voxels per channel oneDNN's fixed cost per call outweighs its faster loops: at 4³ and 2³ it took
+# 1.7-3.2x torch's time forward and backward, at 8³ 0.4-1.0x, from 16³ 0.09-0.38x (scripts/bench_conv_kernels.py,
+# docs/benchmarks.md). oneDNN's forward alone (at stride 2, torch's backward) gains less: 1.0-1.9x at 16³ and 8³,
+# 0.58-0.82x from 24³ up.
 ONEDNN_MIN_VOXELS = 8**3
+ONEDNN_FORWARD_MIN_VOXELS = 24**3
 # torch's own rule (aten/src/ATen/native/ConvUtils.h, `ConvParams::use_mkldnn`) takes oneDNN for a float32 CPU
 # convolution of one group and a kernel at most 3 wide when the batch is larger than 1 or batch x channels x
 # depth x height is larger than this; otherwise its im2col kernel, `slow_conv3d`, forward and backward.
@@ -191,8 +194,8 @@ TORCH_ONEDNN_FROM = 20480
 
 def takes_onednn(conv: nn.Module) -> bool:
     """Whether `onednn_convolution` may run `conv`: a `Conv3d` of one group with zero padding given as numbers, a
-    kernel larger than 1x1x1 (at 1x1x1 torch's own kernel was 1.6-2.7x faster than oneDNN's), and a torch
-    built with oneDNN."""
+    kernel larger than 1x1x1 (at 1x1x1 oneDNN's forward took 1.1-7x torch's time with the backward), and a
+    torch built with oneDNN."""
     return (type(conv) is nn.Conv3d and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
             and conv.groups == 1 and math.prod(conv.kernel_size) > 1 and torch.backends.mkldnn.is_available())
 
@@ -231,9 +234,10 @@ class OneDNNConvolution(torch.autograd.Function):
 def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor, min_voxels: int | None = None) -> torch.Tensor:
     """`conv(x)` (a `takes_onednn` convolution) by oneDNN on the CPU in float32 for a batch of 1: forward and
     backward (`OneDNNConvolution`) at stride 1; at other strides the forward only, where torch would run its
-    im2col kernel (`TORCH_ONEDNN_FROM`; the backward is then torch's). Elsewhere torch's own choice: a GPU,
-    another dtype, autocast, oneDNN switched off, a larger batch (torch takes oneDNN itself), an input under
-    `ONEDNN_MIN_VOXELS` per channel (`min_voxels` if given; `onednn_path` says which).
+    im2col kernel (`TORCH_ONEDNN_FROM`) on at least `ONEDNN_FORWARD_MIN_VOXELS` (the backward is then
+    torch's). Elsewhere torch's own choice: a GPU, another dtype, autocast, oneDNN switched off, a larger
+    batch (torch takes oneDNN itself), an input under `ONEDNN_MIN_VOXELS` per channel (`min_voxels` if given;
+    `onednn_path` says which).
 
     Why: torch's size rule, written for 2-D images, sends most of a batch-1 3-D U-Net's convolutions to
     `slow_conv3d`, and where it does take oneDNN its backward took about 5x its forward; the same convolutions
@@ -253,8 +257,10 @@ def onednn_convolution(conv: nn.Conv3d, x: torch.Tensor, min_voxels: int | None 
 
 def onednn_path(conv: nn.Conv3d, x: torch.Tensor, min_voxels: int | None = None) -> str | None:
     """What `onednn_convolution` runs for `conv(x)`: "forward and backward" (`OneDNNConvolution`), "forward"
-    (oneDNN's forward, torch's backward) or None (torch's own choice). `min_voxels`: `ONEDNN_MIN_VOXELS`
-    unless given (scripts/bench_conv_kernels.py times the smaller inputs too)."""
+    (oneDNN's forward, torch's backward) or None (torch's own choice). `min_voxels`, if given, replaces both
+    size floors (`ONEDNN_MIN_VOXELS`, `ONEDNN_FORWARD_MIN_VOXELS`: scripts/bench_conv_kernels.py times the
+    smaller inputs too)."""
+    forward_min_voxels = ONEDNN_FORWARD_MIN_VOXELS if min_voxels is None else min_voxels
     min_voxels = ONEDNN_MIN_VOXELS if min_voxels is None else min_voxels
     if (x.device.type != "cpu" or x.dtype != torch.float32 or conv.weight.dtype != torch.float32
             or torch.is_autocast_enabled("cpu") or not torch.backends.mkldnn.enabled or x.dim() != 5
@@ -263,8 +269,8 @@ def onednn_path(conv: nn.Conv3d, x: torch.Tensor, min_voxels: int | None = None)
     if (all(s == 1 for s in conv.stride) and all(d == 1 for d in conv.dilation)
             and all(p <= k - 1 for p, k in zip(conv.padding, conv.kernel_size, strict=True))):
         return "forward and backward"
-    if math.prod(x.shape[:4]) > TORCH_ONEDNN_FROM:
-        return None  # torch takes oneDNN itself, forward and backward
+    if math.prod(x.shape[:4]) > TORCH_ONEDNN_FROM or math.prod(x.shape[2:]) < forward_min_voxels:
+        return None  # torch takes oneDNN itself, forward and backward; or a small input, where it gains nothing
     return "forward"
 
 
@@ -275,7 +281,8 @@ def _conv_then_chain(compute: nn.Module, chain: CompiledChain, *args, **kwargs) 
 
 def compile_wanted(setting: bool | str, device: torch.device) -> bool:
     """`train.compile` / `evaluate.compile` for `device`: `auto` compiles on CUDA (as nnU-Net does) and not on
-    the CPU, where the step is convolution-bound and compilation takes minutes (docs/memory.md)."""
+    the CPU, where compiling costs 15-90 s before the first step and pays back only on longer runs (a
+    prediction of one case, a short fine-tune, the tests); `true` asks for it there (docs/memory.md)."""
     if setting == "auto":
         return torch.device(device).type == "cuda"
     return bool(setting)
