@@ -6,7 +6,7 @@ or bit-rotted file is detected instead of silently resuming from garbage. Both l
 `weights_only=True`: the state holds only tensors, numbers, strings, lists and dicts (RNG states are
 converted to plain lists), so a checkpoint is never arbitrary pickle. Format 1 (still read) held the payload
 as `bytes`, which torch's pickle protocol 2 stores as a latin-1 string: 1.5 times the payload on disk, and
-about 0.6 s of CPU to write and 0.5 s to read per 60 MB; a tensor is stored as its raw bytes.
+about 0.7 s of CPU to write and 0.5 s to read per 60 MB (torch 2.13); a tensor is stored as its raw bytes.
 
 Per fold folder: `checkpoint_latest.pt` (every epoch, and on interruption), `checkpoint_prev.pt` (the
 latest before it, kept as the fallback) and `checkpoint_best.pt` (best mean validation Dice).
