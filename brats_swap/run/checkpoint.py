@@ -1,10 +1,12 @@
 """Checkpoints: full training state, checksummed, written atomically, with a fallback to the previous file.
 
-File format: a `torch.save`d dict `{"format": 1, "sha256": <hex>, "payload": <bytes>}` where `payload` is
-the `torch.save` of the state dict. The checksum is verified on load, so a torn or bit-rotted file is
-detected instead of silently resuming from garbage. Both levels load with `weights_only=True`: the state
-holds only tensors, numbers, strings, lists and dicts (RNG states are converted to plain lists), so a
-checkpoint is never arbitrary pickle.
+File format: a `torch.save`d dict `{"format": 2, "sha256": <hex>, "payload": <uint8 tensor>}` where
+`payload` holds the bytes of the `torch.save` of the state dict. The checksum is verified on load, so a torn
+or bit-rotted file is detected instead of silently resuming from garbage. Both levels load with
+`weights_only=True`: the state holds only tensors, numbers, strings, lists and dicts (RNG states are
+converted to plain lists), so a checkpoint is never arbitrary pickle. Format 1 (still read) held the payload
+as `bytes`, which torch's pickle protocol 2 stores as a latin-1 string: 1.5 times the payload on disk, and
+about 0.7 s of CPU to write and 0.5 s to read per 60 MB (torch 2.13); a tensor is stored as its raw bytes.
 
 Per fold folder: `checkpoint_latest.pt` (every epoch, and on interruption), `checkpoint_prev.pt` (the
 latest before it, kept as the fallback) and `checkpoint_best.pt` (best mean validation Dice).
@@ -27,7 +29,8 @@ from brats_swap.atomic import atomic_path
 from brats_swap.errors import CheckpointError
 from brats_swap.run.folder import PREVIOUS, FoldFolder
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, CHECKPOINT_FORMAT)
 
 
 def save_checkpoint(state: dict[str, Any], path: Path, *, keep_previous: bool = False) -> None:
@@ -35,8 +38,9 @@ def save_checkpoint(state: dict[str, Any], path: Path, *, keep_previous: bool = 
     path = Path(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    payload = buffer.getvalue()
-    record = {"format": CHECKPOINT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
+    payload = buffer.getbuffer()  # writable: torch.frombuffer shares it without a copy or a warning
+    record = {"format": CHECKPOINT_FORMAT, "sha256": hashlib.sha256(payload).hexdigest(),
+              "payload": torch.frombuffer(payload, dtype=torch.uint8)}
     buffer = io.BytesIO()
     torch.save(record, buffer)
     with atomic_path(path) as tmp:
@@ -58,15 +62,28 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         record = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for truncated/garbled files
         raise CheckpointError(f"{path}: unreadable checkpoint ({exc.__class__.__name__})") from exc
-    if not isinstance(record, dict) or record.get("format") != CHECKPOINT_FORMAT or "payload" not in record:
-        raise CheckpointError(f"{path}: not a brats-swap checkpoint (format {CHECKPOINT_FORMAT})")
-    payload = record["payload"]
+    payload = _payload_bytes(record)
+    if payload is None:
+        raise CheckpointError(f"{path}: not a brats-swap checkpoint (format {' or '.join(map(str, READABLE_FORMATS))})")
     if hashlib.sha256(payload).hexdigest() != record.get("sha256"):
         raise CheckpointError(f"{path}: checksum mismatch, the file is corrupted")
     try:
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint payload ({exc.__class__.__name__})") from exc
+
+
+def _payload_bytes(record: Any) -> bytes | None:
+    """The state's bytes in a checkpoint record of a readable format (2: a flat uint8 tensor, 1: bytes);
+    None for anything else."""
+    if not isinstance(record, dict) or record.get("format") not in READABLE_FORMATS:
+        return None
+    payload = record.get("payload")
+    if record["format"] == 1:
+        return payload if isinstance(payload, bytes) else None
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        return None
+    return payload.numpy().tobytes()
 
 
 def load_latest(fold: FoldFolder | Path, warn: Callable[[str], None] | None = None,
