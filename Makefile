@@ -24,15 +24,17 @@ install: $(VENV)/.installed
 # Without CUDA, pin the CPU build of torch (2.13.0 is on disk here) in the same pip call as the package, so
 # that resolving `torch>=2.4` does not download a multi-GB CUDA build; with CUDA, pip takes the normal build.
 # Two pip calls in all (each call costs pip's start and a look at every installed package): the resolved one,
-# and one for everything that goes in without its dependencies.
+# and one for everything that goes in without its dependencies. `--no-compile`: pip would byte-compile every
+# module of every package (torch's thousands included), about 40% of an installation's time; Python compiles
+# the modules a command imports the first time it imports them, and keeps them.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA found: installing brats-swap and its dependencies (the default torch build) into $(VENV)"; \
-		$(BIN)/pip install --quiet -e ".[dev,onnx]" $(QUIET_PIP); \
+		$(BIN)/pip install --quiet --no-compile -e ".[dev,onnx]" $(QUIET_PIP); \
 	else \
 		echo "no CUDA: installing brats-swap and its dependencies (the CPU build torch==2.13.0) into $(VENV)"; \
-		$(BIN)/pip install --quiet "torch==2.13.0" -e ".[dev,onnx]" $(QUIET_PIP); \
+		$(BIN)/pip install --quiet --no-compile "torch==2.13.0" -e ".[dev,onnx]" $(QUIET_PIP); \
 	fi
 	@# nnU-Net's networks come from dynamic-network-architectures, whose metadata asks for timm, which pulls
 	@# torchvision, which pulls another (multi-GB CUDA) torch over the one installed above. The U-Nets we
@@ -42,7 +44,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# scikit-learn, ...) its transforms never import; the two they do import, pandas and scikit-image, are in
 	@# the dev extra. nnU-Net and its two predictor imports (NNUNET above) go in the same way.
 	@$(BIN)/python -c "import torch; print(torch.__version__)" > $(VENV)/torch-version.txt
-	@$(BIN)/pip install --quiet --no-deps "$(DNA)" "einops>=0.7" "$(BGV2)" $(NNUNET) $(QUIET_PIP)
+	@$(BIN)/pip install --quiet --no-compile --no-deps "$(DNA)" "einops>=0.7" "$(BGV2)" $(NNUNET) $(QUIET_PIP)
 	@touch $@
 
 # The suite runs one pytest worker per core (pytest-xdist), each test file on one worker so that a module's
