@@ -27,7 +27,6 @@ what a later fold or `predict` pays: dynamo's tracing and the cache's loading).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from brats_swap.atomic import atomic_write_json
 from brats_swap.config import MemoryConfig, ModelConfig, load_config
 from brats_swap.config.loader import from_dict
 from brats_swap.memory import CompiledRegions, MemoryEngine
@@ -214,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               "cached_compile_s": cached}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(args.json)
+        atomic_write_json(args.json, record)
     return 0
 
 

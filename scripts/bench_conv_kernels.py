@@ -15,7 +15,6 @@ table on stdout, the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compile import NETWORKS, network_config  # noqa: E402  (the same networks as the compiled-step table)
 
+from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.memory.compiled import onednn_convolution, onednn_path, takes_onednn  # noqa: E402
 from brats_swap.model import build_model  # noqa: E402
 
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(args.json)
+        atomic_write_json(args.json, record)
     return 0
 
 

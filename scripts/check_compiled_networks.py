@@ -9,13 +9,13 @@ JSON; exit 1 if any network differs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from brats_swap.atomic import atomic_write_json
 from brats_swap.config import load_config
 from brats_swap.memory import CompiledRegions, MemoryEngine
 from brats_swap.memory.engine import memory_config_from
@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{rows[-1]['seconds']:5.0f}", flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"torch": torch.__version__, "steps": args.steps, "rows": rows}, indent=1))
-        tmp.replace(args.json)
+        atomic_write_json(args.json, {"torch": torch.__version__, "steps": args.steps, "rows": rows})
     return 1 if failed else 0
 
 
