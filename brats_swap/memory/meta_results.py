@@ -136,7 +136,9 @@ class MetaResults:
         if not cacheable:
             return func(*args, **kwargs)
         try:
-            key = (func, _key_of(args), tuple((name, _key_of(value)) for name, value in kwargs.items()))
+            # A factory called without a dtype (`aten.empty`, `aten.full`, `aten.arange`) takes the default one.
+            key = (func, torch.get_default_dtype(), _key_of(args),
+                   tuple((name, _key_of(value)) for name, value in kwargs.items()))
         except _Uncacheable:
             return func(*args, **kwargs)
         with self._lock:

@@ -173,13 +173,29 @@ class _AutocastOps(TorchFunctionMode):
         super().__init__()
         self.lower, self.fp32 = AUTOCAST_OPS[device_type]
         self.emulation = emulation
+        # func -> "lower", "fp32" or None: a step calls a few dozen functions thousands of times (every
+        # tensor method and attribute passes here), and the name alone decides.
+        self._listed: dict = {}
+
+    def _list_of(self, func) -> str | None:
+        try:
+            listed = self._listed.get(func, False)
+        except TypeError:  # an unhashable callable: decided afresh
+            return self._decide(func)
+        if listed is False:
+            listed = self._listed[func] = self._decide(func)
+        return listed
+
+    def _decide(self, func) -> str | None:
+        name = _policy_name(func)
+        return "lower" if name in self.lower else "fp32" if name in self.fp32 else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _policy_name(func)
-        if name in self.lower:
+        listed = self._list_of(func)
+        if listed == "lower":
             cast = self._to_lower
-        elif name in self.fp32 and kwargs.get("dtype") is None:
+        elif listed == "fp32" and kwargs.get("dtype") is None:
             cast = self._to_fp32
         else:
             return func(*args, **kwargs)
