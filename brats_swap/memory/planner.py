@@ -261,7 +261,7 @@ class Planner:
     # ---- pricing -------------------------------------------------------------------------------------
     def schedule(self, cfg: MemoryConfig, keep_lanes: bool = False) -> Schedule:
         """The rulebook's replay of `cfg` on this planner's clock (cached per policy)."""
-        key = repr((self.variant_key(cfg), cfg.mode, cfg.swap, self.cost))
+        key = self._replay_key(cfg)
         if keep_lanes or key not in self._schedules:
             schedule = replay(self.trace(cfg), cfg, cost=self.cost, durations=self.durations(cfg),
                               keep_lanes=keep_lanes)
@@ -269,6 +269,15 @@ class Planner:
                 return schedule
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def _replay_key(self, cfg: MemoryConfig) -> str:
+        """What a replay depends on: the trace, the mode, the swap knobs and the clock. Rule 7's window is
+        keyed as the rulebook resolves it (`budget.inflight_window_bytes`: unset, it comes from the budget),
+        and a window larger than every byte the step saves releases nothing early, so all such windows share
+        one replay: on a small step the search's in-flight budgets (64 MiB to 16 GiB) are then one replay,
+        not seven."""
+        window = min(inflight_window_bytes(cfg), self.trace(cfg).saved_bytes + 1)
+        return repr((self.variant_key(cfg), cfg.mode, replace(cfg.swap, max_inflight_bytes=window), self.cost))
 
     def memory(self, cfg: MemoryConfig, keep_timeline: bool = False) -> MemoryResult:
         result = simulate_memory(self.trace(cfg), schedule=self.schedule(cfg), keep_timeline=keep_timeline,

@@ -47,6 +47,7 @@ from brats_swap.memory.frontend import (
     discover_blocks,
     tensors_in,
 )
+from brats_swap.memory.meta_results import META_RESULTS
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.rulebook import Entry
 from brats_swap.memory.trace_data import OpInfo, Storage, Trace, TracedRecord, variant_name
@@ -172,13 +173,29 @@ class _AutocastOps(TorchFunctionMode):
         super().__init__()
         self.lower, self.fp32 = AUTOCAST_OPS[device_type]
         self.emulation = emulation
+        # func -> "lower", "fp32" or None: a step calls a few dozen functions thousands of times (every
+        # tensor method and attribute passes here), and the name alone decides.
+        self._listed: dict = {}
+
+    def _list_of(self, func) -> str | None:
+        try:
+            listed = self._listed.get(func, False)
+        except TypeError:  # an unhashable callable: decided afresh
+            return self._decide(func)
+        if listed is False:
+            listed = self._listed[func] = self._decide(func)
+        return listed
+
+    def _decide(self, func) -> str | None:
+        name = _policy_name(func)
+        return "lower" if name in self.lower else "fp32" if name in self.fp32 else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _policy_name(func)
-        if name in self.lower:
+        listed = self._list_of(func)
+        if listed == "lower":
             cast = self._to_lower
-        elif name in self.fp32 and kwargs.get("dtype") is None:
+        elif listed == "fp32" and kwargs.get("dtype") is None:
             cast = self._to_fp32
         else:
             return func(*args, **kwargs)
@@ -307,7 +324,10 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
     # ---- storage bookkeeping -------------------------------------------------------------------------
     def sweep(self) -> None:
         now = len(self.ops)
-        dead = [key for key, (ref, _) in self.live.items() if ref.expired()]
+        # Before every op, over every live storage: `StorageWeakRef.expired()`'s own call, without its two
+        # Python frames around it (a fifth of a trace's time at 192³).
+        expired = torch.UntypedStorage._expired
+        dead = [key for key, (ref, _) in self.live.items() if expired(ref.cdata)]
         for key in dead:
             _, sid = self.live.pop(key)
             self.storages[sid].free_op = now
@@ -334,10 +354,10 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.sweep()
-        out = func(*args, **kwargs)
+        out = META_RESULTS.run(func, args, kwargs)  # func(*args, **kwargs), its layout remembered (meta_results.py)
         name = func.overloadpacket.__name__
         counter = flop_registry.get(func.overloadpacket)
-        outputs = tensors_in(out)
+        outputs = _aten_tensors(out)
         if counter is not None:
             flops = float(counter(*args, **kwargs, out_val=out))
         else:  # elementwise and reductions: about one operation per output element
@@ -350,7 +370,7 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         self.ops.append(op)
         for tensor in outputs:
             self.storage_id(tensor.untyped_storage())
-        touched = tensors_in((args, kwargs)) + outputs
+        touched = _aten_tensors(args) + _aten_tensors(kwargs) + outputs
         if fused:  # part of its consumer's kernel: it moves only the tensors that exist in memory
             touched = [t for t in touched if not self._in_fused_kernel(t)]
         op.bytes_accessed = _bytes_accessed(touched)
@@ -359,6 +379,19 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
     def _in_fused_kernel(self, tensor: torch.Tensor) -> bool:
         hit = self.live.get(tensor.untyped_storage()._cdata)
         return hit is not None and hit[1] in self.fused
+
+
+def _aten_tensors(value) -> list[torch.Tensor]:
+    """`frontend.tensors_in` for an aten operator's arguments or results, which its schema allows to be tensors,
+    scalars and lists, tuples or dicts of them only: the same tensors in the same order, without the general
+    pytree walk (the recorder calls this three times per op)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _aten_tensors(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _aten_tensors(item)]
+    return []
 
 
 def _grouped_convolution(name: str, args: tuple) -> bool:

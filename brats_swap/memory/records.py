@@ -33,7 +33,8 @@ How a `SavedRecord` is filled:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -89,12 +90,37 @@ def is_plain_dense(t: torch.Tensor) -> bool:
 
 def module_matches(name: str, patterns: Iterable[str]) -> bool:
     """True when a glob matches `name` or one of its ancestors (`a.b.c` -> `a.b.c`, `a.b`, `a`)."""
-    patterns = list(patterns)
+    patterns = tuple(patterns)
     if not patterns:
         return False
-    parts = name.split(".") if name else [""]
-    candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-    return any(fnmatchcase(candidate, pattern) for candidate in candidates for pattern in patterns)
+    return _matcher(patterns)(name)
+
+
+# Distinct glob lists matched against in one process: the rulebook asks at every save of every replay, and the
+# planner's search replays hundreds of swap lists over the same module names (a tenth of a plan's time at 192³
+# when each answer was computed afresh); a search moves from list to list, so a few recent ones are enough.
+MATCHERS_KEPT = 64
+# Names one list's answers are kept for: more than any network's modules; past it the answers start again.
+NAMES_KEPT = 1 << 14
+
+
+@functools.lru_cache(maxsize=MATCHERS_KEPT)
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """`module_matches` for one glob list, each name's answer remembered (`NAMES_KEPT`)."""
+    answers: dict[str, bool] = {}
+
+    def matches(name: str) -> bool:
+        answer = answers.get(name)
+        if answer is None:
+            parts = name.split(".") if name else [""]
+            candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+            answer = any(fnmatchcase(candidate, pattern) for candidate in candidates for pattern in patterns)
+            if len(answers) >= NAMES_KEPT:
+                answers.clear()
+            answers[name] = answer
+        return answer
+
+    return matches
 
 
 def effective_memory_config(memory_cfg: MemoryConfig) -> MemoryConfig:
