@@ -24,9 +24,9 @@ install: $(VENV)/.installed
 # Without CUDA, pin the CPU build of torch (2.13.0 is on disk here) in the same pip call as the package, so
 # that resolving `torch>=2.4` does not download a multi-GB CUDA build; with CUDA, pip takes the normal build.
 # Two pip calls in all (each call costs pip's start and a look at every installed package): the resolved one,
-# and one for everything that goes in without its dependencies. `--no-compile`: pip would byte-compile every
-# module of every package (torch's thousands included), about 40% of an installation's time; Python compiles
-# the modules a command imports the first time it imports them, and keeps them.
+# and one for everything that goes in without its dependencies. `--no-compile`, then `compileall -j 0`: pip
+# byte-compiles every module of every package (torch's thousands included) one at a time, about 40% of an
+# installation's time; compileall does the same on every core.
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
@@ -45,6 +45,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# the dev extra. nnU-Net and its two predictor imports (NNUNET above) go in the same way.
 	@$(BIN)/python -c "import torch; print(torch.__version__)" > $(VENV)/torch-version.txt
 	@$(BIN)/pip install --quiet --no-compile --no-deps "$(DNA)" "einops>=0.7" "$(BGV2)" $(NNUNET) $(QUIET_PIP)
+	@# pip byte-compiles serially; the same compilation on every core (the processes that run as another uid
+	@# cannot write the bytecode they would otherwise compile at every start).
+	@$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 	@touch $@
 
 # The suite runs one pytest worker per core (pytest-xdist), each test file on one worker so that a module's
