@@ -25,6 +25,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from brats_swap.memory.frontend import storage_keys
+
 # A trace of the 3D U-Net at 192³ has a few thousand distinct (operator, layouts) keys; the planner's recompute
 # variants share most of them. The bound keeps a long process (cross-validation plans every fold) from growing:
 # least recently used keys go first, and a key costs well under a kilobyte.
@@ -109,12 +111,16 @@ def _same(rebuilt: torch.Tensor, out: torch.Tensor) -> bool:
             and rebuilt.is_neg() == out.is_neg())
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    """The tensors among a key-able call's arguments (plain tensors, possibly in lists; `_key_of`)."""
+def aten_tensors(value) -> list[torch.Tensor]:
+    """`frontend.tensors_in` for an aten operator's arguments or results, which its schema allows to be tensors,
+    scalars and lists, tuples or dicts of them only: the same tensors in the same order, without the general
+    pytree walk (the recorder calls this three times per op)."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if type(value) in (list, tuple):
-        return [tensor for item in value for tensor in _tensors(item)]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in aten_tensors(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in aten_tensors(item)]
     return []
 
 
@@ -148,7 +154,7 @@ class MetaResults:
         if layout is not None:
             return _rebuild(layout)
         out = func(*args, **kwargs)
-        inputs = {value.untyped_storage()._cdata for value in _tensors((args, tuple(kwargs.values())))}
+        inputs = storage_keys(aten_tensors((args, kwargs)))
         try:
             layout = _layout_of(out, inputs)
         except _Uncacheable:

@@ -47,7 +47,7 @@ from brats_swap.memory.frontend import (
     discover_blocks,
     tensors_in,
 )
-from brats_swap.memory.meta_results import META_RESULTS
+from brats_swap.memory.meta_results import META_RESULTS, aten_tensors
 from brats_swap.memory.recompute import CheckpointedModules, NormActRecipes
 from brats_swap.memory.rulebook import Entry
 from brats_swap.memory.trace_data import OpInfo, Storage, Trace, TracedRecord, variant_name
@@ -357,7 +357,7 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         out = META_RESULTS.run(func, args, kwargs)  # func(*args, **kwargs), its layout remembered (meta_results.py)
         name = func.overloadpacket.__name__
         counter = flop_registry.get(func.overloadpacket)
-        outputs = _aten_tensors(out)
+        outputs = aten_tensors(out)
         if counter is not None:
             flops = float(counter(*args, **kwargs, out_val=out))
         else:  # elementwise and reductions: about one operation per output element
@@ -370,7 +370,7 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
         self.ops.append(op)
         for tensor in outputs:
             self.storage_id(tensor.untyped_storage())
-        touched = _aten_tensors(args) + _aten_tensors(kwargs) + outputs
+        touched = aten_tensors(args) + aten_tensors(kwargs) + outputs
         if fused:  # part of its consumer's kernel: it moves only the tensors that exist in memory
             touched = [t for t in touched if not self._in_fused_kernel(t)]
         op.bytes_accessed = _bytes_accessed(touched)
@@ -379,19 +379,6 @@ class TraceRecorder(TorchDispatchMode, BackEnd):
     def _in_fused_kernel(self, tensor: torch.Tensor) -> bool:
         hit = self.live.get(tensor.untyped_storage()._cdata)
         return hit is not None and hit[1] in self.fused
-
-
-def _aten_tensors(value) -> list[torch.Tensor]:
-    """`frontend.tensors_in` for an aten operator's arguments or results, which its schema allows to be tensors,
-    scalars and lists, tuples or dicts of them only: the same tensors in the same order, without the general
-    pytree walk (the recorder calls this three times per op)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _aten_tensors(item)]
-    if isinstance(value, dict):
-        return [tensor for item in value.values() for tensor in _aten_tensors(item)]
-    return []
 
 
 def _grouped_convolution(name: str, args: tuple) -> bool:

@@ -100,25 +100,19 @@ def module_matches(name: str, patterns: Iterable[str]) -> bool:
 # planner's search replays hundreds of swap lists over the same module names (a tenth of a plan's time at 192³
 # when each answer was computed afresh); a search moves from list to list, so a few recent ones are enough.
 MATCHERS_KEPT = 64
-# Names one list's answers are kept for: more than any network's modules; past it the answers start again.
+# Names one list's answers are kept for: more than any network's modules.
 NAMES_KEPT = 1 << 14
 
 
 @functools.lru_cache(maxsize=MATCHERS_KEPT)
 def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
     """`module_matches` for one glob list, each name's answer remembered (`NAMES_KEPT`)."""
-    answers: dict[str, bool] = {}
 
+    @functools.lru_cache(maxsize=NAMES_KEPT)
     def matches(name: str) -> bool:
-        answer = answers.get(name)
-        if answer is None:
-            parts = name.split(".") if name else [""]
-            candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-            answer = any(fnmatchcase(candidate, pattern) for candidate in candidates for pattern in patterns)
-            if len(answers) >= NAMES_KEPT:
-                answers.clear()
-            answers[name] = answer
-        return answer
+        parts = name.split(".") if name else [""]
+        candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+        return any(fnmatchcase(candidate, pattern) for candidate in candidates for pattern in patterns)
 
     return matches
 
