@@ -51,6 +51,7 @@ def test_one_epoch_writes_the_run_folder_contract(data, tmp_path):
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["base_filters"] == 4
     env = json.loads((run / "env.json").read_text())
     assert env["torch"] == torch.__version__ and env["device"] == "cpu"
+    assert json.loads((run / "fold_0" / "env.json").read_text()) == env  # the fold's own record
     splits = json.loads((run / "splits.json").read_text())
     assert len(splits["folds"]) == 2
     fold = run / "fold_0"
@@ -72,6 +73,11 @@ def test_one_epoch_writes_the_run_folder_contract(data, tmp_path):
     assert again.finished and again.epochs_completed == 1 and again.epoch_seconds == []
     with pytest.raises(ConfigError, match="--resume"):
         train_fold(config, run, 0, progress=False)
+    # Each fold keeps the record of its own training; the run's env.json is the fold trained last.
+    fold_0_env = (fold / "env.json").read_text()
+    train_fold(config, run, 1, progress=False)
+    assert (fold / "env.json").read_text() == fold_0_env
+    assert json.loads((run / "fold_1" / "env.json").read_text()) == json.loads((run / "env.json").read_text())
 
 
 def test_two_runs_of_one_config_give_identical_losses(data, two_epoch_run, tmp_path):

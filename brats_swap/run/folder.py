@@ -7,7 +7,7 @@ Like nnU-Net's output folder, the layout is a contract users script against:
       postprocessing.json  compare.json  compare.md  figures/*.png
       training_plan.json                 (train-challenge: the card, the plan and the schedule it chose)
       fold_<k>/checkpoint_latest.pt  checkpoint_prev.pt  checkpoint_best.pt  checkpoint_nnunet.pt
-               train.log  tb/  state.json  memory_plan.json  cv_worker.log
+               train.log  env.json  tb/  state.json  memory_plan.json  cv_worker.log
                metrics.csv  summary.json  summary.md  dice_boxplot.png  predictions/<case>.nii.gz
                official.csv  official_summary.json      (the official BraTS lesion-wise metrics)
       full/  patch/                      (compare --patch: each arm is a run folder of its own)
@@ -121,6 +121,12 @@ class FoldFolder:
     @property
     def train_log(self) -> Path:
         return self.root / TRAIN_LOG
+
+    @property
+    def env(self) -> Path:
+        """What produced this fold (host, device, versions, whether its steps ran compiled): the run's
+        `env.json` is rewritten by every process that trains a fold, and folds on a cluster run on other nodes."""
+        return self.root / ENV_FILE
 
     @property
     def failure(self) -> Path:

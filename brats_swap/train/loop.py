@@ -470,9 +470,16 @@ class FoldRecipe:
                                 "amp": self.config.train.amp,  # what ran (`_amp_that_runs`)
                                 "deterministic": self.config.train.deterministic,
                                 "cudnn_benchmark": torch.backends.cudnn.benchmark}
-            atomic_write_json(self.run.env, self.environment)
+            self._write_environment()
         splits = run_on_main(self.ctx, load_run_splits, self.config, self.run, case_ids)
         return fold_cases(splits, self.folder.fold)
+
+    def _write_environment(self) -> None:
+        """env.json in the fold's folder (what produced this fold) and in the run's (the process that trained a
+        fold last: each process that trains a fold rewrites it, and parallel folds or SLURM's array tasks
+        run on other hosts and devices, as nnU-Net keeps its debug.json per fold)."""
+        for path in (self.folder.env, self.run.env):
+            atomic_write_json(path, self.environment)
 
     def note_nondeterministic_op(self, op: str) -> None:
         """`train.deterministic` on CUDA ran an op that has no deterministic kernel: said once per op, in the
@@ -484,7 +491,7 @@ class FoldRecipe:
         self.log.line(f"warning: {message}")  # ops run in steps, after the log is opened
         if self.environment is not None:
             self.environment.setdefault("nondeterministic_ops", []).append(op)
-            atomic_write_json(self.run.env, self.environment)
+            self._write_environment()
 
     def _build(self, train_ids: list[str], val_ids: list[str], resumed: bool) -> None:
         """Model, memory engine (mode auto planned once per fold), optimiser, scheduler, scaler, loaders."""
@@ -663,7 +670,7 @@ class FoldRecipe:
         record = self.compilation.record()
         if self.environment is not None and self.environment.get("compile") != record:
             self.environment["compile"] = record
-            atomic_write_json(self.run.env, self.environment)
+            self._write_environment()
 
     def _rest_of_the_run(self) -> tuple[str, int, float]:
         """What the progress lines add for the run's time left: the later epochs' steps, and this epoch's and
