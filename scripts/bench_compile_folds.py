@@ -10,10 +10,9 @@ For each network, three `brats-swap cv run` processes in a fresh run folder, wit
    `--parallel-folds` worker, a `--resume`, a cron job's next call);
 3. `--folds 2,3`: fold 2 again from the cache, then fold 3 in the same process (sequential `cv run`).
 
-Each fold's compile seconds are the `compile.compile_seconds` its process wrote into the run's `env.json`
-(what dynamo and inductor spent during its training steps and validations; torch imports the compiler's
-modules the first time it compiles, which every new process pays and is counted), read after each process;
-fold 2's is read from the log line it wrote. A table on stdout, the rows as JSON.
+Each fold's compile seconds are the `compile.compile_seconds` of its own `fold_<k>/env.json` (what dynamo and
+inductor spent during its training steps and validations; torch imports the compiler's modules the first
+time it compiles, which every new process pays and is counted). A table on stdout, the rows as JSON.
 
     OMP_NUM_THREADS=1 python scripts/bench_compile_folds.py --cube 64 --json docs/benchmarks/bench_compile_folds.json
 """
@@ -23,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -42,9 +40,6 @@ NETWORK_KEYS = {
     "isensee2017": lambda f: {"base_filters": f, "depth": 4},
     "nnunet": lambda f: {"features": [f, 2 * f, 4 * f], "deep_supervision": False},
 }
-
-# "compiling: 1 min 42 s (train step)" in a fold's train.log (`run.compiling.minutes_seconds`).
-COMPILING_LINE = re.compile(r"compiling: (?:(\d+) min )?(\d+) s \(")
 
 
 def config_for(network: str, root: Path, cube: int, filters: int, cases: int) -> dict:
@@ -70,20 +65,13 @@ def brats_swap(args: list[str], env: dict) -> float:
     return time.perf_counter() - started
 
 
-def env_compile_seconds(run: Path) -> float:
-    """The compile seconds the last fold of the last process wrote into the run's env.json."""
-    record = json.loads((run / "env.json").read_text(encoding="utf-8"))["compile"]
+def fold_compile_seconds(fold: Path) -> float:
+    """The compile seconds in a fold's env.json; a fold whose steps fell back to eager ends the benchmark."""
+    path = fold / "env.json"
+    record = json.loads(path.read_text(encoding="utf-8"))["compile"]
     if not record["compiled"]:
-        raise SystemExit(f"{run / 'env.json'}: the step did not run compiled ({record.get('fallback')})")
+        raise SystemExit(f"{path}: the step did not run compiled ({record.get('fallback')})")
     return float(record["compile_seconds"])
-
-
-def logged_compile_seconds(train_log: Path) -> int:
-    """The whole seconds of a fold's "compiling: ..." lines (rounded as the log writes them)."""
-    total = 0
-    for match in COMPILING_LINE.finditer(train_log.read_text(encoding="utf-8")):
-        total += 60 * int(match.group(1) or 0) + int(match.group(2))
-    return total
 
 
 def bench(network: str, scratch: Path, args) -> dict:
@@ -96,18 +84,17 @@ def bench(network: str, scratch: Path, args) -> dict:
     brats_swap(["data", "synth", "--config", str(config)], env)
     brats_swap(["data", "prepare", "--config", str(config)], env)
     run = root / "run"
-    walls, seconds = {}, {}
+    walls = {}
     for label, folds in (("first", "0"), ("new_process", "1"), ("sequential", "2,3")):
         walls[label] = brats_swap(["cv", "run", "--config", str(config), "--run", str(run), "--folds", folds], env)
-        seconds[label] = env_compile_seconds(run)  # fold 0, fold 1, fold 3 (after fold 2 in its process)
-    fold_2 = logged_compile_seconds(run / "fold_2" / "train.log")
+    seconds = [fold_compile_seconds(run / f"fold_{k}") for k in range(4)]
     cache_bytes = sum(p.stat().st_size for p in (root / "xdg").rglob("*") if p.is_file())
     row = {"network": network, "cube": args.cube, "filters": args.filters,
-           "first_fold_s": round(seconds["first"], 2),
-           "new_process_fold_s": round(seconds["new_process"], 2),
-           "new_process_fold_2_logged_s": fold_2,
-           "sequential_fold_s": round(seconds["sequential"], 2),
-           "speedup_new_process": round(seconds["first"] / max(seconds["new_process"], 1e-9), 1),
+           "first_fold_s": round(seconds[0], 2),  # fold 0, empty cache
+           "new_process_fold_s": round(seconds[1], 2),  # fold 1, its own process
+           "new_process_fold_2_s": round(seconds[2], 2),  # fold 2, first in its process
+           "sequential_fold_s": round(seconds[3], 2),  # fold 3, after fold 2 in the same process
+           "speedup_new_process": round(seconds[0] / max(seconds[1], 1e-9), 1),
            "process_wall_s": {k: round(v, 1) for k, v in walls.items()},
            "cache_mib": round(cache_bytes / 2**20, 1)}
     print(f"{network:12} {row['first_fold_s']:9.1f} {row['new_process_fold_s']:12.1f} "
