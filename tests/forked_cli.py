@@ -1,6 +1,6 @@
 """`brats-swap ARGS` in a process forked from the test process, for the tests that SIGKILL a command and then
 read what it left on disk (tests/test_failures/test_crashes.py, tests/test_cv_integration.py,
-tests/test_trainable.py).
+tests/test_trainable_stop.py, tests/test_group_signals.py).
 
 A fresh interpreter spends about 3.5 s of CPU importing torch and `torch._dynamo` (the first optimizer imports
 it) before a tiny command does a tenth of that in work; a fork starts with what the test process has imported.
@@ -33,9 +33,12 @@ _FRESH_DISPOSITIONS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM
                        signal.SIGUSR1: signal.SIG_DFL, signal.SIGUSR2: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
 
 
-def _run_child(args: list[str], signal_at: str | None, cwd: Path | None, stdout: Path, stderr: Path) -> None:
+def _run_child(args: list[str], signal_at: str | None, cwd: Path | None, stdout: Path, stderr: Path,
+               new_session: bool) -> None:
     code = 1
     try:
+        if new_session:
+            os.setsid()
         for signum, disposition in _FRESH_DISPOSITIONS.items():
             signal.signal(signum, disposition)
         for fd, path in ((1, stdout), (2, stderr)):
@@ -74,9 +77,11 @@ def _run_child(args: list[str], signal_at: str | None, cwd: Path | None, stdout:
 
 class ForkedCli:
     """`brats-swap ARGS` forked from this process, its output in two files; a `subprocess.Popen`'s `pid`,
-    `poll`, `wait`, `send_signal` and `returncode` (negative: the signal that ended it)."""
+    `poll`, `wait`, `send_signal` and `returncode` (negative: the signal that ended it). `new_session`: in a
+    session of its own, as `Popen(start_new_session=True)` (its process group is the job)."""
 
-    def __init__(self, args: list, *, signal_at: str | None = None, cwd: Path | None = None) -> None:
+    def __init__(self, args: list, *, signal_at: str | None = None, cwd: Path | None = None,
+                 new_session: bool = False) -> None:
         self._folder = Path(tempfile.mkdtemp(prefix="forked-cli-"))
         self.stdout_path, self.stderr_path = self._folder / "stdout", self._folder / "stderr"
         self.args = [str(a) for a in args]
@@ -85,7 +90,7 @@ class ForkedCli:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _run_child(self.args, signal_at, cwd, self.stdout_path, self.stderr_path)
+            _run_child(self.args, signal_at, cwd, self.stdout_path, self.stderr_path, new_session)
         self.pid = pid
 
     def poll(self) -> int | None:

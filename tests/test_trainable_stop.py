@@ -164,6 +164,7 @@ def test_sigkill_mid_epoch_then_the_same_command_resumes_to_the_uninterrupted_we
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
     assert (killed / "run" / "fold_0" / LATEST).exists() and not (killed / BUNDLE_FILE).exists()
     resumed = retrain(open_bundle(bundle), data, killed, device="cpu", say=lambda line: None)
-    assert resumed.resumed and "resume fold 0 at epoch 2 step 0" in (killed / "run" / "fold_0" / "train.log").read_text()
+    log = (killed / "run" / "fold_0" / "train.log").read_text()
+    assert resumed.resumed and "resume fold 0 at epoch 2 step 0" in log
     assert resumed.plan == uninterrupted.plan
     assert same_weights(open_bundle(resumed.bundle).state_dict(0), uninterrupted)
