@@ -9,8 +9,9 @@ BRATS_SIGNAL_AT="SIGNAL:WHERE", SIGNAL a signal's name (SIGTERM, SIGINT, SIGUSR1
   moments: a temporary file complete and not yet renamed, or checkpoint_latest.pt already rotated to
   checkpoint_prev.pt and the new one not yet in place.
 The signal goes through the kernel (os.kill of this process), so whatever handler is installed then decides,
-as with a signal from outside, but at a moment a test can name (tests/test_trainable_stop.py; SIGKILL at a
-replace: tests/test_failures/failure_helpers.py `run_cli_subprocess`).
+as with a signal from outside, but at a moment a test can name (tests/test_trainable_stop.py). `install(spec)`
+sets the same hook in a process forked from the test process (tests/forked_cli.py: SIGKILL at a replace, whose
+handler no process can choose).
 """
 
 from __future__ import annotations
@@ -22,66 +23,69 @@ import runpy
 import signal
 import sys
 
-signal_name, where, what = os.environ["BRATS_SIGNAL_AT"].split(":", 2)
-signum = signal.Signals[signal_name]
-sent = False
 
+def install(spec: str) -> None:
+    """Send this process the signal of `spec` ("SIGNAL:WHERE", the module docstring) at that moment."""
+    signal_name, where, what = spec.split(":", 2)
+    signum = signal.Signals[signal_name]
+    sent = []
 
-def send() -> None:
-    global sent
-    if not sent:
-        sent = True
-        os.kill(os.getpid(), signum)
+    def send() -> None:
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signum)
 
+    if where == "step":
+        import torch
 
-if where == "step":
-    import torch
+        from brats_swap.train import loop
 
-    from brats_swap.train import loop
+        real_loss, steps = loop.weighted_dice_loss, []
 
-    real_loss, steps = loop.weighted_dice_loss, []
+        def loss_with_signal(probs, target):
+            loss = real_loss(probs, target)
+            if torch.is_grad_enabled():  # training steps only (validation runs under no_grad)
+                steps.append(1)
+                if len(steps) == int(what):
+                    send()
+            return loss
 
-    def loss_with_signal(probs, target):
-        loss = real_loss(probs, target)
-        if torch.is_grad_enabled():  # training steps only (validation runs under no_grad)
-            steps.append(1)
-            if len(steps) == int(what):
+        loop.weighted_dice_loss = loss_with_signal
+    elif where == "call":
+        module_name, function_name = what.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        real_function = getattr(module, function_name)
+
+        @functools.wraps(real_function)
+        def function_with_signal(*args, **kwargs):
+            send()
+            return real_function(*args, **kwargs)
+
+        setattr(module, function_name, function_with_signal)
+    elif where == "replace":
+        name, occurrence, when = (what.split(":") + ["1", "before"])[:3]
+        if when not in ("before", "after"):
+            raise SystemExit(f"BRATS_SIGNAL_AT: {when!r} is neither before nor after")
+        real_replace, replaces = os.replace, []
+
+        def replace_with_signal(src, dst, *args, **kwargs):
+            ours = os.path.basename(os.fspath(dst)) == name
+            if ours:
+                replaces.append(1)
+            at_it = ours and len(replaces) == int(occurrence)
+            if at_it and when == "before":
                 send()
-        return loss
+            result = real_replace(src, dst, *args, **kwargs)
+            if at_it and when == "after":
+                send()
+            return result
 
-    loop.weighted_dice_loss = loss_with_signal
-elif where == "call":
-    module_name, function_name = what.rsplit(".", 1)
-    module = importlib.import_module(module_name)
-    real_function = getattr(module, function_name)
+        os.replace = replace_with_signal
+    else:
+        raise SystemExit(f"BRATS_SIGNAL_AT: unknown moment {where!r}")
 
-    @functools.wraps(real_function)
-    def function_with_signal(*args, **kwargs):
-        send()
-        return real_function(*args, **kwargs)
 
-    setattr(module, function_name, function_with_signal)
-elif where == "replace":
-    name, occurrence, when = (what.split(":") + ["1", "before"])[:3]
-    if when not in ("before", "after"):
-        raise SystemExit(f"BRATS_SIGNAL_AT: {when!r} is neither before nor after")
-    real_replace, replaces = os.replace, []
-
-    def replace_with_signal(src, dst, *args, **kwargs):
-        ours = os.path.basename(os.fspath(dst)) == name
-        if ours:
-            replaces.append(1)
-        at_it = ours and len(replaces) == int(occurrence)
-        if at_it and when == "before":
-            send()
-        result = real_replace(src, dst, *args, **kwargs)
-        if at_it and when == "after":
-            send()
-        return result
-
-    os.replace = replace_with_signal
-else:
-    raise SystemExit(f"BRATS_SIGNAL_AT: unknown moment {where!r}")
-
-sys.argv = ["brats-swap", *sys.argv[1:]]
-runpy.run_module("brats_swap", run_name="__main__", alter_sys=True)
+if __name__ == "__main__":
+    install(os.environ["BRATS_SIGNAL_AT"])
+    sys.argv = ["brats-swap", *sys.argv[1:]]
+    runpy.run_module("brats_swap", run_name="__main__", alter_sys=True)

@@ -1,6 +1,6 @@
 """`brats-swap cv` and `compare --patch` with the real training loop on tiny phantoms (CPU, seconds).
 
-The crash test runs the CLI in a subprocess (`python -m brats_swap cv ...`), as cron does, because SIGKILL
+The crash test runs the CLI in a process of its own, forked from this one (tests/forked_cli.py), because SIGKILL
 must hit a real process; the other invocations run in-process (an flock taken through another open file
 conflicts within one process too), which keeps the file fast.
 """
@@ -8,16 +8,14 @@ conflicts within one process too), which keeps the file fast.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from cv_helpers import snapshot
+from forked_cli import ForkedCli
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -57,20 +55,12 @@ def cv_args(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
     return ["cv", *sets, "--run", str(run_dir), *extra]
 
 
-def cv_command(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "brats_swap", *cv_args(data, run_dir, *extra)]
-
-
-def subprocess_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def wait_for(path: Path, process: subprocess.Popen, timeout: float = 90.0) -> None:
+def wait_for(path: Path, process: ForkedCli, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if process.poll() is not None:
             raise AssertionError(f"the cv process ended (exit {process.returncode}) before {path.name} appeared:\n"
-                                 + process.stdout.read())
+                                 + "".join(process.output()))
         if time.monotonic() > deadline:
             process.kill()
             raise AssertionError(f"{path} did not appear within {timeout} s")
@@ -94,14 +84,13 @@ def assert_complete(run_dir: Path, folds: int = 2, epochs: int = 2) -> None:
     assert "Dice" in (run_dir / "cv_summary.md").read_text()
 
 
-@pytest.mark.slow  # a subprocess (torch import) and two tiny folds
+@pytest.mark.slow  # a process of its own and two tiny folds
 def test_sigkill_mid_fold_then_rerun_finishes_without_retraining_and_a_done_run_is_left_alone(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
-    process = subprocess.Popen(cv_command(tiny_data, run_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=subprocess_env())
-    wait_for(run_dir / "fold_0" / "checkpoint_latest.pt", process)  # epoch 1 of fold 0 is saved
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=30)
+    with ForkedCli(cv_args(tiny_data, run_dir)) as process:
+        wait_for(run_dir / "fold_0" / "checkpoint_latest.pt", process)  # epoch 1 of fold 0 is saved
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
     assert process.returncode == -signal.SIGKILL
     before_rerun = logged_epochs(run_dir, 0)
     assert 1 in before_rerun and not (run_dir / "cv_summary.json").exists()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import descendants
+from forked_cli import ForkedCli
 from train_helpers import SMALL, small_dataset
 
 from brats_swap.cv.lock import fold_holder, fold_work
@@ -35,14 +36,17 @@ def data(tmp_path_factory):
     return small_dataset(tmp_path_factory)
 
 
-def _command(data, run: Path, *args: str, steps: int = 2000, epochs: int = 1) -> list[str]:
+def _arguments(data, run: Path, *args: str, steps: int = 2000, epochs: int = 1) -> list[str]:
     root, cache = data
     sets = [f"data.root={root}", f"data.cache={cache}", *SMALL, f"data.loader_workers={WORKERS}",
             "model.base_filters=2", "train.device=cpu", "cv.folds=2", f"train.steps_per_epoch={steps}",
             f"train.max_epochs={epochs}", "train.threads=1", "train.val_every=1000", "evaluate.hd95=false",
             "name=tiny"]
-    return [sys.executable, "-m", "brats_swap", *args, "--run", str(run),
-            *[arg for item in sets for arg in ("--set", item)]]
+    return [*args, "--run", str(run), *[arg for item in sets for arg in ("--set", item)]]
+
+
+def _command(data, run: Path, *args: str, steps: int = 2000, epochs: int = 1) -> list[str]:
+    return [sys.executable, "-m", "brats_swap", *_arguments(data, run, *args, steps=steps, epochs=epochs)]
 
 
 def _environment() -> dict[str, str]:
@@ -228,26 +232,28 @@ def _state(pid: int) -> str | None:
 def test_a_rerun_right_after_sigkill_of_train_resumes(data, tmp_path):
     """`train` SIGKILLed while its loader workers run (they outlive it for up to a few seconds): the fold is
     free at once, and `train --resume` started right away continues from the last checkpoint."""
-    run, output = tmp_path / "run", tmp_path / "output"
-    job = _start(_command(data, run, "train", steps=24, epochs=1000), output)
-    latest = run / "fold_0" / LATEST
-    try:
-        deadline = time.monotonic() + 180
-        while not latest.exists():  # the end of epoch 1
-            assert job.poll() is None, output.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 180 s"
-            time.sleep(0.05)
-        workers = _wait_for_loader_workers(job, WORKERS, settle_s=0.0)  # an epoch's workers, just started
-        os.kill(job.pid, signal.SIGKILL)
-        job.wait()
-        assert any(_state(pid) not in ("Z", None) for pid in workers)
-        assert fold_holder(run, 0) is None
-        target = load_checkpoint(latest)["epoch"] + 1
-        rerun = subprocess.run(_command(data, run, "train", "--resume", steps=24, epochs=target), env=_environment(),
-                               capture_output=True, text=True, timeout=180)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
+    run = tmp_path / "run"
+    # SIGKILL leaves the process no last word: forked from this one (tests/forked_cli.py), in a session of its own;
+    # its loader workers are its own forks, as under `python -m brats_swap`.
+    with ForkedCli(_arguments(data, run, "train", steps=24, epochs=1000), new_session=True) as job:
+        latest = run / "fold_0" / LATEST
+        try:
+            deadline = time.monotonic() + 180
+            while not latest.exists():  # the end of epoch 1
+                assert job.poll() is None, "".join(job.output())[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint within 180 s"
+                time.sleep(0.05)
+            workers = _wait_for_loader_workers(job, WORKERS, settle_s=0.0)  # an epoch's workers, just started
+            os.kill(job.pid, signal.SIGKILL)
+            job.wait()
+            assert any(_state(pid) not in ("Z", None) for pid in workers)
+            assert fold_holder(run, 0) is None
+            target = load_checkpoint(latest)["epoch"] + 1
+            rerun = subprocess.run(_command(data, run, "train", "--resume", steps=24, epochs=target),
+                                   env=_environment(), capture_output=True, text=True, timeout=180)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resume fold 0 at epoch {target} step 0" in (run / "fold_0" / "train.log").read_text()
     assert load_checkpoint(latest)["finished"]

@@ -1,23 +1,21 @@
 """A challenge image the organisers retrain (BraTS 2026 GoAT): the trainable build folder's `train` entry run as
 the challenge would (another uid, no network, read-only data) trains the bundle's recipe and writes a bundle that
-serves; SIGKILL and a restart end with the uninterrupted run's weights; two cards get two plans; the time
-budget shortens the schedule up front; the all-cases model (nnU-Net's fold `all`) trains, exports and predicts."""
+serves; two cards get two plans; the time budget shortens the schedule up front; the all-cases model (nnU-Net's
+fold `all`) trains, exports and predicts. (SIGKILL and a restart: tests/test_trainable_stop.py.)"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
-import torch
 from ship_helpers import NON_ROOT, challenge_input, namespaces_permitted, reachable_interpreter
 from trainable_helpers import RECIPE, goat_training_data, recipe_bundle
 
@@ -26,7 +24,7 @@ from brats_swap.errors import ConfigError
 from brats_swap.memory.planner import GIB
 from brats_swap.run.fold_selection import ALL_CASES, parse_fold_selection, resolve_folds
 from brats_swap.run.folder import ALL_CASES_FOLD, RunFolder
-from brats_swap.ship.bundle import TRAINING_PLAN, open_bundle
+from brats_swap.ship.bundle import METADATA, TRAINING_PLAN, open_bundle
 from brats_swap.ship.container import write_container
 from brats_swap.ship.retrain import (
     DEVICE_MEMORY_VARIABLE,
@@ -92,28 +90,6 @@ def test_the_trainable_image_trains_as_another_uid_without_network_and_its_bundl
         shutil.rmtree(work, ignore_errors=True)
 
 
-def test_sigkill_mid_epoch_then_the_same_command_resumes_to_the_uninterrupted_weights(data, tmp_path, monkeypatch):
-    monkeypatch.setenv(DEVICE_MEMORY_VARIABLE, "8")  # one card for both runs (a CPU's free memory varies)
-    bundle = recipe_bundle(tmp_path, "goat-long", [0], epochs=4)
-    killed = tmp_path / "killed"
-    command = [sys.executable, "-m", "brats_swap", "train-challenge", "--model", str(bundle), "--data", str(data),
-               "--output", str(killed), "--device", "cpu"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = killed / "run" / "fold_0" / "checkpoint_latest.pt"
-    deadline = time.monotonic() + 180
-    while not latest.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert latest.exists() and not (killed / "model.zip").exists()  # killed after epoch 1, before the end
-    resumed = retrain(open_bundle(bundle), data, killed, device="cpu", say=lambda line: None)
-    assert resumed.resumed and "resume fold 0 at epoch" in (killed / "run" / "fold_0" / "train.log").read_text()
-    whole = retrain(open_bundle(bundle), data, tmp_path / "whole", device="cpu", say=lambda line: None)
-    assert resumed.plan == whole.plan
-    ours, theirs = _weights(resumed.bundle, 0), _weights(whole.bundle, 0)
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
 def test_a_12_and_a_24_gb_card_get_different_plans():
     # A whole-volume recipe at a real size (planned on the meta device, nothing allocated).
     config = load_config(None, ["model.depth=3", "model.segmentation_levels=2", "data.cube=[128,128,128]",
@@ -170,3 +146,13 @@ def test_the_all_cases_model_trains_on_every_case_exports_and_predicts(data, tmp
     challenge_input(inputs, "goat", 1, seed=9)
     written = predict_with(predictor, inputs, tmp_path / "predicted")
     assert len(written) == 1 and written[0].name.startswith("BraTS-GoAT-")
+
+
+def test_a_bundle_names_monais_version_without_importing_it(tmp_path, monkeypatch):
+    """Every retrain ends in an export; importing MONAI only for its version cost that process seconds of CPU."""
+    monkeypatch.setitem(sys.modules, "monai", None)  # any `import monai` now raises ImportError
+    bundle = recipe_bundle(tmp_path, "goat-versions", [0], epochs=1)
+    with zipfile.ZipFile(bundle) as archive:
+        metadata = json.loads(archive.read(METADATA))
+    assert metadata["monai_version"] == importlib.metadata.version("monai")
+

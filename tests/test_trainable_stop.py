@@ -3,9 +3,10 @@ a `python -m brats_swap train-challenge` subprocess on a tiny GoAT phantom sends
 moment (tests/signal_hook.py). During training it stops at the end of the running step with the checkpoint
 written and exits 130 with one line; the model already in the output folder is untouched and no temporary file
 is left; the same command then resumes inside the epoch and ends with the uninterrupted run's weights
-(`torch.equal`). A SIGTERM before training (the data being prepared) stops at the end of that phase, a Ctrl-C
-there at once, both exit 130, and the same command then trains (and removes a killed export's temporary file),
-and a SIGTERM while it writes the new model.zip lets the write finish (temp file + rename) and exits 0."""
+(`torch.equal`). A Ctrl-C before training (the data being prepared) stops at once, a SIGTERM there at the end of
+that phase, both exit 130, and the same command then trains (and removes a killed export's temporary file),
+and a SIGTERM while it writes the new model.zip lets the write finish (temp file + rename) and exits 0. SIGKILL
+in the middle of an epoch, and a restart, end with the uninterrupted run's weights too."""
 
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked_cli import run_forked
 from trainable_helpers import goat_training_data, recipe_bundle
 
 from brats_swap.atomic import TEMP_SUFFIX
 from brats_swap.errors import EXIT_INTERRUPTED
+from brats_swap.run.folder import LATEST
 from brats_swap.ship.bundle import open_bundle
-from brats_swap.ship.retrain import BUNDLE_FILE, DEVICE_MEMORY_VARIABLE, retrain
+from brats_swap.ship.retrain import BUNDLE_FILE, DEVICE_MEMORY_VARIABLE, RetrainReport, retrain
 
 HOOK = Path(__file__).with_name("signal_hook.py")
-EPOCHS = 2  # of 2 steps (trainable_helpers.RECIPE): step 3 is the first step of epoch 2
+EPOCHS = 2
+STEPS_PER_EPOCH = 2  # trainable_helpers.RECIPE: step 3 is the first step of epoch 2
 TIMEOUT_S = 300
 
 
@@ -51,11 +55,10 @@ def bundle(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(card, data, bundle, tmp_path_factory) -> dict:
-    """The weights of the recipe retrained straight through, in this process."""
-    report = retrain(open_bundle(bundle), data, tmp_path_factory.mktemp("whole") / "out", device="cpu",
-                     say=lambda line: None)
-    return open_bundle(report.bundle).state_dict(0)
+def uninterrupted(card, data, bundle, tmp_path_factory) -> RetrainReport:
+    """The recipe retrained straight through, in this process."""
+    return retrain(open_bundle(bundle), data, tmp_path_factory.mktemp("whole") / "out", device="cpu",
+                   say=lambda line: None)
 
 
 def train_challenge(bundle: Path, data: Path, output: Path, signal_at: str | None = None
@@ -87,7 +90,8 @@ def temp_files(output: Path) -> list[Path]:
     return [p for p in output.rglob("*") if p.name.endswith(TEMP_SUFFIX)]
 
 
-def same_weights(ours: dict, theirs: dict) -> bool:
+def same_weights(ours: dict, theirs: RetrainReport) -> bool:
+    theirs = open_bundle(theirs.bundle).state_dict(0)
     return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
@@ -117,20 +121,24 @@ def test_a_stop_during_training_saves_the_step_exits_130_keeps_the_model_and_the
     assert temp_files(output) == []
 
 
-@pytest.mark.parametrize(("signum", "said"), [
-    # At once too (issue 43: `docker stop` waits seconds, preparing may take minutes); the cases done are kept.
-    (signal.SIGTERM, "/out/cache keeps the cases done); run the same command again to continue"),
-    (signal.SIGINT, "interrupted"),  # Ctrl-C outside training: at once (every write there is atomic)
-], ids=["SIGTERM", "SIGINT"])
+# Ctrl-C outside training: at once (every write there is atomic). SIGTERM at once too (issue 43: `docker stop`
+# waits seconds, preparing may take minutes), the cases done kept.
+STOPS_WHILE_PREPARING = [(signal.SIGINT, "interrupted"),
+                         (signal.SIGTERM, "/out/cache keeps the cases done); run the same command again to continue")]
+
+
 def test_a_stop_while_the_data_is_prepared_ends_before_training_with_130_and_the_rerun_trains(
-        card, data, bundle, uninterrupted, tmp_path, signum, said):
+        card, data, bundle, uninterrupted, tmp_path):
+    # A Ctrl-C, then the same command stopped by a SIGTERM (it prepares what the Ctrl-C left), then the same command
+    # again (one rerun checks what follows both stops; each rerun is a whole training).
     output = tmp_path / "out"
-    stopped = train_challenge(bundle, data, output, f"{signum.name}:call:brats_swap.train.data.prepare_run_data")
-    assert stopped.returncode == EXIT_INTERRUPTED, stopped.stdout + stopped.stderr
-    errors = stop_lines(stopped, signum)
-    assert len(errors) == 1 and errors[0].endswith(said), stopped.stderr
-    assert not (output / "run" / "fold_0").exists()  # stopped before training
-    assert not (output / BUNDLE_FILE).exists() and temp_files(output) == []
+    for signum, said in STOPS_WHILE_PREPARING:
+        stopped = train_challenge(bundle, data, output, f"{signum.name}:call:brats_swap.train.data.prepare_run_data")
+        assert stopped.returncode == EXIT_INTERRUPTED, stopped.stdout + stopped.stderr
+        errors = stop_lines(stopped, signum)
+        assert len(errors) == 1 and errors[0].endswith(said), stopped.stderr
+        assert not (output / "run" / "fold_0").exists()  # stopped before training
+        assert not (output / BUNDLE_FILE).exists() and temp_files(output) == []
 
     # What a SIGKILL during an earlier export would have left (atomic_path's name, a writer that is gone).
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
@@ -144,3 +152,19 @@ def test_a_stop_while_the_data_is_prepared_ends_before_training_with_130_and_the
     assert "SIGTERM" in resumed.stderr + resumed.stdout
     assert same_weights(open_bundle(output / BUNDLE_FILE).state_dict(0), uninterrupted)
     assert temp_files(output) == []
+
+
+def test_sigkill_mid_epoch_then_the_same_command_resumes_to_the_uninterrupted_weights(card, data, bundle,
+                                                                                     uninterrupted, tmp_path):
+    killed = tmp_path / "killed"
+    # SIGKILL leaves a process no last word: forked from this one (tests/forked_cli.py), killed during the first step
+    # of epoch 2, with epoch 1's checkpoint written.
+    done = run_forked(["train-challenge", "--model", bundle, "--data", data, "--output", killed, "--device", "cpu"],
+                      signal_at=f"SIGKILL:step:{STEPS_PER_EPOCH + 1}", timeout=TIMEOUT_S)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    assert (killed / "run" / "fold_0" / LATEST).exists() and not (killed / BUNDLE_FILE).exists()
+    resumed = retrain(open_bundle(bundle), data, killed, device="cpu", say=lambda line: None)
+    log = (killed / "run" / "fold_0" / "train.log").read_text()
+    assert resumed.resumed and "resume fold 0 at epoch 2 step 0" in log
+    assert resumed.plan == uninterrupted.plan
+    assert same_weights(open_bundle(resumed.bundle).state_dict(0), uninterrupted)

@@ -23,7 +23,7 @@ def environment_record(device: torch.device) -> dict[str, Any]:
 
     record: dict[str, Any] = {
         "brats_swap": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "monai": _installed_version("monai"), "nibabel": nibabel.__version__, "numpy": np.__version__,
+        "monai": installed_version("monai"), "nibabel": nibabel.__version__, "numpy": np.__version__,
         "platform": platform.platform(), "hostname": platform.node(), "device": str(device),
         "cpu_threads": torch.get_num_threads(), "command": " ".join(sys.argv),
         "started_at": utc_now(),
@@ -35,10 +35,10 @@ def environment_record(device: torch.device) -> dict[str, Any]:
     return record
 
 
-def _installed_version(distribution: str) -> str | None:
+def installed_version(distribution: str) -> str | None:
     """The installed version of `distribution`, read from its metadata: importing MONAI only to read its
     `__version__` cost every training process 2.5 s of CPU (it imports all its submodules), and a run whose
-    network and loss are our own never imports it otherwise."""
+    network and loss are our own never imports it otherwise (nor does a bundle's export, ship/bundle.py)."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:

@@ -115,16 +115,17 @@ def _json_bytes(record) -> bytes:
 
 
 def _versions() -> dict[str, str]:
-    """MONAI's metadata names for the versions a bundle was made with, plus ours."""
-    import monai
+    """MONAI's metadata names for the versions a bundle was made with, plus ours (MONAI's read from its installed
+    metadata: importing it costs a process seconds of CPU, run/environment.py)."""
     import nibabel
     import numpy
     import torch
 
     from brats_swap import __version__
+    from brats_swap.run.environment import installed_version
 
     return {"brats_swap_version": __version__, "pytorch_version": torch.__version__,
-            "monai_version": monai.__version__, "numpy_version": numpy.__version__,
+            "monai_version": installed_version("monai"), "numpy_version": numpy.__version__,
             "optional_packages_version": {"nibabel": nibabel.__version__}, "python_version": platform.python_version()}
 
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import os
 import resource
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 import torch
+from forked_cli import run_forked
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -211,7 +210,6 @@ DAMAGES = {
 # --------------------------------------------------------------------------------------------------
 # Training runs: in-process, or in a subprocess that can be killed.
 
-SIGNAL_HOOK = Path(__file__).parents[1] / "signal_hook.py"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -226,16 +224,10 @@ def set_args(cache: Path, *extra: str) -> list[str]:
     return [a for item in [*TINY, f"data.cache={cache}", *extra] for a in ("--set", item)]
 
 
-def run_cli_subprocess(args: list, *, kill_at: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m brats_swap ARGS` in a fresh process; with `kill_at` ("file:occurrence:before|after") the
-    process SIGKILLs itself at that os.replace (tests/signal_hook.py's `replace` moment)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    if kill_at is not None:
-        env["BRATS_SIGNAL_AT"] = f"SIGKILL:replace:{kill_at}"
-        command = [sys.executable, str(SIGNAL_HOOK), *map(str, args)]
-    else:
-        command = [sys.executable, "-m", "brats_swap", *map(str, args)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def run_killed_at(args: list, kill_at: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`brats-swap ARGS` in a process forked from this one (tests/forked_cli.py) that SIGKILLs itself at an
+    os.replace: `kill_at` "file:occurrence:before|after" (tests/signal_hook.py's `replace` moment)."""
+    return run_forked(args, signal_at=f"SIGKILL:replace:{kill_at}", cwd=REPO, timeout=timeout)
 
 
 def assert_no_half_written_files(folder: Path) -> None:

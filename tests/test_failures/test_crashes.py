@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,11 +19,12 @@ from failure_helpers import (
     error_line,
     invoke,
     leftovers,
-    run_cli_subprocess,
+    run_killed_at,
     says,
     set_args,
     squash,
 )
+from forked_cli import ForkedCli
 
 from brats_swap.errors import EXIT_BAD_INPUT
 from brats_swap.run.checkpoint import load_checkpoint, load_latest
@@ -52,7 +51,7 @@ def _losses(run) -> list[float]:
 )
 def test_sigkill_during_training_then_resume(prepared_cache, trained_run, tmp_path, kill_at, resumed_epoch):
     run = tmp_path / "run"
-    killed = run_cli_subprocess(["train", "--run", run, *set_args(prepared_cache, EPOCHS)], kill_at=kill_at)
+    killed = run_killed_at(["train", "--run", run, *set_args(prepared_cache, EPOCHS)], kill_at)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert_no_half_written_files(run)
 
@@ -75,10 +74,7 @@ def test_sigkill_during_training_then_resume(prepared_cache, trained_run, tmp_pa
 def test_sigkill_at_a_random_moment_of_an_epoch(prepared_cache, tmp_path):
     run = tmp_path / "run"
     log = run / "fold_0" / "train.log"
-    command = [sys.executable, "-m", "brats_swap", "train", "--run", str(run), *set_args(prepared_cache, EPOCHS)]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    try:
+    with ForkedCli(["train", "--run", run, *set_args(prepared_cache, EPOCHS)], cwd=REPO) as process:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and process.poll() is None:
             if log.exists() and "epoch 1/3  train_loss" in log.read_text():
@@ -86,7 +82,6 @@ def test_sigkill_at_a_random_moment_of_an_epoch(prepared_cache, tmp_path):
             time.sleep(0.02)
         time.sleep(0.3)  # somewhere inside epoch 2 (steps, validation or the checkpoint write)
         assert log.exists(), "training never started"
-    finally:
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
     assert_no_half_written_files(run)
@@ -109,7 +104,7 @@ def test_sigkill_during_prepare_then_rerun(phantom_root, tmp_path, kill_at):
 
     cache = tmp_path / "cache"
     args = ["data", "prepare", phantom_root, "--out", cache, "--workers", "1", "--set", "data.cube=[32,32,32]"]
-    killed = run_cli_subprocess(args, kill_at=kill_at)
+    killed = run_killed_at(args, kill_at)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert_no_half_written_files(cache)
     for case_id in list_prepared(cache):  # whatever is listed is complete
@@ -236,7 +231,7 @@ def test_sigkill_during_cv_then_rerun(prepared_cache, phantom_root, tmp_path):
 
     run = tmp_path / "run"
     args = ["cv", "--run", run, *set_args(prepared_cache, "train.max_epochs=1", f"data.root={phantom_root}")]
-    killed = run_cli_subprocess(args, kill_at="summary.json:1:after")
+    killed = run_killed_at(args, "summary.json:1:after")
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert_no_half_written_files(run)
     assert (run / "fold_0" / "summary.json").exists() and not (run / "fold_1" / LATEST).exists()
