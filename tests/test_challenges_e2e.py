@@ -57,7 +57,8 @@ def test_check_train_evaluate_on_a_challenge_from_an_empty_cache(challenge, tmp_
     _invoke(["data", "synth", "--challenge", challenge, "--cases", "4", "--shape", "40", "40", "24",
              "--out", str(root)])
     chosen = [f"data.modalities={modalities}"] if modalities else []
-    checked = _invoke(["data", "check", str(root), "--strict", *_sets(*chosen)])
+    # One process: the pool's answers are tests/test_data_scale.py's (two spawned workers cost ~3 s of CPU here).
+    checked = _invoke(["data", "check", str(root), "--strict", "--workers", "1", *_sets(*chosen)])
     assert "4 usable, 0 skipped" in checked.output
     assert not cache.exists()
 

@@ -109,7 +109,8 @@ def test_check_strict_passes_on_the_phantoms_of_each_challenge(tmp_path, challen
     made = runner.invoke(data_app, ["synth", "--challenge", challenge, "--out", str(tmp_path), "--cases", "2",
                                     "--shape", "32", "32", "24"])
     assert made.exit_code == 0, made.output
-    checked = runner.invoke(data_app, ["check", "--strict", str(tmp_path), *extra])
+    # One process: the pool's answers are tests/test_data_scale.py's (two spawned workers cost ~3 s of CPU here).
+    checked = runner.invoke(data_app, ["check", "--strict", "--workers", "1", str(tmp_path), *extra])
     assert checked.exit_code == 0, checked.output
     text = " ".join(checked.output.split())
     assert "2 usable, 0 skipped" in text and get_challenge(challenge).title.split()[0] in text

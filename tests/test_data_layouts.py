@@ -174,7 +174,7 @@ def test_cropped_tumour_voxels_are_reported(originals, tmp_path):
                                                           fit_to={"cube": [16, 16, 16], "fit": "resample"}))
 
     runner = CliRunner()
-    strict = runner.invoke(app, ["data", "check", str(originals / "brats21"), "--strict",
+    strict = runner.invoke(app, ["data", "check", str(originals / "brats21"), "--strict", "-j", "1",
                                  "--set", "data.cube=[16,16,16]", "--set", "data.fit=pad_crop"])
     assert strict.exit_code == 1
     assert "lose tumour voxels, --strict" in " ".join(strict.output.split())
@@ -219,7 +219,7 @@ def test_a_hand_renamed_folder_warns_that_accepted_cases_may_be_mislabelled(orig
                 data = np.where(data == 4, 3 if index else 1, np.where(data == 2, 1, np.where(data == 1, 2, 0)))
                 data = data.astype(np.uint8)
             nib.save(nib.Nifti1Image(data, image.affine, image.header), str(target))
-    result = CliRunner().invoke(app, ["data", "check", str(folder)])
+    result = CliRunner().invoke(app, ["data", "check", str(folder), "-j", "1"])
     text = " ".join(result.output.split())
     assert "of 3 cases read with the 2021 table (e.g. BraTS2021_00001) hold labels outside it" in text
     assert "(e.g. BraTS2021_00000) may be mislabelled" in text

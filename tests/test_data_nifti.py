@@ -183,12 +183,12 @@ def test_without_strict_bad_cases_are_listed_and_skipped(tmp_path):
     write_case(tmp_path, "BraTS2021_00001", "2021")
     bad = write_case(tmp_path, "BraTS2021_00002", "2021")
     _nan(bad["t1"])
-    result = _check(tmp_path)
+    result = _check(tmp_path, "--workers", "1")  # one process: the pool is tests/test_data_scale.py's
     assert result.exit_code == 0, result.output
     assert "1 usable, 1 skipped" in result.output
     assert "non-finite" in result.output
     _nan(write_case(tmp_path, "BraTS2021_00001", "2021")["t2"])  # now every case is bad
-    assert _check(tmp_path).exit_code == 1
+    assert _check(tmp_path, "--workers", "1").exit_code == 1
 
 
 def test_empty_folder_and_gzip_without_end_are_exit_1(tmp_path):

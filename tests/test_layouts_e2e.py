@@ -38,8 +38,13 @@ def _rows(path):
         return [{k: v for k, v in row.items() if k != "case"} for row in csv.DictReader(handle)]
 
 
+def _check(root):
+    # One process: the pool's answers are tests/test_data_scale.py's (two spawned workers cost ~3 s of CPU here).
+    _invoke("data", "check", str(root), "--strict", "--workers", "1")
+
+
 def _train(root, tmp_path, name):
-    _invoke("data", "check", str(root), "--strict")
+    _check(root)
     run = tmp_path / f"run-{name}"
     _invoke("train", "--run", str(run), *_sets(f"data.root={root}", f"data.cache={tmp_path / f'cache-{name}'}", *TINY))
     _invoke("evaluate", "--run", str(run))
@@ -54,7 +59,7 @@ def test_nnunet_brats21_and_decathlon_folders_train_predict_and_evaluate(tmp_pat
     run = _train(nnunet, tmp_path, "nnunet")
 
     names = to_msd_task01(brats, tmp_path / "Task01_BrainTumour")
-    _invoke("data", "check", str(tmp_path / "Task01_BrainTumour"), "--strict")
+    _check(tmp_path / "Task01_BrainTumour")
     _invoke("predict", "--run", str(run), "--input", str(brats), "--out", str(tmp_path / "pred-brats"))
     _invoke("predict", "--run", str(run), "--input", str(tmp_path / "Task01_BrainTumour"), "--out",
             str(tmp_path / "pred-msd"), "--dataset-labels")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from layout_helpers import to_nnunet_brats21
+from resume_helpers import prepare_in_one_process
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -85,6 +86,7 @@ def test_predict_evaluate_and_fine_tune_under_memory_auto(tmp_path):
             "train.batch_size=1", "data.loader_workers=0",
             "evaluate.hd95=false", "train.lr=1e-12"]
     sets = [arg for item in tiny for arg in ("--set", item)]
+    prepare_in_one_process(run, tiny)
     # --resume on the imported run: its config.yaml (with train.init_from) is the base; no fold checkpoint yet.
     first = runner.invoke(app, ["train", "--run", str(run), "--resume", *sets])
     assert first.exit_code == 0, first.output

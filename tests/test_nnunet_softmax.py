@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from layout_helpers import nnunet_phantoms, to_nnunet_brats21
+from resume_helpers import prepare_in_one_process
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -170,6 +171,7 @@ def test_every_command_on_a_softmax_run(label_model, tmp_path):
         if path.is_file():
             (copy / path.relative_to(run)).parent.mkdir(parents=True, exist_ok=True)
             (copy / path.relative_to(run)).write_bytes(path.read_bytes())
+    prepare_in_one_process(copy, tiny)
     # The imported config's train.init_from names the original run's fold_0/checkpoint_nnunet.pt: the same weights.
     trained = CliRunner().invoke(app, ["train", "--run", str(copy), "--resume",
                                        *(arg for item in tiny for arg in ("--set", item))])

@@ -43,6 +43,14 @@ def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+def _first_cases(root: Path, folder: Path, count: int) -> Path:
+    """`folder` holding links to the first `count` cases of the dataset at `root`."""
+    folder.mkdir()
+    for case in sorted(p for p in Path(root).iterdir() if p.is_dir())[:count]:
+        (folder / case.name).symlink_to(case, target_is_directory=True)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def cv_run(tmp_path_factory):
     return tiny_cv_run(tmp_path_factory)
@@ -100,10 +108,8 @@ def test_a_forged_onnx_record_is_never_trusted_for_what_the_network_takes(onnx_b
     import json
 
     _, _, root = cv_run
-    case = sorted(p for p in Path(root).iterdir() if p.is_dir())[0]
-    cases = tmp_path / "cases"
-    cases.mkdir()
-    (cases / case.name).symlink_to(case, target_is_directory=True)
+    cases = _first_cases(root, tmp_path / "cases", 1)
+    (case,) = cases.iterdir()
     forged = tmp_path / "forged.zip"
     with zipfile.ZipFile(onnx_bundle) as source, zipfile.ZipFile(forged, "w") as target:
         for info in source.infolist():
@@ -170,13 +176,15 @@ def _untrained_run(base: Path, kind: str, root: Path, edition: str) -> Path:
 @pytest.fixture(scope="module")
 def runs(cv_run, onnx_bundle, tmp_path_factory):
     """kind -> (bundle exported with --onnx, the cases to predict): the tiny cross-validation (whole volume,
-    trained, two folds), the untrained kinds above and an imported nnU-Net model."""
+    trained, two folds), the untrained kinds above and an imported nnU-Net model. Two of the run's phantoms are
+    predicted (every case is predicted by the same code; each one costs 8 mirrored forwards per fold and runtime)."""
     _, cv, root = cv_run
     base = tmp_path_factory.mktemp("onnx-runs")
     edition = load_checkpoint(RunFolder(cv).fold(0).best)["edition"]
-    made = {"whole": (onnx_bundle, root)}
+    cases = _first_cases(root, base / "cases", 2)
+    made = {"whole": (onnx_bundle, cases)}
     for kind in KINDS:
-        made[kind] = (base / f"{kind}.zip", root)
+        made[kind] = (base / f"{kind}.zip", cases)
         result = invoke("export", "--run", _untrained_run(base, kind, root, edition), "--out", made[kind][0], "--onnx")
         assert result.exit_code == 0, result.output
     imported = base / "nnunet-run"
@@ -212,10 +220,26 @@ def assert_runtimes_agree(ours: dict, theirs: dict) -> None:
         assert np.mean(np.abs(probs - their_probs)) <= MAX_MEAN_PROBABILITY_DIFF, name
 
 
+@pytest.fixture(scope="module")
+def torch_predicted(runs, tmp_path_factory):
+    """kind -> what `predict --runtime torch` writes for the kind's bundle (with TTA and probabilities),
+    predicted once per module: the tests below compare several onnxruntime predictions with it."""
+    base = tmp_path_factory.mktemp("torch-predictions")
+    made = {}
+
+    def predicted(kind: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        if kind not in made:
+            bundle, cases = runs[kind]
+            made[kind] = _predict(bundle, cases, base / kind, "torch")
+        return made[kind]
+
+    return predicted
+
+
 @pytest.mark.parametrize("kind", ["whole", *KINDS, "nnunet"])
-def test_onnxruntime_predicts_what_torch_predicts(runs, kind, tmp_path):
+def test_onnxruntime_predicts_what_torch_predicts(runs, torch_predicted, kind, tmp_path):
     bundle, cases = runs[kind]
-    theirs = _predict(bundle, cases, tmp_path / "torch", "torch")
+    theirs = torch_predicted(kind)
     ours = _predict(bundle, cases, tmp_path / "onnxruntime", "onnxruntime")
     assert_runtimes_agree(ours, theirs)
     assert any(labels.any() for labels, _ in theirs.values()) or kind != "whole"  # the trained run paints tumour
@@ -248,7 +272,7 @@ def _without_torch(tmp_path: Path, *args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("kind", ["softmax", "nnunet"])
-def test_the_onnxruntime_path_runs_where_importing_torch_fails(runs, kind, tmp_path):
+def test_the_onnxruntime_path_runs_where_importing_torch_fails(runs, torch_predicted, kind, tmp_path):
     bundle, cases = runs[kind]
     blocked = _without_torch(tmp_path, "predict", "--model", bundle, "--runtime", "torch", "--input", cases,
                              "--out", tmp_path / "torch")
@@ -256,7 +280,7 @@ def test_the_onnxruntime_path_runs_where_importing_torch_fails(runs, kind, tmp_p
     done = _without_torch(tmp_path, "predict", "--model", bundle, "--runtime", "onnxruntime", "--input", cases,
                           "--out", tmp_path / "free", "--tta", "--save-probabilities")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_runtimes_agree(_predicted(tmp_path / "free"), _predict(bundle, cases, tmp_path / "torch", "torch"))
+    assert_runtimes_agree(_predicted(tmp_path / "free"), torch_predicted(kind))
 
 
 # ---- the numpy forms of what torch and MONAI did ------------------------------------------------------------
@@ -323,10 +347,7 @@ def test_onnxruntime_runs_the_float16_network_where_torch_predicts_under_autocas
     assert not onnx_runtime.runs_in_float16(config, cuda)  # amp off: torch predicts in float32 on CUDA too
     assert not onnx_runtime.runs_in_float16(with_amp, cpu) and not onnx_runtime.runs_in_float16(nnunet_rules, cpu)
 
-    cases = tmp_path / "cases"
-    cases.mkdir()
-    for case in sorted(p for p in Path(root).iterdir() if p.is_dir())[:2]:
-        (cases / case.name).symlink_to(case, target_is_directory=True)
+    cases = _first_cases(root, tmp_path / "cases", 2)
     single = invoke("predict", "--model", onnx_bundle, "--input", cases, "--out", tmp_path / "fp32",
                     "--runtime", "onnxruntime", "--save-probabilities")
     assert single.exit_code == 0 and "ONNX in onnxruntime, float32)" in single.output, single.output

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from train_helpers import prepared_dataset, tensorboard_scalars
+from train_helpers import SMALL, small_dataset, tensorboard_scalars
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -12,12 +12,12 @@ from brats_swap.train import loop
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return prepared_dataset(tmp_path_factory)
+    return small_dataset(tmp_path_factory)  # the 16³ cube of SMALL: what is checked here holds at any size
 
 
 def tiny_args(data, run, *extra: str) -> list[str]:
     root, cache = data
-    sets = [f"data.root={root}", f"data.cache={cache}", "data.cube=[32,32,32]", "data.loader_workers=0",
+    sets = [f"data.root={root}", f"data.cache={cache}", *SMALL, "data.loader_workers=0",
             "model.base_filters=4", "train.max_epochs=1", "train.steps_per_epoch=1", "train.device=cpu",
             "cv.folds=2", "evaluate.hd95=false", "name=tiny", *extra]
     return ["train", "--run", str(run)] + [arg for s in sets for arg in ("--set", s)]
@@ -63,4 +63,4 @@ def test_memory_mode_auto_saves_the_planners_choice(data, tmp_path):
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "run" / "fold_0" / "memory_plan.json").read_text())
     assert plan["memory"]["mode"] in ("none", "swap", "recompute", "hybrid")
-    assert plan["input_shape"] == [1, 4, 32, 32, 32]
+    assert plan["input_shape"] == [1, 4, 16, 16, 16]
