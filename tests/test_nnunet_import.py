@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from layout_helpers import to_nnunet_brats21
-from resume_helpers import prepare_in_one_process
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -83,10 +82,9 @@ def test_predict_evaluate_and_fine_tune_under_memory_auto(tmp_path):
 
     tiny = [f"data.root={data}", f"data.cache={tmp_path / 'cache'}", "memory.mode=auto", "memory.budget_gib=4",
             "memory.bandwidth_gbs=10", "train.max_epochs=1", "train.steps_per_epoch=1", "train.device=cpu",
-            "train.batch_size=1", "data.loader_workers=0",
+            "train.batch_size=1", "data.loader_workers=0", "data.prepare_workers=1",
             "evaluate.hd95=false", "train.lr=1e-12"]
     sets = [arg for item in tiny for arg in ("--set", item)]
-    prepare_in_one_process(run, tiny)
     # --resume on the imported run: its config.yaml (with train.init_from) is the base; no fold checkpoint yet.
     first = runner.invoke(app, ["train", "--run", str(run), "--resume", *sets])
     assert first.exit_code == 0, first.output

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 from layout_helpers import nnunet_phantoms, to_nnunet_brats21
-from resume_helpers import prepare_in_one_process
 from typer.testing import CliRunner
 
 from brats_swap.cli.main import app
@@ -163,7 +162,7 @@ def test_every_command_on_a_softmax_run(label_model, tmp_path):
     synthesize_dataset(brats, 5, seed=2, edition="2021", shape=(40, 40, 24))
     train_data = to_nnunet_brats21(brats, tmp_path / "Dataset137_BraTS2021")
     tiny = [f"data.root={train_data}", f"data.cache={tmp_path / 'cache'}", "train.max_epochs=1",
-            "train.steps_per_epoch=1", "train.device=cpu", "train.batch_size=1", "data.loader_workers=0",
+            "train.steps_per_epoch=1", "train.device=cpu", "train.batch_size=1", "data.loader_workers=0", "data.prepare_workers=1",
             "evaluate.hd95=false", "train.lr=1e-12"]
     copy = tmp_path / "run"
     copy.mkdir()
@@ -171,7 +170,6 @@ def test_every_command_on_a_softmax_run(label_model, tmp_path):
         if path.is_file():
             (copy / path.relative_to(run)).parent.mkdir(parents=True, exist_ok=True)
             (copy / path.relative_to(run)).write_bytes(path.read_bytes())
-    prepare_in_one_process(copy, tiny)
     # The imported config's train.init_from names the original run's fold_0/checkpoint_nnunet.pt: the same weights.
     trained = CliRunner().invoke(app, ["train", "--run", str(copy), "--resume",
                                        *(arg for item in tiny for arg in ("--set", item))])

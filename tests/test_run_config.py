@@ -52,6 +52,7 @@ def test_a_harmless_set_is_recorded_and_a_training_changing_one_refused(tmp_path
         assert "\n" not in str(error.value)
     assert (run / "config.yaml").read_text() == before
     assert run_config(run, None, [f"data.cache={tmp_path / 'moved'}"]).data.cache == str(tmp_path / "moved")
+    assert run_config(run, None, ["data.prepare_workers=1"]).data.prepare_workers == 1  # how many processes
 
 
 def test_cv_run_without_config_uses_the_run_config_and_records_a_set(fake, tmp_path):

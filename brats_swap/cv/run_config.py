@@ -25,8 +25,9 @@ from brats_swap.cv.lock import shared_files
 from brats_swap.errors import ConfigError
 from brats_swap.run.folder import RunFolder
 
-# Keys under model./data. that say where the data lives or how it is loaded, not what it is.
-DATA_LOCATION_KEYS = frozenset({"data.root", "data.cache", "data.loader_workers"})
+# Keys under model./data. that say where the data lives or how many processes read and prepare it, not what it
+# is: the prepared arrays are the same with any number of preparing processes (tests/test_data_cache.py).
+DATA_LOCATION_KEYS = frozenset({"data.root", "data.cache", "data.loader_workers", "data.prepare_workers"})
 
 
 def changes_what_was_trained(key: str) -> bool:
