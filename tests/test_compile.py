@@ -13,7 +13,6 @@ import copy
 
 import pytest
 import torch
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 from memory_helpers import assert_same_history, batch, dice_loss, sgd_history
 from torch import nn
 from torch._dynamo.utils import counters

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch._functorch.config
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 from torch._dynamo.utils import counters
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 from memory_helpers import assert_same_history, sgd_history
 from torch import nn
 

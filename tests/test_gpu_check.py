@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 

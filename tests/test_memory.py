@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 from memory_helpers import (
     OpCounter,
     assert_same_history,

@@ -6,8 +6,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
-
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_memory.py"
 
 

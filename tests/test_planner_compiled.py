@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 from memory_helpers import batch, dice_loss
 
 from brats_swap.config import MemoryConfig, ModelConfig

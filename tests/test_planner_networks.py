@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 from torch import nn
 from typer.testing import CliRunner
 

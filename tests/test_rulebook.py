@@ -14,7 +14,6 @@ import copy
 
 import pytest
 import torch
-from heap_fixtures import frozen_heap  # noqa: F401 (an autouse fixture)
 from memory_helpers import TINY_UNET
 from torch import nn
 
