@@ -42,21 +42,21 @@ def _frozen_heap():
         gc.unfreeze()
 
 
-# The test files that cost the most worker-seconds (docs/testing.md's table, 2026-12-07 19:10 UTC), longest
+# The test files that cost the most worker-seconds (an idle run's --junitxml, 2026-12-08 01:44 UTC), longest
 # first. `make test` runs each file on one pytest-xdist worker (`--dist loadfile`) in the order collected
 # (`--no-loadscope-reorder`): a long file handed out last keeps one core busy while the other idles, so the long
 # ones go first and the short ones fill in behind them. A file not named here follows them, the files with more
 # tests first (xdist's own default order). Update the list from `--durations`/`--junitxml` when it drifts.
 LONGEST_FILES_FIRST = (
-    "tests/test_planner.py", "tests/test_trainable_stop.py", "tests/test_networks.py", "tests/test_onnx.py",
-    "tests/test_failures/test_crashes.py", "tests/test_gpu_check.py", "tests/test_group_signals.py",
-    "tests/test_trainable.py", "tests/test_followups.py", "tests/test_challenges_e2e.py", "tests/test_stop_resume.py",
-    "tests/test_untrusted_2.py", "tests/test_distributed_train.py", "tests/test_cv_integration.py",
-    "tests/test_compile.py", "tests/test_copy_link.py", "tests/test_data_challenges.py", "tests/test_memory.py",
-    "tests/test_planner_compiled.py", "tests/test_ship.py", "tests/test_nnunet_softmax.py",
-    "tests/test_failures/test_bad_data.py", "tests/test_train_cli.py", "tests/test_cli_startup.py",
-    "tests/test_data_scale.py", "tests/test_first_hour_3.py", "tests/test_failures/test_bad_config.py",
-    "tests/test_planner_networks.py", "tests/test_predict.py", "tests/test_data_layouts.py",
+    "tests/test_planner.py", "tests/test_group_signals.py", "tests/test_trainable_stop.py", "tests/test_networks.py",
+    "tests/test_gpu_check.py", "tests/test_distributed_train.py", "tests/test_untrusted_2.py",
+    "tests/test_stop_resume.py", "tests/test_trainable.py", "tests/test_onnx.py", "tests/test_copy_link.py",
+    "tests/test_cv_integration.py", "tests/test_planner_compiled.py", "tests/test_ddp_networks.py",
+    "tests/test_data_scale.py", "tests/test_compile.py", "tests/test_planner_networks.py",
+    "tests/test_cli_startup.py", "tests/test_failures/test_crashes.py", "tests/test_distributed_cv.py",
+    "tests/test_first_hour_2.py", "tests/test_memory.py", "tests/test_ship.py", "tests/test_slurm.py",
+    "tests/test_first_hour_3.py", "tests/test_nnunet_softmax.py", "tests/test_nnunet_predict.py",
+    "tests/test_failures/test_bad_data.py", "tests/test_challenges_e2e.py", "tests/test_distributed.py",
 )
 
 
