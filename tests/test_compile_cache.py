@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch._functorch.config
 from torch._dynamo.utils import counters
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-from brats_swap.run.compiling import use_compile_cache
+from brats_swap.run.compiling import compile_cache_dir, use_compile_cache
 
 
 def _scale_function(backward_factor: float) -> type[torch.autograd.Function]:
@@ -41,6 +42,12 @@ def _compiled_gradient(function: type[torch.autograd.Function]) -> tuple[torch.T
 
 def test_a_custom_autograd_function_is_cached_and_a_changed_backward_is_not_taken_from_the_cache(monkeypatch,
                                                                                                tmp_path):
+    # Inductor finds out which vector instructions this CPU has once per process, by building small programs
+    # with the C++ compiler in its cache folder (`torch._inductor.cpu_vec_isa`: about 15 s of CPU from an empty
+    # folder). Found out first in the per-user compile cache, so that the empty folder below costs only the
+    # compilations under test (the graphs and their kernels, which that probe does not touch).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+    pick_vec_isa()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(torch._functorch.config, "autograd_cache_allow_custom_autograd_functions", False)
     use_compile_cache()

@@ -269,8 +269,10 @@ UNET = (_unet, _unet_batch, _dice)
 RESIDUAL = (ResidualNet, _residual_batch, _mse)
 
 
-def _train(model_kind, policy, steps: int = 3):
-    """`sgd_history` of a fresh model of `model_kind` under `policy`, and the engine's last stats."""
+def _train(model_kind, policy, steps: int = 2):
+    """`sgd_history` of a fresh model of `model_kind` under `policy`, and the engine's last stats. Two steps: the
+    first reloads in the order it guesses, the second in the backward order the first taught the engine, and
+    the second's parameters carry the first's gradients through momentum."""
     factory, make_batch, loss_fn = model_kind
     torch.manual_seed(0)
     model = factory()
@@ -369,8 +371,9 @@ def test_a_planned_arena_the_host_cannot_hold_fails_before_the_first_step(monkey
     assert engine.last_stats().arena_bytes == 0  # returned on close
 
 
-def test_validate_plan_prices_and_runs_the_emulated_link(tmp_path):
+def test_validate_plan_prices_and_runs_the_emulated_link(tmp_path, monkeypatch):
     """scripts/validate_plan.py --emulate-gbs: the engine copies through the link, the planner prices it."""
+    import functools
     import importlib.util
     import json
     import sys
@@ -381,6 +384,9 @@ def test_validate_plan_prices_and_runs_the_emulated_link(tmp_path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    # The interference calibration times its convolution loop for 0.1 s instead of 1 s, three pairs as in a
+    # real run: this checks that it streams copies and that the planner is given its price, not how precise it is.
+    monkeypatch.setattr(module, "calibrate_interference", functools.partial(module.calibrate_interference, seconds=0.1))
     out = tmp_path / "v.json"
     result = module.main(["--device", "cpu", "--emulate-gbs", "0.5", "--cubes", "16", "--base-filters", "2",
                           "--steps", "1", "--min-bytes", "0", "--policies", "none", "swap_all", "--json", str(out)])

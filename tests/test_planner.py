@@ -26,7 +26,7 @@ from brats_swap.memory.planner import (
     plan_report,
 )
 from brats_swap.memory.presets import named_policies
-from brats_swap.memory.recorder import meta_copy, trace_step
+from brats_swap.memory.recorder import meta_copy
 from brats_swap.memory.simulate import GIB, simulate_memory
 from brats_swap.model import build_model
 from brats_swap.train.losses import weighted_dice_loss
@@ -42,6 +42,20 @@ def model():
 def small_model():
     torch.manual_seed(0)
     return build_model(ModelConfig(base_filters=4))  # the same architecture, cheaper on 2 CPU cores
+
+
+@pytest.fixture(scope="module")
+def planner_192(model):
+    """The real U-Net's step at 192³, batch 2, fp32, priced on the GPU time model: traced once for the two tests
+    that read its no-policy trace (the auto-tune test traces its recompute variants on top)."""
+    return Planner(model, (2, 4, 192, 192, 192), cost=default_cost_model("gpu", torch.float32),
+                   loss_fn=weighted_dice_loss)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return build_model(ModelConfig(base_filters=2))  # the same architecture at half the width: half the engine's CPU
 
 
 @pytest.fixture
@@ -72,8 +86,8 @@ def _engine_step(model, cfg, x, y):
 
 
 @pytest.mark.parametrize("size", [32, 48])
-def test_predictions_equal_engine_measurements_for_every_policy(small_model, size, one_thread):
-    model = small_model
+def test_predictions_equal_engine_measurements_for_every_policy(tiny_model, size, one_thread):
+    model = tiny_model
     shape = (1, 4, size, size, size)
     planner = Planner(model, shape, loss_fn=dice_loss)
     x = torch.randn(shape)
@@ -123,9 +137,9 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def test_none_peak_at_192_matches_a_direct_meta_count(model):
+def test_none_peak_at_192_matches_a_direct_meta_count(model, planner_192):
     shape = (2, 4, 192, 192, 192)
-    trace = trace_step(model, shape, loss_fn=weighted_dice_loss)
+    trace = planner_192.trace()  # `trace_step(model, shape, loss_fn=weighted_dice_loss)`: fp32 takes no autocast
     predicted = simulate_memory(trace, optimizer_state_factor=0).peak_bytes
 
     meta_model = meta_copy(model)
@@ -140,12 +154,12 @@ def test_none_peak_at_192_matches_a_direct_meta_count(model):
     assert trace.saved_bytes > 20 * GIB
 
 
-def test_auto_tune_at_192_meets_the_acceptance_numbers(model):
+def test_auto_tune_at_192_meets_the_acceptance_numbers(planner_192, monkeypatch):
     """192³ batch 2 fp32 on the assumed H200 time model: 16 GiB within 1.15x of the no-policy step on a
     50 GB/s link and 1.30x on 25 GB/s (swap mixed with recomputation per tensor), 8 GiB fits, and 4 GiB is
     under the floor (nothing fits)."""
-    shape = (2, 4, 192, 192, 192)
-    planner = Planner(model, shape, cost=default_cost_model("gpu", torch.float32), loss_fn=weighted_dice_loss)
+    planner = planner_192
+    monkeypatch.setattr(planner, "cost", copy.deepcopy(planner.cost))  # the link is changed below: this test's own
     assert planner.cost.h2d_bytes_per_s == 50e9  # the default link: PCIe 5 x16
     none = planner.predict("none", named_policies()["none"])
     for gbs, ratio in ((50, 1.15), (25, 1.30)):

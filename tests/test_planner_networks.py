@@ -185,7 +185,10 @@ def test_plan_cli_sizes_overhead_and_globs(tmp_path):
     from brats_swap.cli.main import app
 
     runner = CliRunner()
-    base = ["plan", "--set", "model.base_filters=2", "--batch", "1", "--device", "gpu"]
+    # Priced eager: what is checked here does not depend on the step priced, and tracing the compiled step (the
+    # default on a GPU) compiles its blocks, 10 s of CPU (the compiled step's price, and `plan` saying which step
+    # it priced: tests/test_planner_compiled.py::test_the_planner_prices_the_step_the_run_compiles).
+    base = ["plan", "--set", "model.base_filters=2", "--set", "train.compile=false", "--batch", "1", "--device", "gpu"]
     out = tmp_path / "plan.json"
     result = runner.invoke(app, [*base, "--size", "32", "48", "16", "--budget", "3", "--json", str(out)])
     assert result.exit_code == 0, result.output
