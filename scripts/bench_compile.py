@@ -209,13 +209,19 @@ def main(argv: list[str] | None = None) -> int:
         cache_dir = args.cache_dir or Path(scratch)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # before anything compiles
         rows, cached = run_table(args, cache_dir)
-    record = {"torch": torch.__version__, "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows,
-              "cached_compile_s": cached}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, record)
+    write_record(args, {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                        "load_average": os.getloadavg(), "rows": rows, "cached_compile_s": cached})
     return 0
+
+
+def write_record(args: argparse.Namespace, record: dict) -> None:
+    """`record` with the command's arguments (paths as text) as JSON at `args.json`, if given, whole or not at
+    all (the compile and convolution benchmarks write their rows this way)."""
+    if args.json is None:
+        return
+    plain_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.json, {**record, "args": plain_args})
 
 
 def run_table(args, cache_dir: Path) -> tuple[list[dict], dict[str, float]]:

@@ -28,9 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
-from brats_swap.atomic import atomic_write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_compile import write_record  # noqa: E402  (one way to write a benchmark's JSON)
 
 NETWORKS = ("isensee2017", "nnunet")
 
@@ -102,13 +104,6 @@ def bench(network: str, scratch: Path, args) -> dict:
     return row
 
 
-def torch_version() -> str:
-    """The installed torch's version, without importing it here (the folds' processes are what is measured)."""
-    from importlib.metadata import version
-
-    return version("torch")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--networks", nargs="+", default=list(NETWORKS), choices=list(NETWORKS))
@@ -120,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'network':12} {'fold 0 s':>9} {'new proc. s':>12} {'ratio':>7} {'same proc. s':>11} {'cache MiB':>9}")
     with tempfile.TemporaryDirectory(prefix="bench-compile-folds-") as scratch:
         rows = [bench(network, Path(scratch), args) for network in args.networks]
-    record = {"torch": torch_version(), "load_average": os.getloadavg(), "args": {k: (str(v) if isinstance(v, Path) else v)
-                                                       for k, v in vars(args).items()}, "rows": rows}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, record)
+    write_record(args, {"torch": torch.__version__, "load_average": os.getloadavg(), "rows": rows})
     return 0
 
 

@@ -26,9 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compile import NETWORKS, network_config  # noqa: E402  (the same networks as the compiled-step table)
+from bench_compile import NETWORKS, network_config, write_record  # noqa: E402  (the compiled-step table's networks)
 
-from brats_swap.atomic import atomic_write_json  # noqa: E402
 from brats_swap.memory.compiled import onednn_convolution, onednn_path, takes_onednn  # noqa: E402
 from brats_swap.model import build_model  # noqa: E402
 
@@ -114,12 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{network:12} {cube:4} {str(tuple(shape)):>22} {str(tuple(conv.weight.shape)):>18} "
                       f"{conv.stride[0]:1} {kernel:>19} {path:>20} {eager[0]:6.1f}/{eager[1]:6.1f} "
                       f"{onednn[0]:6.1f}/{onednn[1]:6.1f} {row['ratio']:6.2f}", flush=True)
-    record = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-              "load_average": {"start": started_load, "end": os.getloadavg()},
-              "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.json, record)
+    write_record(args, {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                        "load_average": {"start": started_load, "end": os.getloadavg()}, "rows": rows})
     return 0
 
 
