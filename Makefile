@@ -46,7 +46,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@$(BIN)/python -c "import torch; print(torch.__version__)" > $(VENV)/torch-version.txt
 	@$(BIN)/pip install --quiet --no-compile --no-deps "$(DNA)" "einops>=0.7" "$(BGV2)" $(NNUNET) $(QUIET_PIP)
 	@# pip byte-compiles serially; the same compilation on every core (the processes that run as another uid
-	@# cannot write the bytecode they would otherwise compile at every start).
+	@# cannot write the bytecode they would otherwise compile at every start). Its status and lines are dropped:
+	@# some packages ship files that are not Python 3 (templates, old examples), which pip skips the same way.
 	@$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 	@touch $@
 

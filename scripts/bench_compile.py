@@ -47,12 +47,17 @@ from brats_swap.model import build_model, emits_logits
 from brats_swap.run.compiling import compile_seconds_so_far
 
 
-def network_config(network: str, filters: int, cube: int) -> ModelConfig:
-    """The network at `cube`³ as the config loader adapts its plan: the Isensee U-Net at depth 4, nnU-Net's plain
-    U-Net with three stages of `filters`, 2 and 4 times that, deep supervision off."""
+def network_overrides(network: str, filters: int) -> list[str]:
+    """The benchmarks' networks as `model.*` overrides: the Isensee U-Net at depth 4, nnU-Net's plain U-Net with
+    three stages of `filters`, 2 and 4 times that, deep supervision off."""
     keys = {"isensee2017": [f"model.base_filters={filters}", "model.depth=4"],
             "nnunet": [f"model.features=[{filters},{2 * filters},{4 * filters}]", "model.deep_supervision=false"]}
-    return load_config(None, [f"model.name={network}", f"data.cube=[{cube},{cube},{cube}]", *keys[network]]).model
+    return [f"model.name={network}", *keys[network]]
+
+
+def network_config(network: str, filters: int, cube: int) -> ModelConfig:
+    """The network at `cube`³ (`network_overrides`) as the config loader adapts its plan."""
+    return load_config(None, [f"data.cube=[{cube},{cube},{cube}]", *network_overrides(network, filters)]).model
 
 
 NETWORKS = ("isensee2017", "nnunet")

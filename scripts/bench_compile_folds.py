@@ -32,16 +32,13 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compile import write_record  # noqa: E402  (one way to write a benchmark's JSON)
+from bench_compile import NETWORKS, network_overrides, write_record  # noqa: E402  (the compiled-step table's)
 
-NETWORKS = ("isensee2017", "nnunet")
 
-# The networks as `scripts/bench_compile.py` builds them (`network_config`): the Isensee U-Net at depth 4,
-# nnU-Net's plain U-Net with three stages, deep supervision off.
-NETWORK_KEYS = {
-    "isensee2017": lambda f: {"base_filters": f, "depth": 4},
-    "nnunet": lambda f: {"features": [f, 2 * f, 4 * f], "deep_supervision": False},
-}
+def model_keys(network: str, filters: int) -> dict:
+    """`bench_compile.network_overrides` as the `model:` mapping of a config file."""
+    pairs = (item.split("=", 1) for item in network_overrides(network, filters))
+    return {key.removeprefix("model."): yaml.safe_load(value) for key, value in pairs}
 
 
 def config_for(network: str, root: Path, cube: int, filters: int, cases: int) -> dict:
@@ -50,7 +47,7 @@ def config_for(network: str, root: Path, cube: int, filters: int, cases: int) ->
             "data": {"root": str(root / "phantoms"), "cache": str(root / "cache"), "cube": [cube] * 3,
                      "loader_workers": 0,
                      "synth": {"cases": cases, "seed": 0, "edition": "2021", "shape": [cube + 8, cube + 8, cube]}},
-            "model": {"name": network, **NETWORK_KEYS[network](filters)},
+            "model": model_keys(network, filters),
             "train": {"mode": "full", "max_epochs": 1, "steps_per_epoch": 2, "val_every": 1, "device": "cpu",
                       "compile": True},
             "evaluate": {"hd95": False},
